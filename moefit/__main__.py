@@ -1,0 +1,3 @@
+from moefit.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,154 @@
+"""Configuration split by lifetime.
+
+ServeConfig  what the operator asked for (flags); never mutated, never derived into.
+ModelConfig  what the pack (or an HF config.json) declares about the model.
+The plan (what the planner decided) lives in memory/planner.py.
+
+Each ServeConfig field's `help` is the CLI help text: cli.py makes the flags from them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+FAMILIES = ("qwen3_moe", "mixtral", "olmoe")
+KV_DTYPES = ("fp32", "fp16", "bf16", "int8")
+
+
+def _opt(default, help: str, **extra):
+    return field(default=default, metadata={"help": help, **extra})
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """The operator's flags for generate / plan / serve."""
+
+    device: str = _opt("cpu", "cpu, cuda, cuda:N or sim:CARD.json (a simulated card)")
+    ctx: int = _opt(4096, "context length in tokens (the KV cache holds this many)")
+    kv_dtype: str = _opt("auto", "KV cache dtype: auto (the compute dtype), fp32, fp16, bf16, int8",
+                         choices=("auto",) + KV_DTYPES)
+    sessions: int = _opt(1, "KV cache sessions held at once")
+    expert_cache: str = _opt("auto", "VRAM expert cache: auto (what is left) or N = a budget of "
+                             "N x the largest expert blob, filled hottest first")
+    vram_reserve_mib: int | None = _opt(None, "reserve pool in MiB (prompt path, verify arena, "
+                                        "draft head, headroom); default: the recommended value")
+    tier: str = _opt("stable", "stable: the recommended reserve; speed: a 512 MiB reserve",
+                     choices=("stable", "speed"))
+    min_expert_slots: int | None = _opt(None, "refuse to start below this many cached experts "
+                                        "(default: one token's worth, layers x top-k)")
+    low_headroom_mib: int = _opt(256, "the serve check says LOW below this reserve headroom")
+    min_free_vram_mib: int = _opt(512, "per-request guard: shrink the cache when free VRAM is below this")
+    prefill_chunk: int = _opt(512, "prompt tokens per prefill forward")
+    spec: str = _opt("off", "speculative decoding: off, lookup, head, auto",
+                     choices=("off", "lookup", "head", "auto"))
+    spec_window: int = _opt(4, "draft tokens verified per speculative window")
+    compute_dtype: str = _opt("auto", "auto (fp32 on cpu, bf16 on cuda), fp32, fp16, bf16",
+                              choices=("auto", "fp32", "fp16", "bf16"))
+    swap_period: int = _opt(32, "adaptive cache: decode steps between swap rounds")
+    swap_decay: float = _opt(0.95, "adaptive cache: decay of usage counts per round")
+    max_swaps: int = _opt(4, "adaptive cache: most swaps per round (0 = static placement)")
+    threads: int | None = _opt(None, "host threads for expert compute (default: torch's)")
+
+    def with_(self, **changes) -> "ServeConfig":
+        return dataclasses.replace(self, **changes)
+
+
+def serve_config_fields():
+    return dataclasses.fields(ServeConfig)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The model as its config declares it, normalised across families."""
+
+    family: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    num_experts: int
+    top_k: int
+    expert_size: int          # intermediate size of one expert
+    dense_mlp_size: int       # intermediate size of dense-MLP layers (Qwen3 mlp_only_layers)
+    moe_layers: tuple[int, ...]
+    norm_topk_prob: bool
+    rms_norm_eps: float
+    rope: dict
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    clip_qkv: float | None
+    sliding_window: int | None
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    raw: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def is_moe_layer(self) -> list[bool]:
+        return [i in self.moe_layers for i in range(self.num_layers)]
+
+    @staticmethod
+    def from_hf(cfg: dict) -> "ModelConfig":
+        family = cfg.get("model_type")
+        if family not in FAMILIES:
+            raise ValueError(f"model_type {family!r} is not supported (supported: {', '.join(FAMILIES)})")
+        layers = cfg["num_hidden_layers"]
+        heads = cfg["num_attention_heads"]
+        experts = cfg.get("num_local_experts") or cfg.get("num_experts")
+        return ModelConfig(
+            family=family,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            num_experts=experts,
+            top_k=cfg["num_experts_per_tok"],
+            expert_size=cfg.get("moe_intermediate_size") or cfg["intermediate_size"],
+            dense_mlp_size=cfg.get("intermediate_size", 0),
+            moe_layers=_moe_layers(cfg, family, layers, experts),
+            norm_topk_prob=_norm_topk(cfg, family),
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope=_rope(cfg),
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            clip_qkv=cfg.get("clip_qkv"),
+            sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None,
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=_as_tuple(cfg.get("eos_token_id")),
+            raw=cfg,
+        )
+
+
+def _as_tuple(v) -> tuple[int, ...]:
+    if v is None:
+        return ()
+    return tuple(v) if isinstance(v, (list, tuple)) else (v,)
+
+
+def _moe_layers(cfg: dict, family: str, layers: int, experts: int) -> tuple[int, ...]:
+    if family != "qwen3_moe":
+        return tuple(range(layers))
+    step = cfg.get("decoder_sparse_step", 1) or 1
+    dense = set(cfg.get("mlp_only_layers") or [])
+    return tuple(i for i in range(layers) if i not in dense and experts > 0 and (i + 1) % step == 0)
+
+
+def _norm_topk(cfg: dict, family: str) -> bool:
+    if family == "mixtral":
+        return True                       # Mixtral always renormalises its top-k
+    return bool(cfg.get("norm_topk_prob", family == "qwen3_moe"))
+
+
+def _rope(cfg: dict) -> dict:
+    """One dict for both spellings: transformers 5's rope_parameters and the older
+    rope_theta + rope_scaling."""
+    params = dict(cfg.get("rope_parameters") or {})
+    scaling = cfg.get("rope_scaling") or {}
+    params.update({k: v for k, v in scaling.items() if k != "type"})
+    params.setdefault("rope_type", scaling.get("rope_type") or scaling.get("type") or "default")
+    params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
+    return params

@@ -1,0 +1,1 @@
+"""Experts: where each one lives (cache), how hot it is (profile), and running them."""

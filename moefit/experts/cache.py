@@ -1,0 +1,121 @@
+"""The expert cache's bookkeeping: which experts are resident, the byte budget, hit and
+miss counters, and the adaptive tier's swap decisions. No torch: the runner applies
+the decisions to device tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+Key = tuple[int, int]                 # (layer, expert)
+
+
+def fill(order: list[Key], sizes: dict[Key, int], budget: int) -> list[Key]:
+    """Hottest first until the budget is full; a blob that does not fit is skipped so
+    smaller (more compressed) blobs further down can still use the space."""
+    chosen, used = [], 0
+    for key in order:
+        if used + sizes[key] <= budget:
+            chosen.append(key)
+            used += sizes[key]
+    return chosen
+
+
+@dataclass
+class SwapPolicy:
+    period: int = 32          # decode steps between rounds
+    decay: float = 0.95       # usage decay per round
+    max_swaps: int = 4        # per round; 0 = static placement
+    margin: float = 1.25      # a candidate must beat the coldest resident by this factor
+
+
+@dataclass
+class CacheBook:
+    """Residency and statistics. `budget` may shrink (guard) and grow back."""
+
+    sizes: dict[Key, int]
+    num_layers: int
+    num_experts: int
+    budget: int
+    policy: SwapPolicy = field(default_factory=SwapPolicy)
+    resident: dict[Key, int] = field(default_factory=dict)
+    hits: np.ndarray = None
+    misses: np.ndarray = None
+    usage: np.ndarray = None
+    swaps: int = 0
+    bytes_moved: int = 0
+    steps: int = 0
+
+    def __post_init__(self):
+        shape = (self.num_layers, self.num_experts)
+        self.hits = np.zeros(self.num_layers, dtype=np.int64)
+        self.misses = np.zeros(self.num_layers, dtype=np.int64)
+        self.usage = np.zeros(shape, dtype=np.float64)
+
+    @property
+    def used(self) -> int:
+        return sum(self.resident.values())
+
+    def admit(self, key: Key) -> None:
+        self.resident[key] = self.sizes[key]
+        self.bytes_moved += self.sizes[key]
+
+    def evict(self, key: Key) -> None:
+        del self.resident[key]
+
+    def is_resident(self, key: Key) -> bool:
+        return key in self.resident
+
+    def record(self, layer: int, experts: list[int], resident: list[bool]) -> None:
+        """One layer's routed experts for one forward (each distinct expert once)."""
+        hit = sum(resident)
+        self.hits[layer] += hit
+        self.misses[layer] += len(resident) - hit
+        self.usage[layer, experts] += 1
+
+    def hit_rate(self) -> float:
+        total = self.hits.sum() + self.misses.sum()
+        return float(self.hits.sum() / total) if total else 0.0
+
+    def layer_hit_rates(self) -> list[float]:
+        total = self.hits + self.misses
+        return [float(h / t) if t else 0.0 for h, t in zip(self.hits, total)]
+
+    def coldest(self) -> list[Key]:
+        return sorted(self.resident, key=lambda k: (self.usage[k], -k[1], -k[0]))
+
+    def shrink_to(self, budget: int) -> list[Key]:
+        """Lower the budget; the coldest residents to give back so `used` fits it."""
+        self.budget = budget
+        evicted, used = [], self.used
+        for key in self.coldest():
+            if used <= budget:
+                break
+            evicted.append(key)
+            used -= self.resident[key]
+        return evicted
+
+    def swap_round(self) -> list[tuple[Key, Key]]:
+        """(evict, admit) pairs: non-resident experts whose decayed usage beats the
+        coldest resident of the same blob size by the policy's margin."""
+        self.usage *= self.policy.decay
+        if self.policy.max_swaps <= 0 or not self.resident:
+            return []
+        hot = np.argsort(-self.usage, axis=None)
+        cold = self.coldest()
+        pairs, cold_i = [], 0
+        for flat in hot[: 4 * self.policy.max_swaps + len(self.resident)]:
+            key = (int(flat // self.num_experts), int(flat % self.num_experts))
+            if key in self.resident or key not in self.sizes:
+                continue
+            while cold_i < len(cold) and self.sizes[cold[cold_i]] != self.sizes[key]:
+                cold_i += 1
+            if cold_i >= len(cold) or self.usage[key] <= self.policy.margin * self.usage[cold[cold_i]] + 1e-9:
+                break
+            pairs.append((cold[cold_i], key))
+            cold_i += 1
+            if len(pairs) >= self.policy.max_swaps:
+                break
+        return pairs

@@ -1,0 +1,60 @@
+"""Expert hotness: routing counts per (layer, expert). No torch.
+
+Recorded by `moefit profile` from real prompts and learned live by the engine; saved
+in the pack as profile.json with an atomic write.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+
+class Profile:
+    def __init__(self, counts: np.ndarray):
+        self.counts = counts                      # [L, N] int64, all layers (dense rows stay 0)
+
+    @staticmethod
+    def empty(num_layers: int, num_experts: int) -> "Profile":
+        return Profile(np.zeros((num_layers, num_experts), dtype=np.int64))
+
+    @staticmethod
+    def load(path: Path, num_layers: int, num_experts: int) -> "Profile":
+        """The saved profile, or an empty one when there is none or it does not match."""
+        try:
+            counts = np.array(json.loads(Path(path).read_text())["counts"], dtype=np.int64)
+        except (OSError, ValueError, KeyError, TypeError):
+            return Profile.empty(num_layers, num_experts)
+        if counts.shape != (num_layers, num_experts):
+            return Profile.empty(num_layers, num_experts)
+        return Profile(counts)
+
+    def save(self, path: Path) -> None:
+        path = Path(path)
+        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps({"counts": self.counts.tolist()}))
+        os.replace(tmp, path)
+
+    def record(self, layer: int, expert_ids: np.ndarray) -> None:
+        np.add.at(self.counts[layer], expert_ids.reshape(-1), 1)
+
+    def merge(self, other: "Profile") -> "Profile":
+        return Profile(self.counts + other.counts)
+
+    def hottest_first(self, keys: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """keys ordered by count, hottest first. Ties go round-robin over layers
+        (expert 0 of every layer, then expert 1, ...) so an unprofiled model spreads
+        its cache evenly instead of filling the first layers."""
+        return sorted(keys, key=lambda k: (-int(self.counts[k[0], k[1]]), k[1], k[0]))
+
+    def skew(self) -> list[float]:
+        """Per layer: share of routings that went to the top quarter of experts."""
+        out = []
+        for row in self.counts:
+            total = row.sum()
+            top = np.sort(row)[::-1][: max(1, len(row) // 4)].sum()
+            out.append(float(top / total) if total else 0.0)
+        return out

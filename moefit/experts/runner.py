@@ -1,0 +1,95 @@
+"""Running a layer's routed experts: resident ones on the device from their cache slot,
+misses on the host straight from the pack's map.
+
+Resident experts are launched first so that, on CUDA, the device works while the host
+computes the misses. Outputs are summed in expert-id order whatever the placement, so
+greedy output does not depend on the cache size (same device kind and dtype).
+
+Legend: T tokens, E hidden, k top-k.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+import torch.nn.functional as F
+
+from moefit.experts.cache import CacheBook, Key
+from moefit.experts.profile import Profile
+from moefit.pack.quant import blob_views, qlinear
+from moefit.pack.reader import Pack
+from moefit.runtime.placement import DeviceMemory
+
+LINE = "expert cache"
+
+
+def expert_forward(x: torch.Tensor, parts: dict[str, torch.Tensor], quant: str) -> torch.Tensor:
+    """SwiGLU expert on x [T, E] from a blob's parts (gate_up [2I, E], down [E, I])."""
+    gate, up = qlinear(x, parts, "gate_up", quant).chunk(2, dim=-1)
+    return qlinear(F.silu(gate) * up, parts, "down", quant)
+
+
+class ExpertRunner:
+    def __init__(self, pack: Pack, mem: DeviceMemory, book: CacheBook, profile: Profile,
+                 host_dtype: torch.dtype = torch.float32):
+        self.pack, self.mem, self.book, self.profile = pack, mem, book, profile
+        self.host_dtype = host_dtype
+        self.slots: dict[Key, tuple[torch.Tensor, dict]] = {}
+        self._host_parts: dict[Key, dict] = {}
+        self.dump = None                       # an open file: every token's routing as JSON lines
+
+    # -- placement ---------------------------------------------------------------
+    def load(self, key: Key) -> None:
+        blob = self.mem.copy_in(LINE, self.pack.blob(*key))
+        self.slots[key] = (blob, blob_views(blob, self.pack.layouts[self.pack.blobs[key].quant]))
+        self.book.admit(key)
+
+    def unload(self, key: Key) -> None:
+        blob, _ = self.slots.pop(key)
+        self.mem.free(LINE, blob)
+        self.book.evict(key)
+
+    def swap(self, evict: Key, admit: Key) -> None:
+        self.unload(evict)
+        self.load(admit)
+        self.book.swaps += 1
+
+    # -- compute -----------------------------------------------------------------
+    def run(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Sum over each token's top-k experts of weight * expert(x): [T, E]."""
+        ids_host = ids.cpu()
+        self.profile.record(layer, ids_host.numpy())
+        if self.dump is not None:
+            self._dump(layer, ids_host, weights)
+        experts = torch.unique(ids_host).tolist()
+        resident = [(layer, e) in self.slots for e in experts]
+        self.book.record(layer, experts, resident)
+        order = [e for e, r in zip(experts, resident) if r] + [e for e, r in zip(experts, resident) if not r]
+        outputs = {e: self._one(layer, e, x, ids, weights) for e in order}
+        out = torch.zeros_like(x)
+        for e in experts:                      # fixed summation order
+            rows, y = outputs[e]
+            out.index_add_(0, rows, y)
+        return out
+
+    def _one(self, layer: int, e: int, x, ids, weights) -> tuple[torch.Tensor, torch.Tensor]:
+        rows, kpos = torch.where(ids == e)
+        quant = self.pack.blobs[(layer, e)].quant
+        if (layer, e) in self.slots:
+            y = expert_forward(x[rows], self.slots[(layer, e)][1], quant)
+        else:
+            xh = x[rows].to("cpu", self.host_dtype)
+            y = expert_forward(xh, self._host(layer, e), quant).to(x.device, x.dtype)
+        return rows, y * weights[rows, kpos, None]
+
+    def _host(self, layer: int, e: int) -> dict:
+        parts = self._host_parts.get((layer, e))
+        if parts is None:
+            parts = self._host_parts[(layer, e)] = self.pack.expert_parts(layer, e)
+        return parts
+
+    def _dump(self, layer: int, ids: torch.Tensor, weights: torch.Tensor) -> None:
+        for row_ids, row_w in zip(ids.tolist(), weights.float().cpu().tolist()):
+            self.dump.write(json.dumps({"layer": layer, "experts": row_ids,
+                                        "weights": [round(w, 5) for w in row_w]}) + "\n")

@@ -1,0 +1,118 @@
+"""What a model costs on the device, from a pack header or from a bare config.json.
+Pure arithmetic: `moefit plan` answers "does it fit?" before any download.
+
+Legend: E hidden, H heads, K kv heads, D head dim, I expert size, N experts, k top-k,
+V vocab, cb bytes per element of the compute dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moefit.config import ModelConfig
+from moefit.pack.layout import expert_blob_sizes
+
+COMPUTE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
+KV_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 1}
+Key = tuple[int, int]
+
+
+@dataclass(frozen=True)
+class Footprint:
+    model: ModelConfig
+    compute_dtype: str
+    dense_bytes: int                 # on the device, without RoPE tables (those depend on ctx)
+    blob_sizes: dict[Key, int]       # every (layer, expert)
+    draft_head_bytes: int = 0
+
+    @property
+    def cb(self) -> int:
+        return COMPUTE_BYTES[self.compute_dtype]
+
+    @property
+    def largest_blob(self) -> int:
+        return max(self.blob_sizes.values(), default=0)
+
+    @property
+    def min_slots(self) -> int:
+        """One token's worth: every MoE layer's top-k."""
+        return len(self.model.moe_layers) * self.model.top_k
+
+    def rope_bytes(self, ctx: int) -> int:
+        return 2 * ctx * self.model.head_dim * self.cb
+
+    def kv_bytes_per_token(self, kv_dtype: str) -> int:
+        m = self.model
+        per_head = m.head_dim * KV_BYTES[kv_dtype] + (4 if kv_dtype == "int8" else 0)
+        return m.num_layers * 2 * m.num_kv_heads * per_head
+
+    def activation_bytes_per_token(self) -> int:
+        """Live activations of one token through a layer (the largest layer)."""
+        m = self.model
+        width = (4 * m.hidden_size + (2 * m.num_heads + 2 * m.num_kv_heads) * m.head_dim
+                 + m.top_k * (3 * m.expert_size + m.hidden_size))
+        return width * self.cb + 4 * m.num_experts
+
+    def prompt_path_bytes(self, chunk: int, ctx: int, kv_dtype: str) -> int:
+        m = self.model
+        dequant = 2 * m.num_kv_heads * ctx * m.head_dim * self.cb if kv_dtype != self.compute_dtype else 0
+        return chunk * self.activation_bytes_per_token() + 4 * m.vocab_size + dequant
+
+    def verify_arena_bytes(self, window: int) -> int:
+        return (window + 1) * (self.activation_bytes_per_token() + 4 * self.model.vocab_size)
+
+
+def dense_shapes(m: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every dense tensor the device holds, by canonical name (as a pack names them)."""
+    e, hd = m.hidden_size, m.head_dim
+    shapes = {"model.norm.weight": (e,), "lm_head.weight": (m.vocab_size, e)}
+    if m.tie_word_embeddings:
+        shapes = {"model.norm.weight": (e,), "model.embed_tokens.weight": (m.vocab_size, e)}
+    qk_norm = {"qwen3_moe": (hd, hd), "olmoe": (m.num_heads * hd, m.num_kv_heads * hd)}.get(m.family)
+    for i in range(m.num_layers):
+        p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
+        shapes.update({p + "input_layernorm.weight": (e,), p + "post_attention_layernorm.weight": (e,),
+                       a + "q_proj.weight": (m.num_heads * hd, e), a + "k_proj.weight": (m.num_kv_heads * hd, e),
+                       a + "v_proj.weight": (m.num_kv_heads * hd, e), a + "o_proj.weight": (e, m.num_heads * hd)})
+        if m.raw.get("attention_bias"):
+            shapes.update({a + "q_proj.bias": (m.num_heads * hd,), a + "k_proj.bias": (m.num_kv_heads * hd,),
+                           a + "v_proj.bias": (m.num_kv_heads * hd,)})
+        if qk_norm:
+            shapes.update({a + "q_norm.weight": (qk_norm[0],), a + "k_norm.weight": (qk_norm[1],)})
+        if i in m.moe_layers:
+            shapes[p + "mlp.gate.weight"] = (m.num_experts, e)
+        else:
+            shapes.update({p + "mlp.gate_proj.weight": (m.dense_mlp_size, e),
+                           p + "mlp.up_proj.weight": (m.dense_mlp_size, e),
+                           p + "mlp.down_proj.weight": (e, m.dense_mlp_size)})
+    return shapes
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def device_dense_names(m: ModelConfig, names) -> list[str]:
+    """The dense tensors that go to the device: all but an untied embedding table,
+    which stays on the host (a lookup of a few rows per step)."""
+    return [n for n in names if m.tie_word_embeddings or n != "model.embed_tokens.weight"]
+
+
+def from_config(m: ModelConfig, recipe: str, compute_dtype: str, group_size: int = 32) -> Footprint:
+    sizes = expert_blob_sizes(m.hidden_size, m.expert_size, recipe, list(m.moe_layers), group_size)
+    blobs = {(layer, e): sizes[layer] for layer in m.moe_layers for e in range(m.num_experts)}
+    dense = sum(_numel(s) for s in dense_shapes(m).values()) * COMPUTE_BYTES[compute_dtype]
+    return Footprint(m, compute_dtype, dense, blobs)
+
+
+def from_pack_header(header: dict, compute_dtype: str) -> Footprint:
+    m = ModelConfig.from_hf(header["model_config"])
+    tensors = header["dense"]["tensors"]
+    names = device_dense_names(m, tensors)
+    dense = sum(_numel(tensors[n]["shape"]) for n in names) * COMPUTE_BYTES[compute_dtype]
+    blobs = {(row[0], row[1]): row[3] for row in header["experts"]["index"]}
+    draft = (header.get("draft") or {}).get("bytes", 0)
+    return Footprint(m, compute_dtype, dense, blobs, draft)

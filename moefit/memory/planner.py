@@ -1,0 +1,202 @@
+"""The planner: a pure function of (model footprint, operator's config, device snapshot,
+hotness order) -> Plan. `moefit plan` and every start print the same ledger.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from moefit.config import ServeConfig
+from moefit.experts.cache import fill
+from moefit.memory import ledger as L
+from moefit.memory.devices import DeviceSnapshot
+from moefit.memory.footprint import Footprint, Key
+
+MIB = L.MIB
+HEADROOM_MIB = 512
+SPEED_RESERVE_MIB = 512
+
+
+@dataclass(frozen=True)
+class Reserve:
+    total: int
+    prompt: int
+    verify: int
+    draft: int
+    recommended: int
+
+    @property
+    def headroom(self) -> int:
+        return self.total - self.prompt - self.verify - self.draft
+
+
+@dataclass(frozen=True)
+class Plan:
+    device: DeviceSnapshot
+    lines: list[L.Line]
+    reserve: Reserve
+    kv_dtype: str
+    cache_budget: int
+    cache_keys: list[Key]
+    cache_used: int
+    largest_blob: int
+    min_slots: int
+    total_experts: int
+    serve_status: str                 # OK | LOW | REFUSED
+    serve_message: str
+    spec_enabled: bool
+    spec_mode: str
+    spec_reason: str
+    fixes: list[str] = field(default_factory=list)
+
+    @property
+    def refused(self) -> bool:
+        return self.serve_status == "REFUSED"
+
+    @property
+    def slots(self) -> int:
+        return len(self.cache_keys)
+
+    def line(self, name: str) -> L.Line:
+        return next(x for x in self.lines if x.name == name)
+
+    def planned_device_bytes(self) -> int:
+        """What moefit itself holds on the card once started."""
+        return sum(self.line(n).bytes for n in (L.DENSE, L.KV, L.RESERVE, L.CACHE))
+
+    def table(self) -> str:
+        return L.render(self.lines, self.device.total_bytes, f"{self.device.name} (total)")
+
+    def to_json(self) -> dict:
+        return {
+            "device": _device_json(self.device),
+            "ledger": [x.to_json() for x in self.lines],
+            "expert_cache": {"slots": self.slots, "budget_bytes": self.cache_budget,
+                             "used_bytes": self.cache_used, "largest_blob_bytes": self.largest_blob,
+                             "min_slots": self.min_slots, "total_experts": self.total_experts},
+            "reserve": {"bytes": self.reserve.total, "recommended_bytes": self.reserve.recommended,
+                        "is_recommended": self.reserve.total == self.reserve.recommended},
+            "kv_dtype": self.kv_dtype,
+            "serve_check": {"status": self.serve_status, "headroom_bytes": self.reserve.headroom,
+                            "message": self.serve_message},
+            "speculative": {"enabled": self.spec_enabled, "mode": self.spec_mode, "reason": self.spec_reason},
+            "fixes": self.fixes,
+        }
+
+
+def _device_json(d: DeviceSnapshot) -> dict:
+    return {"name": d.name, "total_bytes": d.total_bytes, "free_bytes": d.free_bytes,
+            "processes": [{"pid": p.pid, "name": p.name, "bytes": p.bytes} for p in d.processes]}
+
+
+def resolve_kv_dtype(cfg: ServeConfig, compute_dtype: str) -> str:
+    return compute_dtype if cfg.kv_dtype == "auto" else cfg.kv_dtype
+
+
+def plan_reserve(fp: Footprint, cfg: ServeConfig, kv_dtype: str, spec_on: bool) -> Reserve:
+    prompt = fp.prompt_path_bytes(cfg.prefill_chunk, cfg.ctx, kv_dtype)
+    verify = fp.verify_arena_bytes(cfg.spec_window) if cfg.spec != "off" else 0
+    draft = fp.draft_head_bytes if cfg.spec in ("head", "auto") else 0
+    recommended = _round_mib(prompt + verify + draft + HEADROOM_MIB * MIB)
+    if cfg.vram_reserve_mib is not None:
+        total = cfg.vram_reserve_mib * MIB
+    else:
+        total = SPEED_RESERVE_MIB * MIB if cfg.tier == "speed" else recommended
+    if not spec_on:
+        verify = draft = 0
+    return Reserve(total, prompt, verify, draft, recommended)
+
+
+def _round_mib(n: int) -> int:
+    return -(-n // MIB) * MIB
+
+
+def speculative(fp: Footprint, cfg: ServeConfig, kv_dtype: str) -> tuple[bool, str]:
+    """Whether the verify arena and draft head fit the reserve, and why not."""
+    if cfg.spec == "off":
+        return False, "off (--spec off)"
+    if cfg.spec == "head" and not fp.draft_head_bytes:
+        return False, "the pack has no draft head (train one with `moefit train-draft`, or use --spec lookup)"
+    want = plan_reserve(fp, cfg, kv_dtype, spec_on=True)
+    short = -(want.headroom)
+    if short > 0:
+        need = _round_mib(want.prompt + want.verify + want.draft)
+        return False, (f"the verify arena ({L.mib(want.verify):.0f} MiB) and draft head ({L.mib(want.draft):.0f} "
+                       f"MiB) fall {L.mib(short):.0f} MiB short in a {L.mib(want.total):.0f} MiB reserve; "
+                       f"a reserve of {L.mib(need) + 1:.0f} MiB or more fits them")
+    mode = cfg.spec if cfg.spec != "auto" else ("head" if fp.draft_head_bytes else "lookup")
+    return True, f"{mode}: window {cfg.spec_window}, verify arena and draft head fit the reserve"
+
+
+def plan(fp: Footprint, cfg: ServeConfig, snap: DeviceSnapshot, order: list[Key]) -> Plan:
+    """The ledger of a start: where every byte of the card goes, and whether it fits.
+
+    Usage: p = plan(footprint, ServeConfig(ctx=131072), device.snapshot(), profile.hottest_first(keys))
+    """
+    kv_dtype = resolve_kv_dtype(cfg, fp.compute_dtype)
+    spec_on, spec_reason = speculative(fp, cfg, kv_dtype)
+    reserve = plan_reserve(fp, cfg, kv_dtype, spec_on)
+    dense = fp.dense_bytes + fp.rope_bytes(cfg.ctx)
+    kv = fp.kv_bytes_per_token(kv_dtype) * cfg.ctx * cfg.sessions
+    other = snap.total_bytes - snap.free_bytes
+    available = snap.free_bytes - dense - kv - reserve.total
+    budget = _cache_budget(cfg, fp, available)
+    keys = fill(order, fp.blob_sizes, max(0, min(budget, available)))
+    used = sum(fp.blob_sizes[k] for k in keys)
+    min_slots = cfg.min_expert_slots if cfg.min_expert_slots is not None else fp.min_slots
+    lines = [L.Line(L.OTHER, other), L.Line(L.DENSE, dense), L.Line(L.KV, kv, note=f"{cfg.ctx} x {kv_dtype}"),
+             _reserve_line(reserve), L.Line(L.CACHE, used, note=f"{len(keys)} experts"),
+             L.Line(L.FREE, snap.free_bytes - dense - kv - reserve.total - used)]
+    status, message, fixes = _serve_check(fp, cfg, snap, reserve, budget, available, len(keys), min_slots, kv_dtype)
+    return Plan(snap, lines, reserve, kv_dtype, budget, keys, used, fp.largest_blob, min_slots,
+                len(fp.blob_sizes), status, message, spec_on and status != "REFUSED", cfg.spec, spec_reason, fixes)
+
+
+def _cache_budget(cfg: ServeConfig, fp: Footprint, available: int) -> int:
+    if cfg.expert_cache == "auto":
+        return max(0, min(available, sum(fp.blob_sizes.values())))
+    return int(cfg.expert_cache) * fp.largest_blob
+
+
+def _reserve_line(r: Reserve) -> L.Line:
+    note = "recommended" if r.total == r.recommended else f"recommended: {L.mib(r.recommended):.0f} MiB"
+    parts = (L.Line(L.PROMPT, r.prompt), L.Line(L.VERIFY, r.verify), L.Line(L.DRAFT, r.draft),
+             L.Line(L.HEADROOM, r.headroom))
+    return L.Line(L.RESERVE, r.total, parts, note)
+
+
+def _serve_check(fp, cfg, snap, reserve, budget, available, slots, min_slots, kv_dtype):
+    if available < budget and cfg.expert_cache != "auto":
+        why = (f"--expert-cache {cfg.expert_cache} needs {L.mib(budget):.0f} MiB but only "
+               f"{L.mib(max(0, available)):.0f} MiB is left after the other lines")
+        return "REFUSED", why, refusal_fixes(fp, cfg, snap, reserve, min_slots, kv_dtype, available)
+    if slots < min_slots:
+        why = (f"the expert cache gets {slots} experts, below the minimum of {min_slots} "
+               f"({L.mib(max(0, available)):.0f} MiB left for it)")
+        return "REFUSED", why, refusal_fixes(fp, cfg, snap, reserve, min_slots, kv_dtype, available)
+    low = cfg.low_headroom_mib * MIB
+    if reserve.headroom < low:
+        ok_at = _round_mib(reserve.total + low - reserve.headroom)
+        return "LOW", (f"reserve headroom {L.mib(reserve.headroom):.0f} MiB is below {cfg.low_headroom_mib} MiB; "
+                       f"a reserve of {L.mib(ok_at):.0f} MiB makes it OK"), []
+    return "OK", f"reserve headroom {L.mib(reserve.headroom):.0f} MiB", []
+
+
+def refusal_fixes(fp, cfg, snap, reserve, min_slots, kv_dtype, available) -> list[str]:
+    """Concrete ways to fit, with numbers."""
+    need = min_slots * fp.largest_blob if cfg.expert_cache == "auto" else int(cfg.expert_cache) * fp.largest_blob
+    short = need - available
+    fixes = [f"close pid {p.pid} ({p.name}) holding {L.mib(p.bytes):.0f} MiB"
+             for p in sorted(snap.processes, key=lambda p: -p.bytes)[:3] if p.bytes >= short]
+    kv_tok = fp.kv_bytes_per_token(kv_dtype) * cfg.sessions
+    ctx_fit = (cfg.ctx * kv_tok - short) // kv_tok if kv_tok else 0
+    if ctx_fit >= 256:
+        fixes.append(f"--ctx {int(ctx_fit) // 256 * 256} fits")
+    if kv_dtype != "int8":
+        saved = (fp.kv_bytes_per_token(kv_dtype) - fp.kv_bytes_per_token("int8")) * cfg.ctx * cfg.sessions
+        fixes.append(f"--kv-dtype int8 saves {L.mib(saved):.0f} MiB" + (" (enough)" if saved >= short else ""))
+    if reserve.total - short >= reserve.prompt:
+        fixes.append(f"--vram-reserve-mib {int(L.mib(reserve.total - short))} fits (the serve check may say LOW)")
+    if cfg.expert_cache != "auto" and available > 0 and fp.largest_blob:
+        fixes.append(f"--expert-cache {available // fp.largest_blob} fits (or --expert-cache auto)")
+    return fixes

@@ -1,0 +1,7 @@
+"""One file per model family; each owns its block and router."""
+
+from moefit.models.mixtral import Mixtral
+from moefit.models.olmoe import Olmoe
+from moefit.models.qwen3_moe import Qwen3Moe
+
+FAMILY = {"qwen3_moe": Qwen3Moe, "mixtral": Mixtral, "olmoe": Olmoe}

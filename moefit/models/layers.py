@@ -1,0 +1,126 @@
+"""Primitives every family shares: RMSNorm, RoPE (default, linear, YaRN), GQA attention
+over the static KV cache, the SwiGLU MLP.
+
+Legend: T tokens in this forward, S keys attended (start + T), H query heads,
+K key/value heads, D head dim, E hidden size.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm in fp32, as the reference computes it, then scaled in x's dtype."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+class RopeTable:
+    """cos / sin for every position up to max_pos, precomputed once."""
+
+    def __init__(self, rope: dict, head_dim: int, max_pos: int, max_position_embeddings: int,
+                 device, dtype: torch.dtype):
+        inv_freq, scale = rope_inv_freq(rope, head_dim, max_position_embeddings)
+        freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv_freq)   # [P, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)                                      # [P, D]
+        self.cos = (emb.cos() * scale).to(device=device, dtype=dtype)
+        self.sin = (emb.sin() * scale).to(device=device, dtype=dtype)
+
+    def nbytes(self) -> int:
+        return self.cos.nbytes + self.sin.nbytes
+
+
+def rope_inv_freq(rope: dict, dim: int, max_position_embeddings: int) -> tuple[torch.Tensor, float]:
+    kind = rope.get("rope_type", "default")
+    base = rope.get("rope_theta", 10000.0)
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if kind == "default":
+        return inv_freq, 1.0
+    if kind == "linear":
+        return inv_freq / rope["factor"], 1.0
+    if kind == "yarn":
+        return _yarn(rope, dim, base, max_position_embeddings)
+    raise ValueError(f"rope type {kind!r} is not supported (default, linear, yarn)")
+
+
+def _yarn(rope: dict, dim: int, base: float, max_pos: int) -> tuple[torch.Tensor, float]:
+    """YaRN (Peng et al. 2023): interpolate low frequencies, keep high ones, with a
+    linear ramp between; cos/sin are scaled by the attention factor."""
+    factor = rope["factor"]
+    orig = rope.get("original_max_position_embeddings") or max_pos
+    mscale = lambda s, m=1.0: 1.0 if s <= 1 else 0.1 * m * math.log(s) + 1.0  # noqa: E731
+    attn = rope.get("attention_factor")
+    if attn is None:
+        m, m_all = rope.get("mscale"), rope.get("mscale_all_dim")
+        attn = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    beta_fast, beta_slow = rope.get("beta_fast") or 32, rope.get("beta_slow") or 1
+    corr = lambda rot: dim * math.log(orig / (rot * 2 * math.pi)) / (2 * math.log(base))  # noqa: E731
+    low, high = corr(beta_fast), corr(beta_slow)
+    if rope.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    high = high + 0.001 if low == high else high
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    extrapolation = 1 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, float(attn)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [N, T, D] rotated by position; cos, sin [T, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def causal_mask(start: int, t: int, window: int | None, device) -> torch.Tensor | None:
+    """Boolean [T, S] mask (True = attend) for a chunk at absolute positions start..start+T."""
+    if t == 1 and window is None:
+        return None
+    q = torch.arange(start, start + t, device=device)[:, None]
+    k = torch.arange(start + t, device=device)[None, :]
+    allowed = k <= q
+    if window is not None:
+        allowed &= (q - k) < window
+    return allowed
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """q [H, T, D] against k, v [K, S, D] (grouped-query) -> [T, H*D]."""
+    out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask,
+                                         enable_gqa=q.shape[0] != k.shape[0])[0]   # [H, T, D]
+    return out.transpose(0, 1).reshape(q.shape[1], -1)
+
+
+def swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """Dense SwiGLU MLP with gate and up fused: gate_up [2I, E], down [E, I]."""
+    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, down)
+
+
+class Weights:
+    """Named dense tensors placed on the device. `place(name, tensor)` copies a host
+    tensor (a view of the pack) to the device and charges the ledger's dense line."""
+
+    def __init__(self, names: list[str], load, place):
+        self._load, self._place, self._names = load, place, set(names)
+
+    def has(self, name: str) -> bool:
+        return name in self._names
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._place(name, self._load(name))
+
+    def host(self, name: str) -> torch.Tensor:
+        """A tensor kept in host memory (the embedding table: only looked up)."""
+        return self._load(name)
+
+    def fused(self, names: list[str]) -> torch.Tensor:
+        """Several matrices concatenated on dim 0 (q, k, v -> qkv) in one device tensor."""
+        return self._place("+".join(names), torch.cat([self._load(n) for n in names], dim=0))

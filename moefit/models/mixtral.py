@@ -1,0 +1,64 @@
+"""Mixtral: plain GQA attention (no QK-norm), optional sliding window, and a router
+whose top-k probabilities are always renormalised (softmax over the chosen k).
+
+Legend: T tokens, E hidden, H heads, K kv heads, D head dim, N experts, k top-k.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from moefit.models.layers import RopeTable, Weights, apply_rope, attend, causal_mask, rms_norm
+
+
+class Mixtral:
+    def __init__(self, cfg, w: Weights, rope: RopeTable):
+        self.cfg, self.rope = cfg, rope
+        self.embed = w.host("model.embed_tokens.weight")
+        self.layers = [self._layer(w, i) for i in range(cfg.num_layers)]
+        self.norm = w.get("model.norm.weight")
+        self.lm_head = w.get("model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight")
+
+    def _layer(self, w: Weights, i: int) -> dict:
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        return {
+            "input_norm": w.get(p + "input_layernorm.weight"),
+            "post_norm": w.get(p + "post_attention_layernorm.weight"),
+            "qkv": w.fused([a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"]),
+            "o": w.get(a + "o_proj.weight"),
+            "router": w.get(p + "mlp.gate.weight"),
+        }
+
+    def forward(self, tokens: torch.Tensor, start: int, kv, experts) -> torch.Tensor:
+        """Final hidden states [T, E] for tokens at positions start..start+T."""
+        x = self.embed[tokens].to(device=self.norm.device, dtype=self.norm.dtype)        # [T, E]
+        t = x.shape[0]
+        cos, sin = self.rope.cos[start:start + t], self.rope.sin[start:start + t]
+        mask = causal_mask(start, t, self.cfg.sliding_window, x.device)
+        for i, layer in enumerate(self.layers):
+            x = x + self.attention(i, layer, rms_norm(x, layer["input_norm"], self.cfg.rms_norm_eps),
+                                   start, cos, sin, mask, kv)
+            x = x + self.moe(i, layer, rms_norm(x, layer["post_norm"], self.cfg.rms_norm_eps), experts)
+        return rms_norm(x, self.norm, self.cfg.rms_norm_eps)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(h, self.lm_head).float()                                        # [T, V]
+
+    def attention(self, i, layer, x, start, cos, sin, mask, kv) -> torch.Tensor:
+        c = self.cfg
+        t, hd = x.shape[0], c.head_dim
+        q, k, v = F.linear(x, layer["qkv"]).split([c.num_heads * hd, c.num_kv_heads * hd, c.num_kv_heads * hd], -1)
+        q = q.view(t, c.num_heads, hd).transpose(0, 1)                                   # [H, T, D]
+        k = k.view(t, c.num_kv_heads, hd).transpose(0, 1)                                # [K, T, D]
+        v = v.view(t, c.num_kv_heads, hd).transpose(0, 1)                                # [K, T, D]
+        kv.write(i, start, apply_rope(k, cos, sin), v)
+        keys, values = kv.read(i, start + t)
+        return F.linear(attend(apply_rope(q, cos, sin), keys, values, mask), layer["o"])
+
+    def moe(self, i, layer, x, experts) -> torch.Tensor:
+        probs = F.softmax(F.linear(x, layer["router"]).float(), dim=-1)                 # [T, N]
+        weights, ids = torch.topk(probs, self.cfg.top_k, dim=-1)                          # [T, k]
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        return experts.run(i, x, ids, weights.to(x.dtype))

@@ -1,0 +1,178 @@
+"""HF checkpoint directory -> native pack, streaming one tensor (or one expert) at a time.
+
+Accepted expert spellings (per-expert keys and fused tensors):
+    model.layers.L.mlp.experts.E.{gate,up,down}_proj.weight         Qwen3-MoE, OLMoE
+    model.layers.L.block_sparse_moe.experts.E.{w1,w3,w2}.weight     Mixtral (gate, up, down)
+    model.layers.L.mlp.experts.gate_up_proj   [E, 2I, H]            fused (transformers 5)
+    model.layers.L.mlp.experts.down_proj      [E, H, I]
+Dense names are kept as the checkpoint spells them, except Mixtral's router
+`block_sparse_moe.gate` which becomes `mlp.gate` like the other families.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from moefit import __version__
+from moefit.config import ModelConfig
+from moefit.errors import PackError
+from moefit.pack import format as fmt
+from moefit.pack.layout import FLOAT_QUANTS, RECIPES, check_group, expert_layout, layer_quants
+from moefit.pack.quant import DTYPE_NAMES, TORCH_DTYPES, quantize
+
+EXPERT_KEY = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
+                        r"(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+FUSED_KEY = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(gate_up_proj|down_proj)"
+                       r"(?:\.weight)?$")
+ROLE = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+                   "special_tokens_map.json", "generation_config.json")
+
+
+def convert(hf_dir, out, recipe: str = "bf16", group_size: int = 32, progress: bool = True) -> dict:
+    """Write a pack from an HF checkpoint directory; returns the header.
+
+    Usage: convert("Qwen3-30B-A3B/", "qwen3.pack", recipe="int4")
+    """
+    hf_dir, out = Path(hf_dir), Path(out)
+    if recipe not in RECIPES:
+        raise PackError(f"unknown quantization {recipe!r} (choose from {', '.join(RECIPES)})")
+    raw_cfg = _read_config(hf_dir)
+    model = ModelConfig.from_hf(raw_cfg)
+    quants = layer_quants(recipe, list(model.moe_layers))
+    if any(q == "int4" for q in quants.values()):
+        _checked(check_group, group_size, model.hidden_size, model.expert_size)
+    tensors = _TensorSource(hf_dir)
+    writer = fmt.PackWriter(out)
+    dense_dtype = recipe if recipe in FLOAT_QUANTS else tensors.float_dtype()
+    bar = tqdm(total=len(tensors.dense_keys) + len(quants) * model.num_experts, unit="tensor",
+               desc=f"packing {hf_dir.name}", disable=not progress, file=sys.stderr)
+    _write_dense(tensors, writer, dense_dtype, bar)
+    layouts = _write_experts(tensors, writer, model, quants, group_size, bar)
+    bar.close()
+    _copy_tokenizer(hf_dir, out)
+    return writer.finish({
+        "moefit_version": __version__, "family": model.family, "model_config": raw_cfg,
+        "quant": {"recipe": recipe, "group_size": group_size, "dense_dtype": dense_dtype,
+                  "layers": {str(k): v for k, v in quants.items()}},
+        "experts_layouts": {q: fmt.layout_json(p) for q, p in layouts.items()},
+        "tokenizer": {"files": sorted(p.name for p in (out / fmt.TOKENIZER_DIR).iterdir())},
+        "draft": None,
+    })
+
+
+def _checked(fn, *args):
+    try:
+        fn(*args)
+    except ValueError as e:
+        raise PackError(str(e)) from None
+
+
+def _read_config(hf_dir: Path) -> dict:
+    f = hf_dir / "config.json"
+    if not f.exists():
+        raise PackError(f"{f}: missing (is {hf_dir} a Hugging Face checkpoint directory?)")
+    cfg = json.loads(f.read_text())
+    try:
+        ModelConfig.from_hf(cfg)
+    except (KeyError, ValueError) as e:
+        raise PackError(f"{f}: {e}") from None
+    return cfg
+
+
+class _TensorSource:
+    """Every tensor of a (possibly sharded) safetensors checkpoint, read lazily."""
+
+    def __init__(self, hf_dir: Path):
+        self.file_of = _weight_map(hf_dir)
+        self.handles = {f: safe_open(str(hf_dir / f), framework="pt") for f in set(self.file_of.values())}
+        self.per_expert: dict[tuple[int, int, str], str] = {}
+        self.fused: dict[tuple[int, str], str] = {}
+        self.dense_keys: list[str] = []
+        for key in self.file_of:
+            self._classify(key)
+
+    def _classify(self, key: str) -> None:
+        if m := EXPERT_KEY.match(key):
+            self.per_expert[(int(m[1]), int(m[2]), ROLE[m[3]])] = key
+        elif m := FUSED_KEY.match(key):
+            self.fused[(int(m[1]), m[2])] = key
+        else:
+            self.dense_keys.append(key)
+
+    def get(self, key: str) -> torch.Tensor:
+        return self.handles[self.file_of[key]].get_tensor(key)
+
+    def float_dtype(self) -> str:
+        return DTYPE_NAMES.get(self.get(self.dense_keys[0]).dtype, "fp32")
+
+    def expert(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up [2I, H], down [H, I]) of one expert."""
+        if (layer, "gate_up_proj") in self.fused:
+            gate_up = self.handles[self.file_of[self.fused[(layer, "gate_up_proj")]]]
+            down = self.handles[self.file_of[self.fused[(layer, "down_proj")]]]
+            return (gate_up.get_slice(self.fused[(layer, "gate_up_proj")])[expert],
+                    down.get_slice(self.fused[(layer, "down_proj")])[expert])
+        try:
+            gate, up, down = (self.get(self.per_expert[(layer, expert, r)]) for r in ("gate", "up", "down"))
+        except KeyError:
+            raise PackError(f"checkpoint has no weights for (layer {layer}, expert {expert})") from None
+        return torch.cat([gate, up], dim=0), down
+
+
+def _weight_map(hf_dir: Path) -> dict[str, str]:
+    index = hf_dir / "model.safetensors.index.json"
+    if index.exists():
+        return json.loads(index.read_text())["weight_map"]
+    files = sorted(p.name for p in hf_dir.glob("*.safetensors"))
+    if not files:
+        raise PackError(f"{hf_dir}: no safetensors weights found")
+    out = {}
+    for f in files:
+        with safe_open(str(hf_dir / f), framework="pt") as h:
+            out.update({k: f for k in h.keys()})
+    return out
+
+
+def canonical_dense_name(key: str) -> str:
+    return key.replace(".block_sparse_moe.gate.", ".mlp.gate.")
+
+
+def _write_dense(tensors: _TensorSource, writer: fmt.PackWriter, dtype: str, bar) -> None:
+    for key in tensors.dense_keys:
+        t = tensors.get(key).to(TORCH_DTYPES[dtype]).contiguous()
+        writer.add_dense(canonical_dense_name(key), _bytes(t), dtype, tuple(t.shape))
+        bar.update()
+
+
+def _write_experts(tensors, writer, model: ModelConfig, quants: dict[int, str], group: int, bar) -> dict:
+    layouts = {q: expert_layout(model.hidden_size, model.expert_size, q, group) for q in set(quants.values())}
+    for layer, quant in quants.items():
+        for expert in range(model.num_experts):
+            gate_up, down = tensors.expert(layer, expert)
+            data = quantize(gate_up, quant, group) + quantize(down, quant, group)
+            writer.add_blob(layer, expert, quant, [(p, _bytes(t)) for p, t in zip(layouts[quant], data)])
+            bar.update()
+    return layouts
+
+
+def _bytes(t: torch.Tensor) -> bytes:
+    return t.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def _copy_tokenizer(hf_dir: Path, out: Path) -> None:
+    dest = out / fmt.TOKENIZER_DIR
+    dest.mkdir(parents=True, exist_ok=True)
+    if not (hf_dir / "tokenizer.json").exists():
+        raise PackError(f"{hf_dir / 'tokenizer.json'}: missing (moefit needs the fast tokenizer file)")
+    for name in TOKENIZER_FILES:
+        if (hf_dir / name).exists():
+            shutil.copyfile(hf_dir / name, dest / name)

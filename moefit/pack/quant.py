@@ -1,0 +1,66 @@
+"""Quantize expert matrices into blob parts, view a blob as its parts, and multiply
+by quantized weights (dequantised in the matmul path).
+
+Legend: R rows (output features), C columns (input features), G groups per row.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from moefit.pack.layout import FLOAT_QUANTS, Part
+
+TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
+                "int8": torch.int8, "uint8": torch.uint8}
+DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
+
+
+def quantize(w: torch.Tensor, quant: str, group: int) -> list[torch.Tensor]:
+    """Part tensors of matrix w [R, C], in the order layout.matrix_parts lists them."""
+    if quant in FLOAT_QUANTS:
+        return [w.to(TORCH_DTYPES[quant]).contiguous()]
+    w = w.float()
+    if quant == "int8":
+        scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0                    # [R]
+        codes = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)  # [R, C]
+        return [codes, scale]
+    rows, cols = w.shape
+    wg = w.view(rows, cols // group, group)                                       # [R, G, g]
+    scale = (wg.abs().amax(dim=2).clamp(min=1e-12) / 7.0).to(torch.float16)      # [R, G]
+    codes = torch.round(wg / scale.float()[:, :, None]).clamp(-7, 7).to(torch.int16) + 8
+    codes = codes.view(rows, cols // 2, 2)
+    packed = (codes[:, :, 0] | (codes[:, :, 1] << 4)).to(torch.uint8)           # [R, C/2]
+    return [packed, scale]
+
+
+def dequantize(parts: dict[str, torch.Tensor], name: str, quant: str, dtype: torch.dtype) -> torch.Tensor:
+    """The weight matrix `name` as a float [R, C] in dtype."""
+    w = parts[name]
+    if quant in FLOAT_QUANTS:
+        return w.to(dtype)
+    scale = parts[name + ".scale"]
+    if quant == "int8":
+        return w.to(dtype) * scale.to(dtype)[:, None]
+    rows = w.shape[0]
+    lo = (w & 0xF).to(torch.int8) - 8
+    hi = (w >> 4).to(torch.int8) - 8
+    codes = torch.stack((lo, hi), dim=2).view(rows, -1, 1)                     # [R, C, 1]
+    groups = scale.shape[1]
+    return (codes.view(rows, groups, -1).to(dtype) * scale.to(dtype)[:, :, None]).view(rows, -1)
+
+
+def qlinear(x: torch.Tensor, parts: dict[str, torch.Tensor], name: str, quant: str) -> torch.Tensor:
+    """x [T, C] @ W[R, C]^T with W quantized; int8 applies its per-row scale after the matmul."""
+    if quant == "int8":
+        return F.linear(x, parts[name].to(x.dtype)) * parts[name + ".scale"].to(x.dtype)
+    return F.linear(x, dequantize(parts, name, quant, x.dtype))
+
+
+def blob_views(blob: torch.Tensor, layout: list[Part]) -> dict[str, torch.Tensor]:
+    """Typed views of the parts of one expert blob (uint8 [nbytes]); no copy."""
+    views = {}
+    for p in layout:
+        raw = blob[p.offset:p.offset + p.nbytes]
+        views[p.name] = raw.view(TORCH_DTYPES[p.dtype]).view(p.shape)
+    return views

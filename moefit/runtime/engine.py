@@ -1,0 +1,178 @@
+"""The engine: one model on one device, one request at a time.
+
+    engine = Engine.open("model.pack", ServeConfig(device="sim:card.json"))
+    for event in engine.stream(engine.codec.encode("Define: lantern"), SamplingParams(max_tokens=32)):
+        print(event.text, end="")
+
+Per request: reuse the KV of the longest common prefix with the previous request,
+prefill the rest in chunks, then decode one token per step; the cache adapts between
+steps. Stats are kept for generate --json, /v1/status and /metrics.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import torch
+
+from moefit.config import ServeConfig
+from moefit.errors import UsageError
+from moefit.pack.reader import Pack
+from moefit.runtime.loader import Loaded, load
+from moefit.runtime.sampler import Sampler, SamplingParams
+from moefit.runtime.text import Detokenizer, StopMatcher, TextCodec
+
+
+@dataclass
+class Event:
+    token: int | None
+    text: str
+    finish_reason: str | None = None       # stop | length | cancelled
+
+
+@dataclass
+class RequestStats:
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    generated: list[int] = field(default_factory=list)
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    first_token_s: float = 0.0
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return (self.prompt_tokens - self.cached_tokens) / self.prefill_s if self.prefill_s else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        n = len(self.generated) - 1                 # the first token comes from the prefill
+        return n / self.decode_s if n > 0 and self.decode_s else 0.0
+
+
+class Engine:
+    def __init__(self, loaded: Loaded, cfg: ServeConfig):
+        self.cfg = cfg
+        self.loaded = loaded
+        self.pack: Pack = loaded.pack
+        self.codec = TextCodec.load(self.pack.tokenizer_dir)
+        self.kv_tokens: list[int] = []              # tokens whose KV sits at positions 0..n
+        self.eos_ids = self._eos_ids()
+        self.last = RequestStats()
+        self.steps = 0
+
+    @staticmethod
+    def open(pack_path, cfg: ServeConfig, log=lambda msg: None) -> "Engine":
+        pack = pack_path if isinstance(pack_path, Pack) else Pack.open(pack_path)
+        return Engine(load(pack, cfg, log), cfg)
+
+    @property
+    def model(self):
+        return self.loaded.model
+
+    @property
+    def runner(self):
+        return self.loaded.runner
+
+    def _eos_ids(self) -> set[int]:
+        ids = set(self.pack.model.eos_token_ids)
+        gen = self.pack.generation_config().get("eos_token_id")
+        ids.update(gen if isinstance(gen, list) else [gen] if gen is not None else [])
+        eos = self.codec.token_id(self.codec.eos_token)
+        return ids | ({eos} if eos is not None else set())
+
+    # -- forward -----------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, tokens: list[int], start: int) -> torch.Tensor:
+        """Logits [T, V] (fp32) of tokens at positions start..start+T."""
+        ids = torch.tensor(tokens, dtype=torch.long)
+        h = self.model.forward(ids, start, self.loaded.kv, self.runner)
+        return self.model.logits(h)
+
+    @torch.inference_mode()
+    def prefill(self, prompt: list[int]) -> tuple[torch.Tensor, int]:
+        """Logits of the last prompt token, reusing the previous request's KV for the
+        longest common prefix; returns (logits [V], reused tokens)."""
+        reuse = _common_prefix(self.kv_tokens, prompt)
+        reuse = min(reuse, len(prompt) - 1)          # the last token must run to give logits
+        self.kv_tokens = prompt[:reuse]
+        chunk = self.cfg.prefill_chunk
+        logits = None
+        for start in range(reuse, len(prompt), chunk):
+            piece = prompt[start:start + chunk]
+            h = self.model.forward(torch.tensor(piece, dtype=torch.long), start, self.loaded.kv, self.runner)
+            self.kv_tokens = prompt[:start + len(piece)]
+            logits = self.model.logits(h[-1:])[0]
+        return logits, reuse
+
+    # -- generation --------------------------------------------------------------
+    def check_request(self, prompt: list[int], params: SamplingParams) -> None:
+        if not prompt:
+            raise UsageError("the prompt is empty")
+        if len(prompt) >= self.cfg.ctx:
+            raise UsageError(f"the prompt has {len(prompt)} tokens; the context holds {self.cfg.ctx} "
+                             "(one more is needed to generate)")
+
+    def stream(self, prompt: list[int], params: SamplingParams,
+               cancelled: Callable[[], bool] = lambda: False) -> Iterator[Event]:
+        """Generate from prompt token ids; yields text deltas, the last one with its finish reason."""
+        self.check_request(prompt, params)
+        stats = self.last = RequestStats(prompt_tokens=len(prompt))
+        sampler = Sampler(params, prompt, self.pack.model.vocab_size)
+        detok, stops = Detokenizer(self.codec), StopMatcher(params.stop)
+        t0 = time.perf_counter()
+        logits, stats.cached_tokens = self.prefill(prompt)
+        stats.prefill_s = time.perf_counter() - t0
+        pos, budget = len(prompt), min(params.max_tokens, self.cfg.ctx - len(prompt))
+        t1 = time.perf_counter()
+        while True:
+            token = sampler.next(logits)
+            sampler.accept(token)
+            stats.generated.append(token)
+            if len(stats.generated) == 1:
+                stats.first_token_s = time.perf_counter() - t0
+            reason = self._finish(token, params, len(stats.generated), budget)
+            text, stopped = ("", False) if token in self.eos_ids and reason else stops.feed(detok.push(token))
+            if stopped or reason or cancelled():
+                stats.decode_s = time.perf_counter() - t1
+                tail = "" if stopped else stops.flush()
+                yield Event(token, text + tail, "stop" if stopped else reason or "cancelled")
+                return
+            yield Event(token, text)
+            logits = self.decode_step(token, pos)
+            pos += 1
+
+    def _finish(self, token: int, params: SamplingParams, n: int, budget: int) -> str | None:
+        if (token in self.eos_ids and not params.ignore_eos) or token in params.stop_token_ids:
+            return "stop"
+        return "length" if n >= budget else None
+
+    @torch.inference_mode()
+    def decode_step(self, token: int, pos: int) -> torch.Tensor:
+        logits = self.forward([token], pos)[0]
+        self.kv_tokens.append(token)
+        self.steps += 1
+        if self.loaded.plan is not None and self.steps % self.cfg.swap_period == 0:
+            for evict, admit in self.runner.book.swap_round():
+                self.runner.swap(evict, admit)
+        return logits
+
+    def generate(self, prompt: list[int], params: SamplingParams) -> tuple[str, RequestStats, str]:
+        """(text, stats, finish reason) in one call."""
+        text, reason = [], None
+        for event in self.stream(prompt, params):
+            text.append(event.text)
+            reason = event.finish_reason
+        return "".join(text), self.last, reason
+
+    def save_profile(self) -> None:
+        self.runner.profile.save(self.pack.profile_path)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

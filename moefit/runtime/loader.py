@@ -1,0 +1,120 @@
+"""Load: snapshot -> plan -> place dense weights, KV and reserve -> fill the expert cache
+hottest first. Every byte goes through DeviceMemory under its ledger line.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moefit.config import ServeConfig
+from moefit.errors import DeviceOutOfMemory, RefusedError
+from moefit.experts.cache import CacheBook, SwapPolicy
+from moefit.experts.profile import Profile
+from moefit.experts.runner import ExpertRunner
+from moefit.memory import ledger as L
+from moefit.memory.devices import open_device
+from moefit.memory.footprint import device_dense_names, from_pack_header
+from moefit.memory.planner import Plan, plan
+from moefit.models import FAMILY
+from moefit.models.layers import RopeTable, Weights
+from moefit.pack.quant import TORCH_DTYPES
+from moefit.pack.reader import Pack
+from moefit.runtime.kv_cache import KVCache
+from moefit.runtime.placement import DeviceMemory
+
+
+@dataclass
+class Loaded:
+    pack: Pack
+    mem: DeviceMemory
+    plan: Plan | None                   # None on the cpu device (no VRAM to plan)
+    model: object
+    kv: KVCache
+    runner: ExpertRunner
+    compute_dtype: str
+    notes: list[str]
+
+
+def compute_dtype_for(cfg: ServeConfig, kind: str) -> str:
+    if cfg.compute_dtype != "auto":
+        return cfg.compute_dtype
+    return "bf16" if kind == "cuda" else "fp32"
+
+
+def load(pack: Pack, cfg: ServeConfig, log=lambda msg: None) -> Loaded:
+    """Place the pack on cfg.device as the plan says; RefusedError when it does not fit."""
+    device = open_device(cfg.device)
+    mem = DeviceMemory(device)
+    if device.kind == "cuda":
+        torch.zeros(1, device=mem.torch_device)          # create the context before the snapshot
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    cdt = compute_dtype_for(cfg, device.kind)
+    m = pack.model
+    profile = Profile.load(pack.profile_path, m.num_layers, m.num_experts)
+    the_plan = _plan(pack, cfg, mem, cdt, profile) if device.has_vram else None
+    if the_plan is not None and the_plan.refused:
+        raise RefusedError(refusal_text(the_plan), the_plan)
+    dtype = TORCH_DTYPES[cdt]
+    place = lambda name, t: mem.copy_in(L.DENSE, t, dtype if t.is_floating_point() else None)  # noqa: E731
+    weights = Weights(device_dense_names(m, pack.dense_names), pack.dense, place)
+    rope = _rope(m, cfg.ctx, mem, dtype)
+    model = FAMILY[m.family](m, weights, rope)
+    kv_dtype = the_plan.kv_dtype if the_plan else (cdt if cfg.kv_dtype == "auto" else cfg.kv_dtype)
+    kv = KVCache(m, cfg.ctx, kv_dtype, dtype, mem)
+    book = CacheBook({k: b.nbytes for k, b in pack.blobs.items()}, m.num_layers, m.num_experts,
+                     the_plan.cache_budget if the_plan else 0,
+                     SwapPolicy(cfg.swap_period, cfg.swap_decay, cfg.max_swaps))
+    runner = ExpertRunner(pack, mem, book, profile)
+    notes = []
+    if the_plan is not None:
+        if device.kind == "sim":
+            mem.charge_block(L.RESERVE, the_plan.reserve.total)
+        notes = fill_cache(runner, the_plan, device.kind, log)
+    return Loaded(pack, mem, the_plan, model, kv, runner, cdt, notes)
+
+
+def _plan(pack: Pack, cfg: ServeConfig, mem: DeviceMemory, cdt: str, profile: Profile) -> Plan:
+    fp = from_pack_header(pack.header, cdt)
+    return plan(fp, cfg, mem.snapshot(), profile.hottest_first(list(pack.blobs)))
+
+
+def _rope(m, ctx: int, mem: DeviceMemory, dtype) -> RopeTable:
+    rope = RopeTable(m.rope, m.head_dim, ctx, m.max_position_embeddings, "cpu", dtype)
+    rope.cos, rope.sin = mem.copy_in(L.DENSE, rope.cos), mem.copy_in(L.DENSE, rope.sin)
+    return rope
+
+
+def fill_cache(runner: ExpertRunner, the_plan: Plan, kind: str, log) -> list[str]:
+    """Load the planned experts hottest first. If the card filled up since the plan,
+    stop there; with CUDA, also give slots back until the reserve is free again."""
+    notes = []
+    for i, key in enumerate(the_plan.cache_keys):
+        try:
+            runner.load(key)
+        except DeviceOutOfMemory as e:
+            notes.append(f"the card filled up while the cache loaded ({e}); "
+                         f"started with {i} of {the_plan.slots} planned experts")
+            break
+    keep_free = the_plan.reserve.total if kind == "cuda" else 0
+    while runner.slots and runner.mem.snapshot().free_bytes < keep_free:
+        runner.unload(runner.book.coldest()[0])
+        if not notes:
+            notes.append("free memory fell below the reserve after the cache loaded; the cache shrank")
+    runner.book.budget = runner.book.used if notes else runner.book.budget
+    if len(runner.slots) < the_plan.min_slots:
+        raise RefusedError(refusal_text(the_plan, extra=notes[0] if notes else ""), the_plan)
+    for note in notes:
+        log(note)
+    return notes
+
+
+def refusal_text(p: Plan, extra: str = "") -> str:
+    top = sorted(p.device.processes, key=lambda x: -x.bytes)[:5]
+    lines = [f"refused: {p.serve_message}" + (f"; {extra}" if extra else ""), "", p.table(), "",
+             "processes holding the most memory:"]
+    lines += [f"  pid {x.pid:>7}  {x.name:<24} {L.mib(x.bytes):>8,.0f} MiB" for x in top] or ["  (none listed)"]
+    lines += ["", "fixes:"] + [f"  - {f}" for f in p.fixes]
+    return "\n".join(lines)

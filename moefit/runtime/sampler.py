@@ -1,0 +1,96 @@
+"""Sampling: penalties, temperature, top-k, top-p, min-p, seeded draws; greedy at T=0.
+
+Penalties follow their usual definitions: repetition (CTRL, over prompt and output),
+presence and frequency (OpenAI, over the output only).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+    def check(self) -> None:
+        """ValueError naming the field when a value is out of range."""
+        rules = [("temperature", 0 <= self.temperature <= 10), ("top_p", 0 < self.top_p <= 1),
+                 ("top_k", self.top_k >= 0), ("min_p", 0 <= self.min_p <= 1),
+                 ("repetition_penalty", 0 < self.repetition_penalty <= 10),
+                 ("presence_penalty", -2 <= self.presence_penalty <= 2),
+                 ("frequency_penalty", -2 <= self.frequency_penalty <= 2), ("max_tokens", self.max_tokens >= 1)]
+        for name, ok in rules:
+            if not ok:
+                raise ValueError(f"{name}={getattr(self, name)} is out of range")
+
+
+class Sampler:
+    """Usage: s = Sampler(params, prompt_ids); tok = s.next(logits); s.accept(tok)"""
+
+    def __init__(self, params: SamplingParams, prompt_ids: list[int], vocab_size: int):
+        self.p = params
+        self.generator = torch.Generator().manual_seed(params.seed if params.seed is not None else
+                                                       torch.seed() % (2**63))
+        self.seen = torch.zeros(vocab_size, dtype=torch.bool)
+        self.seen[torch.tensor(prompt_ids, dtype=torch.long)] = True
+        self.counts = torch.zeros(vocab_size, dtype=torch.float32)
+
+    def accept(self, token: int) -> None:
+        self.seen[token] = True
+        self.counts[token] += 1
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """The distribution the next token is drawn from, [V] on the host (one-hot when greedy)."""
+        logits = self._penalised(logits.float().cpu())
+        if self.p.greedy:
+            return torch.nn.functional.one_hot(logits.argmax(), logits.shape[-1]).float()
+        logits = logits / self.p.temperature
+        if self.p.top_k > 0:
+            kth = torch.topk(logits, min(self.p.top_k, logits.shape[-1])).values[-1]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+        if self.p.top_p < 1.0:
+            probs = _top_p(probs, self.p.top_p)
+        if self.p.min_p > 0.0:
+            probs = probs.masked_fill(probs < self.p.min_p * probs.max(), 0.0)
+        return probs / probs.sum()
+
+    def draw(self, probs: torch.Tensor) -> int:
+        if self.p.greedy:
+            return int(probs.argmax())
+        return int(torch.multinomial(probs, 1, generator=self.generator))
+
+    def next(self, logits: torch.Tensor) -> int:
+        return self.draw(self.probs(logits))
+
+    def _penalised(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.p.repetition_penalty != 1.0:
+            pen = torch.where(logits > 0, logits / self.p.repetition_penalty, logits * self.p.repetition_penalty)
+            logits = torch.where(self.seen, pen, logits)
+        if self.p.presence_penalty or self.p.frequency_penalty:
+            logits = logits - self.p.presence_penalty * (self.counts > 0) - self.p.frequency_penalty * self.counts
+        return logits
+
+
+def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    sorted_p, order = torch.sort(probs, descending=True)
+    keep = torch.cumsum(sorted_p, dim=-1) - sorted_p < top_p          # always keeps the first
+    return torch.zeros_like(probs).scatter(0, order, sorted_p * keep)

@@ -1,0 +1,87 @@
+"""Tiny random-weight HF checkpoints built with transformers, saved as real checkpoints.
+
+Dimensions are chosen so that a transpose or a mixed-up gate/up cannot hide: hidden 64,
+heads x head_dim = 4 x 20 = 80, expert size 96, GQA (2 kv heads), 3 layers, 8 experts,
+top-2. int4 groups of 32 divide both 64 and 96.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers, decoders
+
+CORPUS = ["the lantern burns in the night", "a river runs to the sea", "define: lantern",
+          "the king spoke to the people", "light and darkness", "and the evening and the morning"] * 20
+
+FAMILY_CONFIGS = {
+    "qwen3_moe": dict(model_type="qwen3_moe", moe_intermediate_size=96, intermediate_size=112,
+                      num_experts=8, head_dim=20, norm_topk_prob=True, mlp_only_layers=[1],
+                      decoder_sparse_step=1),
+    "mixtral": dict(model_type="mixtral", intermediate_size=96, num_local_experts=8, head_dim=20),
+    "olmoe": dict(model_type="olmoe", intermediate_size=96, num_experts=8, norm_topk_prob=False,
+                  clip_qkv=8.0),
+}
+
+
+def tiny_tokenizer(vocab_size: int = 320) -> Tokenizer:
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size - 2, special_tokens=["<unk>", "<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS, trainer)
+    return tok
+
+
+def hf_config(family: str, vocab_size: int = 320, **overrides):
+    from transformers import AutoConfig
+    base = dict(vocab_size=vocab_size, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+                num_key_value_heads=2, num_experts_per_tok=2, max_position_embeddings=512,
+                rms_norm_eps=1e-6, tie_word_embeddings=False, initializer_range=0.08,
+                bos_token_id=None, eos_token_id=1, pad_token_id=None)
+    base.update(FAMILY_CONFIGS[family])
+    base.update(overrides)
+    model_type = base.pop("model_type")
+    return AutoConfig.for_model(model_type, **base)
+
+
+def build_checkpoint(family: str, out: Path, seed: int = 0, tokenizer_dir: Path | None = None,
+                     **overrides) -> Path:
+    """Save a random model of `family` with a tokenizer to out/; returns out."""
+    from transformers import AutoModelForCausalLM
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    vocab = _write_tokenizer(out, tokenizer_dir)
+    config = hf_config(family, vocab_size=vocab, **overrides)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _sharpen(model)
+    model.save_pretrained(out, max_shard_size="200KB")
+    return out
+
+
+def _sharpen(model) -> None:
+    """Random routers and heads at init are nearly uniform; scale them up so greedy
+    decoding has clear winners and routing is not a coin toss."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight") or name.endswith("block_sparse_moe.gate.weight") \
+                    or name.startswith("lm_head"):
+                p.mul_(4.0)
+
+
+def _write_tokenizer(out: Path, tokenizer_dir: Path | None) -> int:
+    if tokenizer_dir is None:
+        tok = tiny_tokenizer()
+        tok.save(str(out / "tokenizer.json"))
+        cfg = {"eos_token": "<|endoftext|>", "bos_token": None,
+               "chat_template": "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
+                                "{% if add_generation_prompt %}<|assistant|>{% endif %}"}
+        (out / "tokenizer_config.json").write_text(json.dumps(cfg))
+        return tok.get_vocab_size()
+    for f in Path(tokenizer_dir).iterdir():
+        (out / f.name).write_bytes(f.read_bytes())
+    return Tokenizer.from_file(str(out / "tokenizer.json")).get_vocab_size()
