@@ -69,7 +69,7 @@ class Plan:
 
     def to_json(self) -> dict:
         return {
-            "device": _device_json(self.device),
+            "device": device_json(self.device),
             "ledger": [x.to_json() for x in self.lines],
             "expert_cache": {"slots": self.slots, "budget_bytes": self.cache_budget,
                              "used_bytes": self.cache_used, "largest_blob_bytes": self.largest_blob,
@@ -84,7 +84,7 @@ class Plan:
         }
 
 
-def _device_json(d: DeviceSnapshot) -> dict:
+def device_json(d: DeviceSnapshot) -> dict:
     return {"name": d.name, "total_bytes": d.total_bytes, "free_bytes": d.free_bytes,
             "processes": [{"pid": p.pid, "name": p.name, "bytes": p.bytes} for p in d.processes]}
 
@@ -114,7 +114,7 @@ def _round_mib(n: int) -> int:
 def speculative(fp: Footprint, cfg: ServeConfig, kv_dtype: str) -> tuple[bool, str]:
     """Whether the verify arena and draft head fit the reserve, and why not."""
     if cfg.spec == "off":
-        return False, "off (--spec off)"
+        return False, "--spec off"
     if cfg.spec == "head" and not fp.draft_head_bytes:
         return False, "the pack has no draft head (train one with `moefit train-draft`, or use --spec lookup)"
     want = plan_reserve(fp, cfg, kv_dtype, spec_on=True)

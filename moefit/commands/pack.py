@@ -1,0 +1,38 @@
+"""moefit pack HF_DIR -o PACK [--quant fp32|fp16|bf16|int8|int4|mixed]"""
+
+from __future__ import annotations
+
+import sys
+
+from moefit.memory.ledger import mib
+from moefit.pack.layout import RECIPES
+
+
+def register(sub) -> None:
+    p = sub.add_parser("pack", help="convert a Hugging Face checkpoint into a native pack")
+    p.add_argument("hf_dir", help="checkpoint directory (config.json, safetensors, tokenizer)")
+    p.add_argument("-o", "--output", required=True, help="the pack directory to write")
+    p.add_argument("--quant", default="bf16", choices=RECIPES,
+                   help="expert quantization; mixed = int8 in the first and last MoE layers, int4 elsewhere")
+    p.add_argument("--group-size", type=int, default=32, help="int4 group size (inputs per scale)")
+    p.set_defaults(run=run)
+
+
+def run(args) -> int:
+    from moefit.pack.convert import convert
+    header = convert(args.hf_dir, args.output, args.quant, args.group_size, progress=sys.stderr.isatty())
+    print(describe(header))
+    return 0
+
+
+def describe(header: dict) -> str:
+    index = header["experts"]["index"]
+    sizes = [row[3] for row in index]
+    dense = sum(t["nbytes"] for t in header["dense"]["tensors"].values())
+    q = header["quant"]
+    layers = sorted({row[0] for row in index})
+    return (f"packed {header['family']}: {len(layers)} MoE layers x {len(index) // max(1, len(layers))} experts, "
+            f"experts {q['recipe']}" + (f" (group {q['group_size']})" if q["recipe"] in ("int4", "mixed") else "")
+            + f", dense {q['dense_dtype']}\n"
+            f"  dense {mib(dense):.1f} MiB; experts {mib(sum(sizes)):.1f} MiB in {len(sizes)} blobs "
+            f"({min(sizes) / 1024:.1f}-{max(sizes) / 1024:.1f} KiB each)\n  pack id {header['pack_id']}")

@@ -1,0 +1,38 @@
+"""moefit profile PACK --prompts FILE: record expert hotness from real prompts into the pack."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from moefit.errors import UsageError
+
+
+def register(sub) -> None:
+    p = sub.add_parser("profile", help="record expert hotness from prompts into the pack")
+    p.add_argument("pack", help="the pack directory")
+    p.add_argument("--prompts", required=True, help="a text file, one prompt per line")
+    p.add_argument("--max-tokens", type=int, default=32, help="tokens generated per prompt")
+    p.add_argument("--chat", action="store_true", help="wrap each prompt as a chat user turn")
+    p.set_defaults(run=run)
+
+
+def run(args) -> int:
+    from moefit.config import ServeConfig
+    from moefit.experts.profile import Profile
+    from moefit.runtime.engine import Engine
+    from moefit.runtime.sampler import SamplingParams
+    prompts = [line.strip() for line in Path(args.prompts).read_text().splitlines() if line.strip()]
+    if not prompts:
+        raise UsageError(f"{args.prompts}: no prompts")
+    engine = Engine.open(args.pack, ServeConfig(device="cpu", ctx=4096))
+    m = engine.pack.model
+    engine.runner.profile = Profile.empty(m.num_layers, m.num_experts)
+    for text in prompts:
+        text = engine.codec.render_chat([{"role": "user", "content": text}]) if args.chat else text
+        engine.generate(engine.codec.encode(text)[: 4000], SamplingParams(max_tokens=args.max_tokens, temperature=0))
+    engine.save_profile()
+    skew = engine.runner.profile.skew()
+    moe = [f"{100 * skew[i]:.0f}%" for i in m.moe_layers]
+    print(f"profiled {len(prompts)} prompts into {engine.pack.profile_path}")
+    print(f"share of routings to each layer's hottest quarter of experts: {' '.join(moe)} (uniform: 25%)")
+    return 0

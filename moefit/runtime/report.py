@@ -1,0 +1,48 @@
+"""The engine's state as the JSON contract names it (generate --json, /v1/status)."""
+
+from __future__ import annotations
+
+from moefit.errors import DeviceUnavailable
+from moefit.memory import ledger as L
+from moefit.memory.planner import device_json
+
+
+def cache_json(engine) -> dict:
+    book = engine.runner.book
+    plan = engine.loaded.plan
+    hits, misses = int(book.hits.sum()), int(book.misses.sum())
+    return {
+        "slots": len(engine.runner.slots), "budget_bytes": book.budget, "used_bytes": book.used,
+        "largest_blob_bytes": plan.largest_blob if plan else max(book.sizes.values()),
+        "min_slots": plan.min_slots if plan else 0, "total_experts": len(book.sizes),
+        "planned_slots": plan.slots if plan else 0,
+        "hits": hits, "misses": misses, "hit_rate": book.hit_rate(),
+        "layer_hit_rates": book.layer_hit_rates(), "swaps": book.swaps, "bytes_moved": book.bytes_moved,
+    }
+
+
+def status_json(engine) -> dict:
+    """Ledger, cache statistics, serve check, speculative state and the device now."""
+    plan = engine.loaded.plan
+    out = plan.to_json() if plan else {"device": {"name": "cpu (host memory, no VRAM)", "total_bytes": 0,
+                                                  "free_bytes": 0, "processes": []}, "ledger": []}
+    out["expert_cache"] = cache_json(engine)
+    out["charged"] = {k: v for k, v in engine.loaded.mem.charged.items() if v}
+    if plan:
+        try:
+            out["device_now"] = device_json(engine.loaded.mem.snapshot())
+        except DeviceUnavailable as e:
+            out["device_now"] = {"error": str(e)}
+    out.setdefault("speculative", {"enabled": False, "mode": "off", "reason": "cpu device: no reserve"})
+    out["speculative"].update(accepted=0, drafted=0)
+    out["compute_dtype"] = engine.loaded.compute_dtype
+    out["notes"] = engine.loaded.notes
+    return out
+
+
+def summary_line(engine) -> str:
+    s = engine.last
+    book = engine.runner.book
+    return (f"prompt {s.prompt_tokens} tok ({s.cached_tokens} reused) at {s.prefill_tokens_per_s:.1f} tok/s, "
+            f"{len(s.generated)} generated at {s.decode_tokens_per_s:.1f} tok/s; expert cache "
+            f"{len(engine.runner.slots)} experts / {L.mib(book.used):.1f} MiB, hit rate {100 * book.hit_rate():.1f}%")
