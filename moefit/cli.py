@@ -39,6 +39,10 @@ def add_state_flags(p: argparse.ArgumentParser, start: bool = True) -> None:
                        help="when the card is dirty, wait this long for memory to settle (default: 20)")
         p.add_argument("--on-dirty", choices=("warn", "refuse"), default="warn",
                        help="a dirty card: start with a loud banner, or refuse (exit 4)")
+    p.add_argument("--tolerance-mib", type=float, default=256,
+                   help="zero check: allowed use above the baseline, in all (default: 256)")
+    p.add_argument("--process-tolerance-mib", type=float, default=64,
+                   help="zero check: allowed for a new or grown process (default: 64)")
 
 
 def state_dir(args: argparse.Namespace):
@@ -48,7 +52,9 @@ def state_dir(args: argparse.Namespace):
 
 def start_options(args: argparse.Namespace):
     from moefit.ops.startup import StartOptions
-    return StartOptions(state_dir(args), args.settle_s, args.on_dirty)
+    from moefit.ops.zerocheck import Tolerance
+    return StartOptions(state_dir(args), args.settle_s, args.on_dirty,
+                        Tolerance(args.tolerance_mib, args.process_tolerance_mib))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -17,6 +17,7 @@ from moefit.errors import MoefitError
 
 DB = "history.sqlite"
 RANGE_TOLERANCE = 0.10           # widen the calibrated range by 10 % on each side
+BUSY_TIMEOUT_S = 5.0             # how long a write waits for another start holding the lock
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS starts (
@@ -61,7 +62,7 @@ class History:
             raise HistoryError(f"{self.path}: the start history cannot be used ({e})") from None
 
     def _connect(self) -> sqlite3.Connection:
-        db = sqlite3.connect(self.path, timeout=5.0, isolation_level=None)
+        db = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_S, isolation_level=None)
         db.row_factory = sqlite3.Row
         return db
 

@@ -22,8 +22,8 @@ BASELINES = "baselines.json"
 
 @dataclass(frozen=True)
 class Tolerance:
-    total_mib: int = 256          # used memory over the baseline, in all
-    process_mib: int = 64         # a new process, or a process that grew
+    total_mib: float = 256        # used memory over the baseline, in all
+    process_mib: float = 64       # a new process, or a process that grew
 
 
 @dataclass(frozen=True)

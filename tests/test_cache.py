@@ -1,0 +1,119 @@
+"""The expert cache on a simulated card: output does not depend on the cache size, the
+ledger's bytes are the bytes charged, and a card that fills up mid-start is handled."""
+
+import numpy as np
+import pytest
+
+from moefit.config import ServeConfig
+from moefit.errors import RefusedError
+from moefit.experts.cache import CacheBook, SwapPolicy, fill
+from moefit.memory import ledger as L
+from moefit.runtime.engine import Engine
+from moefit.runtime.sampler import SamplingParams
+
+from conftest import FAMILIES
+
+PROMPT = [5, 17, 42, 99, 7, 3, 150, 220, 31, 64, 12, 8]
+GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+
+def sim(card_path, **flags) -> ServeConfig:
+    base = dict(device=f"sim:{card_path}", ctx=64, vram_reserve_mib=1, low_headroom_mib=0, min_expert_slots=0)
+    return ServeConfig(**{**base, **flags})
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_tokens_do_not_depend_on_the_cache(family, packs, card):
+    pack = packs(family, "int8")
+    path = card(64)
+    want = Engine.open(pack, ServeConfig(ctx=64)).generate(PROMPT, GREEDY)[1].generated   # plain cpu
+    for cache in ("0", "3", "auto"):
+        engine = Engine.open(pack, sim(path, expert_cache=cache))
+        slots = len(engine.runner.slots)
+        assert slots == {"0": 0, "3": 3, "auto": 24}[cache] or family == "qwen3_moe"
+        assert engine.generate(PROMPT, GREEDY)[1].generated == want, f"cache {cache}"
+
+
+def test_planned_bytes_are_the_bytes_charged_to_the_card(packs, card):
+    path = card(16, [(100, "desktop", 3.5)])
+    engine = Engine.open(packs("mixtral", "int4"), sim(path, expert_cache="10"))
+    plan = engine.loaded.plan
+    charged = engine.loaded.mem.charged
+    for name in (L.DENSE, L.KV, L.RESERVE, L.CACHE):
+        assert charged[name] == plan.line(name).bytes, name
+    assert engine.loaded.mem.snapshot().free_bytes == plan.line(L.FREE).bytes
+    engine.generate(PROMPT, GREEDY)
+    assert engine.loaded.mem.total_charged() == plan.planned_device_bytes()
+
+
+def test_a_budget_of_n_blobs_loads_more_slots_when_blobs_are_smaller(packs, card):
+    engine = Engine.open(packs("mixtral", "mixed"), sim(card(16), expert_cache="6"))
+    book, largest = engine.runner.book, engine.loaded.plan.largest_blob
+    assert len(engine.runner.slots) > 6 and book.used <= 6 * largest
+
+
+def test_a_card_filled_between_plan_and_load_shrinks_the_cache_and_says_so(packs, card, monkeypatch):
+    import moefit.runtime.loader as loader
+    path = card(16)
+    real_fill = loader.fill_cache
+
+    def fill_after_a_browser_starts(runner, plan, kind, log):
+        free_mib = runner.mem.snapshot().free_bytes / L.MIB
+        card(16, [(777, "chromium", free_mib - 0.2)])          # leaves room for about 3 blobs
+        return real_fill(runner, plan, kind, log)
+    monkeypatch.setattr(loader, "fill_cache", fill_after_a_browser_starts)
+    said = []
+    engine = Engine.open(packs("mixtral", "int8"), sim(path), log=said.append)
+    assert 0 < len(engine.runner.slots) < engine.loaded.plan.slots
+    assert "the card filled up while the cache loaded" in said[0]
+    assert engine.generate(PROMPT, GREEDY)[2] == "length"
+
+
+def test_a_card_filled_below_the_minimum_is_refused_with_the_ledger(packs, card, monkeypatch):
+    import moefit.runtime.loader as loader
+    path = card(16)
+    real_fill = loader.fill_cache
+
+    def fill_it_all(runner, plan, kind, log):
+        card(16, [(777, "chromium", runner.mem.snapshot().free_bytes / L.MIB)])
+        return real_fill(runner, plan, kind, log)
+    monkeypatch.setattr(loader, "fill_cache", fill_it_all)
+    with pytest.raises(RefusedError) as e:
+        Engine.open(packs("mixtral", "int8"), sim(path, min_expert_slots=None))
+    assert "refused" in str(e.value) and "expert cache" in str(e.value) and "fixes:" in str(e.value)
+
+
+def test_fill_skips_a_blob_that_does_not_fit_and_keeps_going():
+    sizes = {(0, 0): 10, (0, 1): 30, (0, 2): 10}
+    assert fill([(0, 0), (0, 1), (0, 2)], sizes, 25) == [(0, 0), (0, 2)]
+
+
+def test_adaptive_tier_swaps_in_a_hot_expert_for_the_coldest():
+    sizes = {(0, e): 100 for e in range(4)}
+    book = CacheBook(sizes, 1, 4, 200, SwapPolicy(max_swaps=2))
+    book.admit((0, 0))
+    book.admit((0, 1))
+    for _ in range(10):
+        book.record(0, [0, 3], [True, False])
+    assert book.swap_round() == [((0, 1), (0, 3))]
+    static = CacheBook(sizes, 1, 4, 200, SwapPolicy(max_swaps=0))
+    static.admit((0, 0))
+    static.record(0, [3], [False])
+    assert static.swap_round() == []
+
+
+def test_adaptive_swaps_during_decoding_keep_the_output(packs, card):
+    pack = packs("olmoe", "int8")
+    want = Engine.open(pack, ServeConfig(ctx=64)).generate(PROMPT, GREEDY)[1].generated
+    engine = Engine.open(pack, sim(card(16), expert_cache="4", swap_period=2, max_swaps=2))
+    assert engine.generate(PROMPT, GREEDY)[1].generated == want
+    assert engine.runner.book.swaps > 0 and len(engine.runner.slots) == 4
+
+
+def test_shrink_gives_back_the_coldest_first():
+    sizes = {(0, e): 100 for e in range(3)}
+    book = CacheBook(sizes, 1, 3, 300)
+    for e in range(3):
+        book.admit((0, e))
+    book.usage[0] = np.array([5.0, 1.0, 9.0])
+    assert book.shrink_to(150) == [(0, 1), (0, 0)]

@@ -1,0 +1,123 @@
+"""The planner and the ledger: pure functions, no weights needed."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from moefit.config import ModelConfig, ServeConfig
+from moefit.experts.profile import Profile
+from moefit.memory import ledger as L
+from moefit.memory.devices import DeviceSnapshot, ProcessUsage
+from moefit.memory.footprint import dense_shapes, from_config, from_pack_header
+from moefit.memory.planner import plan
+from moefit.pack.format import read_header
+
+from conftest import FAMILIES
+
+CONFIGS = Path(__file__).parent.parent.parent / "shared" / "configs"
+MIB = L.MIB
+QWEN = json.loads((CONFIGS / "qwen3-30b-a3b.json").read_text()) if CONFIGS.exists() else None
+
+
+def card(total_mib=12282, procs=((2101, "gnome-shell", 587), (2202, "chromium", 434))):
+    p = tuple(ProcessUsage(pid, n, int(m * MIB)) for pid, n, m in procs)
+    return DeviceSnapshot("RTX 4070 (simulated)", total_mib * MIB, total_mib * MIB - sum(x.bytes for x in p), p)
+
+
+def qwen_plan(snapshot=None, recipe="int4", **flags):
+    model = ModelConfig.from_hf(QWEN)
+    fp = from_config(model, recipe, "bf16")
+    cfg = ServeConfig(device="sim:x", ctx=flags.pop("ctx", 32768), kv_dtype=flags.pop("kv_dtype", "int8"), **flags)
+    order = Profile.empty(model.num_layers, model.num_experts).hottest_first(list(fp.blob_sizes))
+    return plan(fp, cfg, snapshot or card(), order), fp
+
+
+needs_configs = pytest.mark.skipif(QWEN is None, reason="shared/configs not beside the checkout")
+
+
+@needs_configs
+def test_ledger_lines_are_in_order_and_add_up_to_the_card():
+    p, _ = qwen_plan()
+    assert [x.name for x in p.lines] == [L.OTHER, L.DENSE, L.KV, L.RESERVE, L.CACHE, L.FREE]
+    assert sum(x.bytes for x in p.lines) == p.device.total_bytes
+    reserve = p.line(L.RESERVE)
+    assert sum(x.bytes for x in reserve.parts) == reserve.bytes
+    assert p.reserve.total == p.reserve.recommended and p.serve_status == "OK"
+
+
+@needs_configs
+def test_expert_cache_n_is_a_byte_budget_so_mixed_blobs_load_more_slots():
+    p, fp = qwen_plan(recipe="mixed", expert_cache="400")
+    assert p.cache_budget == 400 * fp.largest_blob
+    assert p.slots > 400 and p.cache_used <= 400 * fp.largest_blob
+
+
+@needs_configs
+def test_auto_takes_what_is_left_and_a_dirty_card_gets_less():
+    clean, _ = qwen_plan()
+    dirty, _ = qwen_plan(card(procs=((2101, "gnome-shell", 587), (3000, "moefit", 5000), (3100, "chromium", 2000))))
+    assert clean.line(L.FREE).bytes < clean.largest_blob             # auto leaves less than one blob
+    assert dirty.slots < clean.slots - 2000
+    assert clean.cache_used - dirty.cache_used == pytest.approx((5000 + 2000 - 434) * MIB, abs=clean.largest_blob)
+
+
+@needs_configs
+def test_too_full_a_card_is_refused_with_fixes():
+    p, fp = qwen_plan(card(procs=((2101, "gnome-shell", 587), (4242, "old-engine", 6000))), ctx=131072)
+    assert p.refused and p.slots < p.min_slots == 48 * 8
+    assert any("close pid 4242 (old-engine) holding 6000 MiB" in f for f in p.fixes)
+    assert any(f.startswith("--ctx ") for f in p.fixes)
+
+
+@needs_configs
+def test_an_explicit_cache_that_does_not_fit_is_a_refusal_not_a_crash():
+    p, _ = qwen_plan(expert_cache="5000")
+    assert p.refused and "--expert-cache 5000 needs" in p.serve_message
+    assert any(f.startswith("--expert-cache ") for f in p.fixes)
+
+
+@needs_configs
+def test_a_small_reserve_is_low_and_turns_speculation_off_with_the_reason():
+    p, _ = qwen_plan(vram_reserve_mib=100, spec="lookup", spec_window=8)
+    assert p.serve_status == "LOW" and "a reserve of" in p.serve_message
+    assert not p.spec_enabled and "MiB short" in p.spec_reason and "fits them" in p.spec_reason
+    ok, _ = qwen_plan(spec="lookup", spec_window=8)
+    assert ok.spec_enabled and ok.line(L.RESERVE).parts[1].bytes > 0
+
+
+@needs_configs
+def test_speed_tier_uses_a_512_mib_reserve():
+    p, _ = qwen_plan(tier="speed")
+    assert p.reserve.total == 512 * MIB and p.reserve.recommended > 512 * MIB
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_dense_shapes_from_a_config_match_what_the_pack_holds(family, packs):
+    header = read_header(packs(family))
+    model = ModelConfig.from_hf(header["model_config"])
+    assert dense_shapes(model) == {n: tuple(t["shape"]) for n, t in header["dense"]["tensors"].items()
+                                   if n != "model.embed_tokens.weight"}
+    assert from_config(model, "fp32", "fp32").blob_sizes == from_pack_header(header, "fp32").blob_sizes
+
+
+@needs_configs
+def test_plan_from_a_config_json_without_weights(tmp_path):
+    card_file = tmp_path / "card.json"
+    card_file.write_text(json.dumps({"name": "RTX 4070 (simulated)", "total_mib": 12282,
+                                     "processes": [{"pid": 2101, "name": "gnome-shell", "used_mib": 2367}]}))
+    r = subprocess.run([sys.executable, "-m", "moefit", "plan", "--model-config", str(CONFIGS / "qwen3-30b-a3b.json"),
+                        "--quant", "int4", "--ctx", "65536", "--kv-dtype", "int8", "--device", f"sim:{card_file}",
+                        "--compute-dtype", "bf16", "--json"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert set(out) >= {"device", "ledger", "expert_cache", "serve_check", "speculative"}
+    assert out["expert_cache"]["total_experts"] == 48 * 128 and out["expert_cache"]["slots"] > 384
+    assert out["serve_check"]["status"] == "OK" and out["ledger"][3]["parts"][0]["name"] == "prompt path"
+    r = subprocess.run([sys.executable, "-m", "moefit", "plan", "--model-config", str(CONFIGS / "qwen3-30b-a3b.json"),
+                        "--ctx", "131072", "--kv-dtype", "bf16", "--device", f"sim:{card_file}",
+                        "--compute-dtype", "bf16"],
+                       capture_output=True, text=True)
+    assert r.returncode == 3 and "REFUSED" in r.stdout and "--kv-dtype int8 saves" in r.stdout
