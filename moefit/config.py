@@ -39,6 +39,7 @@ class ServeConfig:
                                         "(default: one token's worth, layers x top-k)")
     low_headroom_mib: int = _opt(256, "the serve check says LOW below this reserve headroom")
     min_free_vram_mib: int = _opt(512, "per-request guard: shrink the cache when free VRAM is below this")
+    grow_margin_mib: int = _opt(64, "grow a shrunken cache back once free VRAM is this far above the floor")
     prefill_chunk: int = _opt(512, "prompt tokens per prefill forward")
     spec: str = _opt("off", "speculative decoding: off, lookup, head, auto",
                      choices=("off", "lookup", "head", "auto"))

@@ -60,6 +60,16 @@ class SimCard:
                                         f"{nbytes / MIB:.1f} MiB, {free / MIB:.1f} MiB free")
             self.charged += nbytes
 
+    def check_fits(self) -> None:
+        """Raise DeviceOutOfMemory when the card holds more than it has: what a CUDA
+        allocation mid-request would hit after another program took the memory."""
+        card = self._read()
+        used = sum(p["used_mib"] for p in card["processes"]) * MIB + self.charged
+        used += float(card.get("unattributed_mib", 0)) * MIB
+        if used > card["total_mib"] * MIB:
+            raise DeviceOutOfMemory(f"out of memory on {self.path.name}: the card holds "
+                                    f"{used / MIB:.1f} MiB of {card['total_mib']:.1f} MiB")
+
     def release(self, nbytes: int) -> None:
         with self._lock:
             self.charged = max(0, self.charged - nbytes)

@@ -18,7 +18,7 @@ from typing import Callable, Iterator
 import torch
 
 from moefit.config import ServeConfig
-from moefit.errors import UsageError
+from moefit.errors import DeviceOutOfMemory, UsageError
 from moefit.pack.reader import Pack
 from moefit.runtime.loader import Loaded, load
 from moefit.runtime.sampler import Sampler, SamplingParams
@@ -30,6 +30,19 @@ class Event:
     token: int | None
     text: str
     finish_reason: str | None = None       # stop | length | cancelled
+
+
+@dataclass
+class SpecStats:
+    """Speculative decoding counters: windows verified, tokens drafted and accepted."""
+
+    windows: int = 0
+    drafted: int = 0
+    accepted: int = 0
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
 
 
 @dataclass
@@ -60,6 +73,7 @@ class Engine:
         self.kv_tokens: list[int] = []              # tokens whose KV sits at positions 0..n
         self.eos_ids = self._eos_ids()
         self.last = RequestStats()
+        self.spec_stats = SpecStats()
         self.steps = 0
 
     @staticmethod
@@ -84,11 +98,16 @@ class Engine:
 
     # -- forward -----------------------------------------------------------------
     @torch.inference_mode()
-    def forward(self, tokens: list[int], start: int) -> torch.Tensor:
-        """Logits [T, V] (fp32) of tokens at positions start..start+T."""
+    def forward(self, tokens: list[int], start: int, last_only: bool = False) -> torch.Tensor:
+        """Logits [T, V] (fp32) of tokens at positions start..start+T (or of the last one).
+        A device out of memory (CUDA, or an overfilled simulated card) is DeviceOutOfMemory."""
+        self.loaded.mem.check_fits()
         ids = torch.tensor(tokens, dtype=torch.long)
-        h = self.model.forward(ids, start, self.loaded.kv, self.runner)
-        return self.model.logits(h)
+        try:
+            h = self.model.forward(ids, start, self.loaded.kv, self.runner)
+            return self.model.logits(h[-1:] if last_only else h)
+        except torch.OutOfMemoryError:
+            raise DeviceOutOfMemory(f"CUDA out of memory in a forward of {len(tokens)} tokens") from None
 
     @torch.inference_mode()
     def prefill(self, prompt: list[int]) -> tuple[torch.Tensor, int]:
@@ -101,9 +120,8 @@ class Engine:
         logits = None
         for start in range(reuse, len(prompt), chunk):
             piece = prompt[start:start + chunk]
-            h = self.model.forward(torch.tensor(piece, dtype=torch.long), start, self.loaded.kv, self.runner)
+            logits = self.forward(piece, start, last_only=True)[0]
             self.kv_tokens = prompt[:start + len(piece)]
-            logits = self.model.logits(h[-1:])[0]
         return logits, reuse
 
     # -- generation --------------------------------------------------------------

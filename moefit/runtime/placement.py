@@ -51,6 +51,17 @@ class DeviceMemory:
             self.device.sim.charge(nbytes, line)
         self.charged[line] += nbytes
 
+    def check_fits(self) -> None:
+        """Called before each forward: a simulated card that another program overfilled
+        fails here like a CUDA allocation would."""
+        if self.device.kind == "sim":
+            self.device.sim.check_fits()
+
+    def release_cached(self) -> None:
+        """Hand freed blocks back to the driver so other programs (and NVML) see them."""
+        if self.device.kind == "cuda":
+            torch.cuda.empty_cache()
+
     def total_charged(self) -> int:
         return sum(self.charged.values())
 

@@ -1,0 +1,119 @@
+"""The per-request VRAM guard and the elastic expert cache.
+
+At the start of every request: if the device's free memory is under the floor
+(--min-free-vram-mib), warn with the figures, count it, and give back the coldest
+expert slots until the floor holds. Between requests, when memory has come back
+(floor + margin), grow the cache back toward its planned size, hottest first.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from moefit.errors import DeviceOutOfMemory
+from moefit.memory.devices import MIB
+
+log = logging.getLogger("moefit.guard")
+
+
+@dataclass
+class GuardEvent:
+    time: float
+    kind: str                     # warning | shrink | grow | oom
+    message: str
+    slots: int
+
+
+@dataclass
+class Guard:
+    engine: object
+    floor_bytes: int
+    margin_bytes: int = 64 * MIB
+    warnings: int = 0
+    resizes: int = 0
+    events: list[GuardEvent] = field(default_factory=list)
+
+    @property
+    def active(self) -> bool:
+        return self.engine.loaded.plan is not None
+
+    def _event(self, kind: str, message: str) -> None:
+        self.events.append(GuardEvent(time.time(), kind, message, len(self.engine.runner.slots)))
+        del self.events[:-200]
+        (log.warning if kind in ("warning", "oom") else log.info)(message)
+
+    def before_request(self) -> None:
+        """Check the floor; shrink under it, grow back when memory returned."""
+        if not self.active:
+            return
+        snap = self.engine.loaded.mem.snapshot()
+        if snap.free_bytes < self.floor_bytes:
+            self.warnings += 1
+            holders = ", ".join(f"{p.name} {p.bytes / MIB:.0f} MiB" for p in
+                                sorted(snap.processes, key=lambda p: -p.bytes)[:4])
+            self._event("warning", f"only {snap.free_bytes / MIB:.0f} MiB of VRAM free at the start of this request "
+                        f"(below {self.floor_bytes / MIB:.0f} MiB; held by {holders}); the driver may page device "
+                        "memory to system RAM and decode collapses: giving back expert slots")
+            self.shrink(self.floor_bytes - snap.free_bytes, "guard")
+        elif snap.free_bytes > self.floor_bytes + self.margin_bytes:
+            self.grow(snap.free_bytes - self.floor_bytes - self.margin_bytes)
+
+    def shrink(self, need_bytes: int, why: str) -> int:
+        """Give back the coldest slots until need_bytes are freed; returns bytes freed."""
+        runner, freed, before = self.engine.runner, 0, len(self.engine.runner.slots)
+        for key in runner.book.coldest():
+            if freed >= need_bytes:
+                break
+            freed += runner.book.resident[key]
+            runner.unload(key)
+        runner.book.budget = runner.book.used
+        self.engine.loaded.mem.release_cached()
+        if before != len(runner.slots):
+            self.resizes += 1
+            self._event("shrink", f"expert cache shrank ({why}): {before} -> {len(runner.slots)} experts, "
+                        f"{freed / MIB:.1f} MiB given back")
+        return freed
+
+    def grow(self, room_bytes: int) -> None:
+        """Load the hottest missing experts back, within room_bytes and the planned budget."""
+        runner, plan = self.engine.runner, self.engine.loaded.plan
+        limit = min(plan.cache_budget, runner.book.used + room_bytes)
+        before, loaded = len(runner.slots), 0
+        for key in self._hottest_missing():
+            size = runner.book.sizes[key]
+            if runner.book.used + size > limit:
+                continue
+            try:
+                runner.load(key)
+            except DeviceOutOfMemory:
+                break
+            loaded += 1
+        runner.book.budget = max(runner.book.used, min(plan.cache_budget, limit))
+        if loaded:
+            self.resizes += 1
+            self._event("grow", f"expert cache grew back: {before} -> {len(runner.slots)} experts "
+                        f"(planned {plan.slots})")
+
+    def _hottest_missing(self) -> list:
+        runner = self.engine.runner
+        missing = [k for k in runner.book.sizes if k not in runner.slots]
+        usage, counts = runner.book.usage, runner.profile.counts
+        return sorted(missing, key=lambda k: (-usage[k], -counts[k], k[1], k[0]))
+
+    def after_oom(self, error: DeviceOutOfMemory) -> None:
+        """A request hit out of memory: shrink so the floor holds again."""
+        self._event("oom", f"out of memory mid-request ({error})")
+        snap = self.engine.loaded.mem.snapshot()
+        over = self._overcommit()
+        self.shrink(max(over, self.floor_bytes - snap.free_bytes, 1), "out of memory")
+
+    def _overcommit(self) -> int:
+        """On a simulated card: bytes held beyond the card's total."""
+        device = self.engine.loaded.mem.device
+        if device.kind != "sim":
+            return 0
+        snap = device.sim.snapshot()
+        held = sum(p.bytes for p in snap.processes) + snap.unattributed_bytes
+        return max(0, held - snap.total_bytes)

@@ -1,0 +1,202 @@
+"""The OpenAI-compatible HTTP API. Errors are mapped to OpenAI-style JSON in one place;
+no response ever carries a traceback or a file path."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+from moefit.errors import DeviceUnavailable
+from moefit.serve import protocol as P
+from moefit.serve.completions import ChatRun, CompletionRun
+from moefit.serve.metrics import Metrics
+
+log = logging.getLogger("moefit.serve")
+STATIC = Path(__file__).parent / "static"
+OPEN_PATHS = {"/health", "/", "/favicon.ico"}
+
+
+@dataclass
+class ServerState:
+    model_name: str
+    api_key: str | None
+    max_body_bytes: int = 4 << 20
+    keepalive_s: float = 5.0
+    engine: object = None
+    worker: object = None
+    guard: object = None
+    start: object = None
+    metrics: Metrics = field(default_factory=Metrics)
+    started: float = field(default_factory=time.time)
+    load_error: str | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self.engine is not None
+
+
+def create_app(state: ServerState) -> FastAPI:
+    app = FastAPI(title="moefit", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.moefit = state
+
+    @app.middleware("http")
+    async def guard_request(request: Request, call_next):
+        try:
+            _authorize(state, request)
+            if int(request.headers.get("content-length") or 0) > state.max_body_bytes:
+                raise P.ApiError(413, f"the request body is over {state.max_body_bytes} bytes")
+            return await call_next(request)
+        except P.ApiError as e:
+            return error_response(e)
+
+    @app.exception_handler(P.ApiError)
+    async def api_error(request: Request, e: P.ApiError):
+        return error_response(e)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, e: Exception):
+        log.exception("unexpected error on %s", request.url.path)
+        return error_response(P.ApiError(500, f"internal error ({type(e).__name__})", kind="server_error"))
+
+    _routes(app, state)
+    return app
+
+
+def error_response(e: P.ApiError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+def _authorize(state: ServerState, request: Request) -> None:
+    if not state.api_key or request.url.path in OPEN_PATHS or request.url.path.startswith("/static/"):
+        return
+    given = request.headers.get("authorization", "")
+    token = given[7:] if given.lower().startswith("bearer ") else ""
+    if not hmac.compare_digest(token.encode(), state.api_key.encode()):
+        raise P.ApiError(401, "a valid API key is required (Authorization: Bearer ...)",
+                         kind="authentication_error", code="invalid_api_key")
+
+
+def _routes(app: FastAPI, state: ServerState) -> None:
+    @app.get("/health")
+    async def health():
+        if state.load_error:
+            return JSONResponse({"status": "failed", "message": state.load_error}, status_code=503)
+        if not state.ready:
+            return JSONResponse({"status": "loading"}, status_code=503)
+        plan = state.engine.loaded.plan
+        check = {"status": plan.serve_status, "message": plan.serve_message} if plan else {"status": "OK"}
+        return {"status": "ok", "serve_check": check}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": int(state.started),
+                                            "owned_by": "moefit"}]}
+
+    @app.get("/v1/status")
+    async def status():
+        return _status(state)
+
+    @app.get("/metrics")
+    async def metrics():
+        _ready(state)
+        free = _free_bytes(state)
+        return PlainTextResponse(state.metrics.render(state.engine, state.worker, state.guard, free))
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        req = P.parse(P.ChatRequest, await _body(state, request))
+        return await _serve(state, request, ChatRun(state, req))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req = P.parse(P.CompletionRequest, await _body(state, request))
+        return await _serve(state, request, CompletionRun(state, req))
+
+    @app.get("/")
+    async def page():
+        index = STATIC / "index.html"
+        if not index.exists():
+            return PlainTextResponse("moefit is running; the API is under /v1")
+        return FileResponse(index)
+
+    if STATIC.exists():
+        from fastapi.staticfiles import StaticFiles
+        app.mount("/static", StaticFiles(directory=STATIC), name="static")
+
+
+async def _body(state: ServerState, request: Request) -> bytes:
+    body = await request.body()
+    if len(body) > state.max_body_bytes:
+        raise P.ApiError(413, f"the request body is over {state.max_body_bytes} bytes")
+    return body
+
+
+def _ready(state: ServerState) -> None:
+    if not state.ready:
+        raise P.ApiError(503, "the model is still loading", kind="server_error", code="loading",
+                         headers={"Retry-After": "5"})
+
+
+def _free_bytes(state: ServerState) -> int | None:
+    if state.engine.loaded.plan is None:
+        return None
+    try:
+        return state.engine.loaded.mem.snapshot().free_bytes
+    except DeviceUnavailable:
+        return None
+
+
+async def _serve(state: ServerState, request: Request, run) -> Response:
+    _ready(state)
+    run.check_model()
+    job = run.submit(asyncio.get_running_loop())
+    if run.req.stream:
+        return StreamingResponse(_sse(state, run, job), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return await run.collect(job, request)
+
+
+async def _sse(state: ServerState, run, job):
+    """Server-sent events; comments keep the connection alive during a long prefill. A client
+    that goes away cancels the job (the engine stops within one decode step)."""
+    try:
+        while True:
+            try:
+                item = await asyncio.wait_for(job.events.get(), timeout=state.keepalive_s)
+            except asyncio.TimeoutError:
+                yield ": keep-alive\n\n"
+                continue
+            for chunk in run.stream_chunks(item):
+                yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+            if item is None:
+                yield "data: [DONE]\n\n"
+                return
+    finally:
+        job.cancelled.set()
+
+
+def _status(state: ServerState) -> dict:
+    from moefit.runtime.report import status_json
+    if not state.ready:
+        return {"status": "failed" if state.load_error else "loading", "message": state.load_error,
+                "uptime_s": time.time() - state.started}
+    out = status_json(state.engine)
+    out["uptime_s"] = time.time() - state.started
+    out["model"] = state.model_name
+    out["guard"] = {"warnings": state.guard.warnings, "resizes": state.guard.resizes,
+                    "floor_bytes": state.guard.floor_bytes,
+                    "events": [e.__dict__ for e in state.guard.events[-50:]]}
+    out["queue"] = {"running": int(state.worker.running is not None), "waiting": len(state.worker.waiting),
+                    "max": state.worker.max_queue}
+    out["recent_requests"] = [r.__dict__ for r in list(state.worker.recent)[-50:]]
+    out["kv_cache"] = {"tokens": len(state.engine.kv_tokens), "ctx": state.engine.cfg.ctx}
+    out["start"] = state.start.summary() if state.start else None
+    return out

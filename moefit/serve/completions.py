@@ -1,0 +1,177 @@
+"""One request of /v1/chat/completions or /v1/completions: prompt, limits, and the
+response (whole, or as stream chunks)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import jinja2
+
+from moefit.serve import protocol as P
+from moefit.serve.toolparse import OutputParser, split_final
+from moefit.serve.worker import Done, Job
+
+
+class _Run:
+    object_name = ""
+    chunk_name = ""
+
+    def __init__(self, state, req):
+        self.state, self.req = state, req
+        self.engine = state.engine
+        self.id = f"{self.prefix}-{uuid.uuid4().hex[:24]}"
+        self.created = int(time.time())
+        self.done: Done | None = None
+        self.sent_role = False
+
+    def check_model(self) -> None:
+        if self.req.model and self.req.model != self.state.model_name:
+            raise P.ApiError(404, f"model {self.req.model!r} does not exist; this server serves "
+                             f"{self.state.model_name!r}", param="model", code="model_not_found")
+
+    def max_tokens(self) -> int | None:
+        return self.req.max_tokens
+
+    def submit(self, loop: asyncio.AbstractEventLoop) -> Job:
+        prompt = self.prompt_ids()
+        ctx = self.engine.cfg.ctx
+        if len(prompt) >= ctx:
+            raise P.ApiError(400, f"the prompt has {len(prompt)} tokens; the context holds {ctx}",
+                             param=self.prompt_field, code="context_length_exceeded")
+        wanted = self.max_tokens()
+        if wanted is not None and len(prompt) + wanted > ctx:
+            raise P.ApiError(400, f"max_tokens={wanted} with a {len(prompt)}-token prompt passes the context "
+                             f"of {ctx} tokens (at most {ctx - len(prompt)})", param="max_tokens",
+                             code="context_length_exceeded")
+        job = Job(prompt, P.sampling(self.req, wanted or ctx - len(prompt)), loop)
+        try:
+            self.state.worker.submit(job)
+        except P.ApiError as e:
+            self.state.metrics.rejected(e.status)
+            raise
+        return job
+
+    async def collect(self, job: Job, request):
+        """Wait for the whole answer; a client that leaves cancels the job."""
+        items = []
+        while True:
+            try:
+                item = await asyncio.wait_for(job.events.get(), timeout=0.5)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    job.cancelled.set()
+                continue
+            if item is None:
+                break
+            if isinstance(item, P.ApiError):
+                raise item
+            items.append(item)
+        self.done = next(i for i in items if isinstance(i, Done))
+        text = "".join(i.text for i in items if not isinstance(i, Done))
+        return self.response(text, self.done.finish_reason)
+
+    def usage(self) -> dict:
+        s = self.done.stats
+        return {"prompt_tokens": s.prompt_tokens, "completion_tokens": len(s.generated),
+                "total_tokens": s.prompt_tokens + len(s.generated),
+                "prompt_tokens_details": {"cached_tokens": s.cached_tokens}}
+
+    def chunk(self, choices: list[dict], usage: dict | None = None) -> dict:
+        out = {"id": self.id, "object": self.chunk_name, "created": self.created, "model": self.state.model_name,
+               "choices": choices}
+        if usage is not None:
+            out["usage"] = usage
+        return out
+
+    def stream_chunks(self, item) -> list[dict]:
+        if isinstance(item, P.ApiError):
+            return [item.body()]
+        if isinstance(item, Done):
+            self.done = item
+            return []
+        if item is None:
+            opts = self.req.stream_options
+            return [self.chunk([], self.usage())] if opts and opts.include_usage and self.done else []
+        return self.event_chunks(item)
+
+
+class ChatRun(_Run):
+    prefix, chunk_name, prompt_field = "chatcmpl", "chat.completion.chunk", "messages"
+
+    def __init__(self, state, req):
+        super().__init__(state, req)
+        self.parser = OutputParser()
+        self.tool_index = 0
+
+    def max_tokens(self) -> int | None:
+        return self.req.max_completion_tokens or self.req.max_tokens
+
+    def prompt_ids(self) -> list[int]:
+        tools = None if self.req.tool_choice == "none" else self.req.tools
+        try:
+            text = self.engine.codec.render_chat(P.message_dicts(self.req.messages), tools=tools)
+        except (jinja2.TemplateError, ValueError, TypeError) as e:
+            raise P.ApiError(400, f"messages: the chat template rejected them ({e})", param="messages") from None
+        return self.engine.codec.encode(text)
+
+    def response(self, text: str, finish: str) -> dict:
+        content, reasoning, calls = split_final(text)
+        message = {"role": "assistant", "content": content if content or not calls else None}
+        if reasoning:
+            message["reasoning_content"] = reasoning
+        if calls:
+            message["tool_calls"] = calls
+            finish = "tool_calls" if finish == "stop" else finish
+        return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.state.model_name,
+                "choices": [{"index": 0, "message": message, "finish_reason": finish}], "usage": self.usage()}
+
+    def event_chunks(self, event) -> list[dict]:
+        items = self.parser.feed(event.text) + (self.parser.finish() if event.finish_reason else [])
+        chunks = []
+        if not self.sent_role:
+            self.sent_role = True
+            chunks.append(self.chunk([{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                       "finish_reason": None}]))
+        for kind, value in items:
+            chunks.append(self.chunk([{"index": 0, "delta": self._delta(kind, value), "finish_reason": None}]))
+        if event.finish_reason:
+            finish = "tool_calls" if self.parser.calls and event.finish_reason == "stop" else event.finish_reason
+            chunks.append(self.chunk([{"index": 0, "delta": {}, "finish_reason": finish}]))
+        return chunks
+
+
+    def _delta(self, kind: str, value) -> dict:
+        if kind == "content":
+            return {"content": value}
+        if kind == "reasoning":
+            return {"reasoning_content": value}
+        self.tool_index += 1
+        return {"tool_calls": [{"index": self.tool_index - 1, **value}]}
+
+
+class CompletionRun(_Run):
+    prefix, chunk_name, prompt_field = "cmpl", "text_completion", "prompt"
+
+    def prompt_ids(self) -> list[int]:
+        prompt = self.req.prompt
+        if isinstance(prompt, list):
+            vocab = self.engine.pack.model.vocab_size
+            if any(not 0 <= t < vocab for t in prompt):
+                raise P.ApiError(400, f"prompt: token ids must be in [0, {vocab})", param="prompt")
+            return list(prompt)
+        if not prompt:
+            raise P.ApiError(400, "prompt: must not be empty", param="prompt")
+        return self.engine.codec.encode(prompt)
+
+    def response(self, text: str, finish: str) -> dict:
+        if self.req.echo and isinstance(self.req.prompt, str):
+            text = self.req.prompt + text
+        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.state.model_name,
+                "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}],
+                "usage": self.usage()}
+
+    def event_chunks(self, event) -> list[dict]:
+        return [self.chunk([{"index": 0, "text": event.text, "finish_reason": event.finish_reason,
+                             "logprobs": None}])]

@@ -1,0 +1,120 @@
+"""Run the server: listen at once (/health says 503 while loading), start the engine
+through the start-up discipline in the background, record the run in the history."""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import sys
+import threading
+
+import uvicorn
+
+from moefit.errors import MoefitError, UsageError
+from moefit.serve.app import ServerState, create_app
+from moefit.serve.worker import Worker
+
+HISTORY_EVERY_S = 30.0
+PROFILE_EVERY_S = 300.0
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_bind(host: str, api_key: str | None, insecure: bool) -> None:
+    if not is_loopback(host) and not api_key and not insecure:
+        raise UsageError(f"refusing to listen on {host} without an API key: give --api-key (or MOEFIT_API_KEY), "
+                         "or --insecure if this network is yours alone")
+
+
+class Server:
+    """Usage: Server(pack, cfg, opts, http).run() -> exit code"""
+
+    def __init__(self, pack, cfg, start_opts, http: dict):
+        self.pack, self.cfg, self.start_opts, self.http = pack, cfg, start_opts, http
+        self.state = ServerState(http["model_name"], http["api_key"], http["max_body_bytes"], http["keepalive_s"])
+        self.exit_code = 0
+        self._stop = threading.Event()
+        config = uvicorn.Config(create_app(self.state), host=http["host"], port=http["port"], log_level="warning",
+                                timeout_graceful_shutdown=3)
+        self.uvicorn = uvicorn.Server(config)
+
+    def run(self) -> int:
+        threading.Thread(target=self._load, name="moefit-load", daemon=True).start()
+        try:
+            self.uvicorn.run()
+        finally:
+            self._shutdown()
+        return self.exit_code
+
+    def _load(self) -> None:
+        from moefit.ops.startup import start_engine
+        from moefit.runtime.guard import Guard
+        try:
+            engine, start = start_engine(self.pack, self.cfg, self.start_opts, command="serve")
+        except MoefitError as e:
+            self.state.load_error = str(e).splitlines()[0]
+            print(f"moefit: {e}", file=sys.stderr, flush=True)
+            self.exit_code = e.exit_code
+            self.uvicorn.should_exit = True
+            return
+        guard = Guard(engine, self.cfg.min_free_vram_mib << 20, self.cfg.grow_margin_mib << 20)
+        self.state.guard, self.state.start = guard, start
+        self.state.worker = Worker(engine, guard, self.state.metrics, self.http["max_queue"])
+        self.state.engine = engine
+        print(banner(self.http, self.state.model_name), file=sys.stderr, flush=True)
+        threading.Thread(target=self._record_loop, name="moefit-history", daemon=True).start()
+
+    def _record(self) -> None:
+        engine, start, guard = self.state.engine, self.state.start, self.state.guard
+        if engine is not None and start is not None:
+            start.finish(engine, guard_warnings=guard.warnings, cache_resizes=guard.resizes)
+
+    def _record_loop(self) -> None:
+        waited = 0.0
+        while not self._stop.wait(HISTORY_EVERY_S):
+            self._record()
+            waited += HISTORY_EVERY_S
+            if waited >= PROFILE_EVERY_S:
+                self.state.engine.save_profile()
+                waited = 0.0
+
+    def _shutdown(self) -> None:
+        self._stop.set()
+        if self.state.worker is not None:
+            self.state.worker.stop()
+        if self.state.engine is not None:
+            self._record()
+            try:
+                self.state.engine.save_profile()
+            except OSError as e:
+                print(f"moefit: warning: could not save the learned profile ({e})", file=sys.stderr)
+        print("moefit: stopped", file=sys.stderr, flush=True)
+
+
+def banner(http: dict, model: str) -> str:
+    url = f"http://{http['host']}:{http['port']}"
+    auth = f" -H 'Authorization: Bearer {'$MOEFIT_API_KEY'}'" if http["api_key"] else ""
+    key = "os.environ['MOEFIT_API_KEY']" if http["api_key"] else "'none'"
+    return f"""
+moefit is serving {model} at {url}  (page: {url}/, status: {url}/v1/status, metrics: {url}/metrics)
+
+  curl -s {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\
+    -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "Define: lantern"}}], "max_tokens": 40}}'
+
+  python -c "from openai import OpenAI; import os; c = OpenAI(base_url='{url}/v1', api_key={key}); \\
+print(c.chat.completions.create(model='{model}', messages=[{{'role': 'user', 'content': 'Define: lantern'}}], \\
+max_tokens=40).choices[0].message.content)"
+
+Ctrl-C stops it.
+"""
+
+
+def setup_logging() -> None:
+    logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="moefit: %(message)s")

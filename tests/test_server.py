@@ -1,0 +1,289 @@
+"""A real `moefit serve` on a tiny model with the real Qwen3 tokenizer, driven by the
+official openai client. The model is overfit to answer one tool-using conversation with
+a <think> block and a <tool_call>, so parsing is tested on text a model really emits."""
+
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import torch
+
+from moefit.memory.simcard import write_card
+
+import tiny
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                          "required": ["city"]}}}]
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+ANSWER = ('<think>\nThe user wants the weather.\n</think>\n\n<tool_call>\n{"name": "get_weather", '
+          '"arguments": {"city": "Paris"}}\n</tool_call><|im_end|>')
+CARD = dict(name="RTX 4070 (simulated)", total_mib=120.0)
+DESKTOP = [(2101, "gnome-shell", 10.0)]
+
+
+def overfit_tool_model(hf_dir, tokenizer_dir):
+    """Train the tiny model until it answers ASK (with TOOLS) with ANSWER, greedily."""
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+    tiny.build_checkpoint("qwen3_moe", hf_dir, tokenizer_dir=tokenizer_dir, tie_word_embeddings=True)
+    tok = PreTrainedTokenizerFast.from_pretrained(tokenizer_dir)
+    prompt = tok.apply_chat_template(ASK, tools=TOOLS, tokenize=False, add_generation_prompt=True)
+    p_ids = tok(prompt, add_special_tokens=False)["input_ids"]
+    ids = torch.tensor([p_ids + tok(ANSWER, add_special_tokens=False)["input_ids"]])
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    labels = ids.clone()
+    labels[0, :len(p_ids)] = -100
+    for _ in range(150):
+        loss = model(ids, labels=labels).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if loss.item() < 0.01:
+            break
+    for old in list(hf_dir.glob("*.safetensors")) + list(hf_dir.glob("*.index.json")):
+        old.unlink()
+    model.save_pretrained(hf_dir)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Served:
+    def __init__(self, pack, card_path, state_dir, *extra):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "moefit", "serve", str(pack), "--port", str(self.port), "--device",
+               f"sim:{card_path}", "--ctx", "512", "--vram-reserve-mib", "8", "--low-headroom-mib", "0",
+               "--min-free-vram-mib", "8", "--grow-margin-mib", "1", "--min-expert-slots", "0", "--served-model-name", "tiny",
+               "--state-dir", str(state_dir), "--settle-s", "0", "--keepalive-s", "0.2", *extra]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            try:
+                if httpx.get(self.url + "/health").status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            assert self.proc.poll() is None, self.proc.stderr.read()
+            time.sleep(0.2)
+        raise TimeoutError("moefit serve did not become ready")
+
+    def stop(self) -> str:
+        self.proc.terminate()
+        _, err = self.proc.communicate(timeout=30)
+        return err
+
+
+@pytest.fixture(scope="module")
+def model_pack(tmp_path_factory, qwen3_tokenizer_dir):
+    from moefit.pack.convert import convert
+    root = tmp_path_factory.mktemp("server-model")
+    overfit_tool_model(root / "hf", qwen3_tokenizer_dir)
+    convert(root / "hf", root / "pack", "int8", progress=False)
+    return root / "pack"
+
+
+@pytest.fixture(scope="module")
+def server(model_pack, tmp_path_factory):
+    root = tmp_path_factory.mktemp("server")
+    card = root / "card.json"
+    write_card(card, CARD["name"], CARD["total_mib"], DESKTOP)
+    s = Served(model_pack, card, root / "state", "--max-queue", "1")
+    s.card = card
+    s.client = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0)
+    yield s
+    s.stop()
+
+
+def test_chat_completion_with_usage(server):
+    r = server.client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
+                                              max_tokens=5, temperature=0)
+    assert r.choices[0].finish_reason in ("stop", "length") and r.usage.completion_tokens <= 5
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+def test_streaming_with_usage(server):
+    stream = server.client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
+                                                   max_tokens=6, temperature=0, stream=True,
+                                                   stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-2].choices[0].finish_reason == "length"
+    assert chunks[-1].usage.completion_tokens == 6 and chunks[-1].choices == []
+
+
+def test_completions_and_models(server):
+    r = server.client.completions.create(model="tiny", prompt="The lantern", max_tokens=4, temperature=0,
+                                         extra_body={"ignore_eos": True})
+    assert r.object == "text_completion" and r.usage.completion_tokens == 4
+    r2 = server.client.completions.create(model="tiny", prompt=[1, 2, 3], max_tokens=2, extra_body={"ignore_eos": True})
+    assert r2.usage.prompt_tokens == 3
+    assert [m.id for m in server.client.models.list().data] == ["tiny"]
+
+
+def test_the_tool_schema_is_rendered_into_the_prompt(server, qwen3_tokenizer_dir):
+    from transformers import PreTrainedTokenizerFast
+    tok = PreTrainedTokenizerFast.from_pretrained(qwen3_tokenizer_dir)
+    want = len(tok.apply_chat_template(ASK, tools=TOOLS, add_generation_prompt=True, tokenize=True)["input_ids"])
+    r = server.client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, max_tokens=1)
+    assert r.usage.prompt_tokens == want
+    r = server.client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice="none", max_tokens=1)
+    assert r.usage.prompt_tokens < want
+
+
+def test_tool_calls_and_reasoning_are_parsed(server):
+    r = server.client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, temperature=0, max_tokens=60)
+    msg = r.choices[0]
+    assert msg.finish_reason == "tool_calls"
+    call = msg.message.tool_calls[0]
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+    assert msg.message.model_extra["reasoning_content"] == "The user wants the weather."
+
+
+def test_tool_calls_stream_as_deltas(server):
+    stream = server.client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, temperature=0,
+                                                   max_tokens=60, stream=True)
+    reasoning, calls, finish = "", [], None
+    for chunk in stream:
+        d = chunk.choices[0].delta
+        reasoning += (d.model_extra or {}).get("reasoning_content") or ""
+        calls += d.tool_calls or []
+        finish = chunk.choices[0].finish_reason or finish
+    assert "The user wants the weather." in reasoning and finish == "tool_calls"
+    assert calls[0].function.name == "get_weather" and calls[0].index == 0
+
+
+def test_a_tool_result_round_trips_and_the_prefix_is_reused(server):
+    first = server.client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, temperature=0, max_tokens=60)
+    call = first.choices[0].message.tool_calls[0]
+    follow = ASK + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                    {"role": "tool", "tool_call_id": call.id, "content": '{"temp": 21}'}]
+    r = server.client.chat.completions.create(model="tiny", messages=follow, tools=TOOLS, max_tokens=2)
+    cached = r.usage.prompt_tokens_details.cached_tokens
+    assert cached >= first.usage.prompt_tokens - 1 and cached < r.usage.prompt_tokens
+
+
+@pytest.mark.parametrize("body,status,param", [
+    ({"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, 400, "temperature"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, 400, "messages.0.role"),
+    ({"messages": [{"role": "user", "content": "x"}], "n": 2}, 400, "n"),
+    ({"messages": [{"role": "user", "content": "x"}], "temperature": 5}, 400, "temperature"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_p": 0}, 400, "top_p"),
+    ({"messages": [{"role": "user", "content": "x " * 600}]}, 400, "messages"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 100000}, 400, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "x"}], "model": "gpt-9"}, 404, "model"),
+    ({"messages": []}, 400, "messages"),
+])
+def test_bad_requests_name_the_field(server, body, status, param):
+    r = httpx.post(server.url + "/v1/chat/completions", json=body)
+    assert r.status_code == status
+    err = r.json()["error"]
+    assert err["param"] == param and err["message"]
+    assert "Traceback" not in r.text and "/" not in err["message"].split("(")[0]
+
+
+def test_malformed_json_is_a_400_and_the_server_keeps_serving(server):
+    r = httpx.post(server.url + "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    assert server.client.chat.completions.create(model="tiny", messages=ASK, max_tokens=1).usage.completion_tokens == 1
+
+
+def test_a_client_that_disconnects_stops_its_generation(server):
+    body = {"model": "tiny", "prompt": "a", "max_tokens": 400, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i > 4:
+                break
+    t0 = time.time()
+    r = server.client.completions.create(model="tiny", prompt="b", max_tokens=2, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 2 and time.time() - t0 < 5
+    recent = httpx.get(server.url + "/v1/status").json()["recent_requests"]
+    assert any(0 < x["generated"] < 400 for x in recent)
+
+
+def test_a_full_queue_answers_429_with_retry_after(server):
+    body = {"model": "tiny", "prompt": "a", "max_tokens": 300, "ignore_eos": True}
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(httpx.post(server.url + "/v1/completions", json=body,
+                                                                          timeout=60))) for _ in range(4)]
+    for t in threads:
+        t.start()
+        time.sleep(0.05)
+    for t in threads:
+        t.join()
+    codes = sorted(r.status_code for r in results)
+    assert codes.count(200) >= 2 and 429 in codes
+    rejected = next(r for r in results if r.status_code == 429)
+    assert int(rejected.headers["retry-after"]) >= 1 and rejected.json()["error"]["type"] == "rate_limit_exceeded"
+
+
+def test_status_and_metrics(server):
+    status = httpx.get(server.url + "/v1/status").json()
+    assert [line["name"] for line in status["ledger"]][:2] == ["other processes", "dense weights"]
+    assert status["serve_check"]["status"] == "OK" and "layer_hit_rates" in status["expert_cache"]
+    assert status["speculative"]["enabled"] is False and status["uptime_s"] > 0
+    text = httpx.get(server.url + "/metrics").text
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:prompt_tokens_total",
+                 "vllm:generation_tokens_total", "vllm:time_to_first_token_seconds_bucket",
+                 "vllm:e2e_request_latency_seconds_count", "vllm:kv_cache_usage_perc", "moefit_expert_cache_slots",
+                 "moefit_expert_cache_hits_total", "moefit_device_free_bytes", "moefit_guard_warnings_total"):
+        assert name in text
+
+
+def test_the_guard_shrinks_the_cache_and_it_grows_back(server):
+    slots = lambda: httpx.get(server.url + "/v1/status").json()["expert_cache"]["slots"]  # noqa: E731
+    ask = lambda: server.client.chat.completions.create(model="tiny", messages=ASK, max_tokens=2)  # noqa: E731
+    full = slots()
+    free = httpx.get(server.url + "/v1/status").json()["device_now"]["free_bytes"] / 2**20
+    write_card(server.card, CARD["name"], CARD["total_mib"], DESKTOP + [(5000, "blender", free - 7.6)])
+    ask()
+    status = httpx.get(server.url + "/v1/status").json()
+    assert status["guard"]["warnings"] >= 1 and status["expert_cache"]["slots"] < full
+    assert any(e["kind"] == "shrink" for e in status["guard"]["events"])
+    write_card(server.card, CARD["name"], CARD["total_mib"], DESKTOP)
+    ask()
+    assert slots() == full
+    assert any(e["kind"] == "grow" for e in httpx.get(server.url + "/v1/status").json()["guard"]["events"])
+
+
+def test_out_of_memory_mid_request_is_a_503_then_the_next_request_works(server):
+    status = httpx.get(server.url + "/v1/status").json()
+    free = status["device_now"]["free_bytes"] / 2**20
+    write_card(server.card, CARD["name"], CARD["total_mib"], DESKTOP + [(6000, "game", free + 0.3)])
+    with pytest.raises(openai.APIStatusError) as e:
+        server.client.chat.completions.create(model="tiny", messages=ASK, max_tokens=2)
+    assert e.value.status_code == 503 and "ran out of memory" in e.value.message
+    write_card(server.card, CARD["name"], CARD["total_mib"], DESKTOP)
+    assert server.client.chat.completions.create(model="tiny", messages=ASK, max_tokens=2).usage.completion_tokens == 2
+
+
+def test_an_api_key_is_required_and_checked(model_pack, tmp_path):
+    card = tmp_path / "card.json"
+    write_card(card, CARD["name"], CARD["total_mib"], DESKTOP)
+    s = Served(model_pack, card, tmp_path / "state", "--api-key", "s3cret")
+    try:
+        assert httpx.get(s.url + "/health").status_code == 200
+        assert httpx.get(s.url + "/v1/models").status_code == 401
+        bad = openai.OpenAI(base_url=s.url + "/v1", api_key="wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            bad.models.list()
+        good = openai.OpenAI(base_url=s.url + "/v1", api_key="s3cret", max_retries=0)
+        assert good.chat.completions.create(model="tiny", messages=ASK, max_tokens=1).usage.completion_tokens == 1
+    finally:
+        s.stop()
+
+
+def test_a_public_address_without_a_key_is_refused(model_pack):
+    r = subprocess.run([sys.executable, "-m", "moefit", "serve", str(model_pack), "--host", "0.0.0.0"],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "without an API key" in r.stderr
