@@ -114,5 +114,5 @@ def from_pack_header(header: dict, compute_dtype: str) -> Footprint:
     names = device_dense_names(m, tensors)
     dense = sum(_numel(tensors[n]["shape"]) for n in names) * COMPUTE_BYTES[compute_dtype]
     blobs = {(row[0], row[1]): row[3] for row in header["experts"]["index"]}
-    draft = (header.get("draft") or {}).get("bytes", 0)
+    draft = (header.get("draft") or {}).get("params", 0) * COMPUTE_BYTES[compute_dtype]
     return Footprint(m, compute_dtype, dense, blobs, draft)

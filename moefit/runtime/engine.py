@@ -21,7 +21,10 @@ from moefit.config import ServeConfig
 from moefit.errors import DeviceOutOfMemory, UsageError
 from moefit.pack.reader import Pack
 from moefit.runtime.loader import Loaded, load
+from moefit.runtime.decoding import token_stream
+from moefit.runtime.draft_head import load_draft_head
 from moefit.runtime.sampler import Sampler, SamplingParams
+from moefit.runtime.speculative import Window
 from moefit.runtime.text import Detokenizer, StopMatcher, TextCodec
 
 
@@ -43,6 +46,11 @@ class SpecStats:
     @property
     def acceptance(self) -> float:
         return self.accepted / self.drafted if self.drafted else 0.0
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.windows += 1
+        self.drafted += drafted
+        self.accepted += accepted
 
 
 @dataclass
@@ -73,8 +81,23 @@ class Engine:
         self.kv_tokens: list[int] = []              # tokens whose KV sits at positions 0..n
         self.eos_ids = self._eos_ids()
         self.last = RequestStats()
+        self.hidden = self.last_hidden = None      # final hidden states of the last forward
         self.spec_stats = SpecStats()
+        self.spec_mode, self.spec_reason = self._spec_mode()
+        self.window = Window(cfg.spec_window)
+        self.draft_head = load_draft_head(self.pack, loaded) if self.spec_mode == "head" else None
         self.steps = 0
+
+    def _spec_mode(self) -> tuple[str, str]:
+        plan, cfg = self.loaded.plan, self.cfg
+        if plan is not None:
+            return (plan.spec_reason.split(":")[0], plan.spec_reason) if plan.spec_enabled else ("off", plan.spec_reason)
+        if cfg.spec == "off":
+            return "off", "--spec off"
+        if cfg.spec == "head" and not self.pack.draft:
+            return "off", "the pack has no draft head (train one with `moefit train-draft`, or use --spec lookup)"
+        mode = cfg.spec if cfg.spec != "auto" else ("head" if self.pack.draft else "lookup")
+        return mode, f"{mode}: window {cfg.spec_window} (cpu device: no reserve to check)"
 
     @staticmethod
     def open(pack_path, cfg: ServeConfig, log=lambda msg: None) -> "Engine":
@@ -105,7 +128,9 @@ class Engine:
         ids = torch.tensor(tokens, dtype=torch.long)
         try:
             h = self.model.forward(ids, start, self.loaded.kv, self.runner)
-            return self.model.logits(h[-1:] if last_only else h)
+            self.hidden = h[-1:] if last_only else h
+            self.last_hidden = h[-1]
+            return self.model.logits(self.hidden)
         except torch.OutOfMemoryError:
             raise DeviceOutOfMemory(f"CUDA out of memory in a forward of {len(tokens)} tokens") from None
 
@@ -139,27 +164,24 @@ class Engine:
         stats = self.last = RequestStats(prompt_tokens=len(prompt))
         sampler = Sampler(params, prompt, self.pack.model.vocab_size)
         detok, stops = Detokenizer(self.codec), StopMatcher(params.stop)
+        budget = min(params.max_tokens, self.cfg.ctx - len(prompt))
         t0 = time.perf_counter()
-        logits, stats.cached_tokens = self.prefill(prompt)
-        stats.prefill_s = time.perf_counter() - t0
-        pos, budget = len(prompt), min(params.max_tokens, self.cfg.ctx - len(prompt))
-        t1 = time.perf_counter()
-        while True:
-            token = sampler.next(logits)
-            sampler.accept(token)
-            stats.generated.append(token)
-            if len(stats.generated) == 1:
-                stats.first_token_s = time.perf_counter() - t0
-            reason = self._finish(token, params, len(stats.generated), budget)
-            text, stopped = ("", False) if token in self.eos_ids and reason else stops.feed(detok.push(token))
-            if stopped or reason or cancelled():
-                stats.decode_s = time.perf_counter() - t1
-                tail = "" if stopped else stops.flush()
-                yield Event(token, text + tail, "stop" if stopped else reason or "cancelled")
-                return
-            yield Event(token, text)
-            logits = self.decode_step(token, pos)
-            pos += 1
+        tokens = token_stream(self, prompt, sampler, budget)
+        try:
+            for token in tokens:
+                stats.generated.append(token)
+                if len(stats.generated) == 1:
+                    stats.first_token_s = stats.prefill_s = time.perf_counter() - t0
+                reason = self._finish(token, params, len(stats.generated), budget)
+                text, stopped = ("", False) if token in self.eos_ids and reason else stops.feed(detok.push(token))
+                if stopped or reason or cancelled():
+                    stats.decode_s = time.perf_counter() - t0 - stats.prefill_s
+                    tail = "" if stopped else stops.flush()
+                    yield Event(token, text + tail, "stop" if stopped else reason or "cancelled")
+                    return
+                yield Event(token, text)
+        finally:
+            tokens.close()
 
     def _finish(self, token: int, params: SamplingParams, n: int, budget: int) -> str | None:
         if (token in self.eos_ids and not params.ignore_eos) or token in params.stop_token_ids:

@@ -70,8 +70,8 @@ def load(pack: Pack, cfg: ServeConfig, log=lambda msg: None) -> Loaded:
     runner = ExpertRunner(pack, mem, book, profile)
     notes = []
     if the_plan is not None:
-        if device.kind == "sim":
-            mem.charge_block(L.RESERVE, the_plan.reserve.total)
+        if device.kind == "sim":    # the draft head's weights are placed inside this line later
+            mem.charge_block(L.RESERVE, the_plan.reserve.total - the_plan.reserve.draft)
         notes = fill_cache(runner, the_plan, device.kind, log)
     return Loaded(pack, mem, the_plan, model, kv, runner, cdt, notes)
 

@@ -21,6 +21,17 @@ def cache_json(engine) -> dict:
     }
 
 
+def speculative_json(engine) -> dict:
+    st, window = engine.spec_stats, engine.window
+    recent = window.history[-64:]
+    mean = lambda key: sum(w[key] for w in recent) / len(recent) if recent else 0.0  # noqa: E731
+    return {"enabled": engine.spec_mode != "off", "mode": engine.spec_mode, "reason": engine.spec_reason,
+            "accepted": st.accepted, "drafted": st.drafted, "windows": st.windows,
+            "acceptance_rate": st.acceptance, "accepted_per_window": st.accepted / st.windows if st.windows else 0.0,
+            "window_now": window.k if not window.off_for else 0, "speedup_estimate": window.speedup(),
+            "distinct_experts_per_window": mean("distinct_experts"), "misses_per_window": mean("misses")}
+
+
 def status_json(engine) -> dict:
     """Ledger, cache statistics, serve check, speculative state and the device now."""
     plan = engine.loaded.plan
@@ -33,8 +44,7 @@ def status_json(engine) -> dict:
             out["device_now"] = device_json(engine.loaded.mem.snapshot())
         except DeviceUnavailable as e:
             out["device_now"] = {"error": str(e)}
-    out.setdefault("speculative", {"enabled": False, "mode": "off", "reason": "cpu device: no reserve"})
-    out["speculative"].update(accepted=0, drafted=0)
+    out["speculative"] = speculative_json(engine)
     out["compute_dtype"] = engine.loaded.compute_dtype
     out["notes"] = engine.loaded.notes
     return out

@@ -1,0 +1,127 @@
+"""Speculative decoding: lossless for greedy, the sampling rule keeps the distribution,
+paid for from the reserve, and the window backs off when drafts do not pay."""
+
+import pytest
+import torch
+
+from moefit.config import ServeConfig
+from moefit.runtime.engine import Engine
+from moefit.runtime.sampler import SamplingParams
+from moefit.runtime.speculative import NgramIndex, Window, accept_or_resample
+
+from conftest import FAMILIES
+import tiny
+
+GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+# A prompt that repeats itself, so prompt lookup has something to propose.
+PROMPT = [5, 17, 42, 99, 7, 3, 150, 220, 31, 64] * 4 + [5, 17, 42]
+
+
+def run(pack, prompt=PROMPT, params=GREEDY, **flags):
+    engine = Engine.open(pack, ServeConfig(**{"ctx": 128, **flags}))
+    return engine, engine.generate(prompt, params)[1].generated
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prompt_lookup_keeps_greedy_output(family, packs):
+    _, want = run(packs(family, "int8"))
+    engine, got = run(packs(family, "int8"), spec="lookup", spec_window=4)
+    assert got == want
+    assert engine.spec_stats.windows > 0 and engine.spec_stats.drafted > 0
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_is_unchanged_across_a_prompt_reuse_boundary_and_at_the_context_end(family, packs):
+    pack = packs(family, "int8")
+    plain = Engine.open(pack, ServeConfig(ctx=64))
+    spec = Engine.open(pack, ServeConfig(ctx=64, spec="lookup", spec_window=3))
+    first = PROMPT[:20]
+    for engine in (plain, spec):
+        engine.generate(first, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
+    second = first + plain.last.generated + [7, 3]
+    long = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)          # runs into the context end
+    outs = [e.generate(second, long)[1] for e in (plain, spec)]
+    assert outs[1].cached_tokens > 0 and outs[0].generated == outs[1].generated
+    assert len(second) + len(outs[1].generated) == 64
+
+
+def test_a_trained_draft_head_keeps_greedy_output(checkpoints, tmp_path):
+    from moefit.pack.convert import convert
+    from moefit.runtime import draft_head
+    convert(checkpoints["qwen3_moe"], tmp_path / "pack", "int8", progress=False)
+    base = Engine.open(tmp_path / "pack", ServeConfig(ctx=256))
+    corpus = base.codec.encode(" ".join(tiny.CORPUS))
+    head = draft_head.train(base, corpus, heads=3, steps=60)
+    draft_head.save(tmp_path / "pack", head, {"steps": 60})
+    _, want = run(tmp_path / "pack")
+    engine, got = run(tmp_path / "pack", spec="head", spec_window=3)
+    assert engine.spec_mode == "head" and got == want
+    assert engine.spec_stats.windows > 0
+
+
+def test_the_draft_head_is_paid_for_from_the_reserve(checkpoints, tmp_path, card):
+    from moefit.memory import ledger as L
+    from moefit.pack.convert import convert
+    from moefit.runtime import draft_head
+    convert(checkpoints["mixtral"], tmp_path / "pack", "int8", progress=False)
+    base = Engine.open(tmp_path / "pack", ServeConfig(ctx=256))
+    draft_head.save(tmp_path / "pack", draft_head.train(base, list(range(3, 300)) * 3, 2, 5), {})
+    sim = dict(device=f"sim:{card(64)}", ctx=64, low_headroom_mib=0, min_expert_slots=0, spec="head", prefill_chunk=64)
+    engine = Engine.open(tmp_path / "pack", ServeConfig(vram_reserve_mib=2, **sim))
+    plan = engine.loaded.plan
+    assert engine.spec_mode == "head" and plan.reserve.draft == 2 * (64 * 64 + 64) * 4
+    assert engine.loaded.mem.charged[L.RESERVE] == plan.reserve.total
+    small = Engine.open(tmp_path / "pack", ServeConfig(vram_reserve_mib=0, **sim))
+    assert small.spec_mode == "off" and "short" in small.spec_reason and "a reserve of" in small.spec_reason
+    status = __import__("moefit.runtime.report", fromlist=["x"]).status_json(small)
+    assert status["speculative"]["enabled"] is False and "short" in status["speculative"]["reason"]
+
+
+def test_the_sampling_rule_keeps_the_target_distribution():
+    g = torch.Generator().manual_seed(0)
+    p = torch.tensor([0.5, 0.2, 0.2, 0.1])
+    q = torch.tensor([0.1, 0.6, 0.2, 0.1])
+    counts = torch.zeros(4)
+    n = 20000
+    for _ in range(n):
+        draft = int(torch.multinomial(q, 1, generator=g))
+        token, _ = accept_or_resample(p, draft, q, float(torch.rand((), generator=g)), g)
+        counts[token] += 1
+    assert torch.allclose(counts / n, p, atol=0.015)
+    counts.zero_()
+    for _ in range(n):                                     # a deterministic draft (prompt lookup)
+        token, _ = accept_or_resample(p, 1, None, float(torch.rand((), generator=g)), g)
+        counts[token] += 1
+    assert torch.allclose(counts / n, p, atol=0.015)
+
+
+def test_the_window_turns_off_when_nothing_is_accepted_and_probes_later():
+    w = Window(k_max=4, cooldown=3)
+    sizes = []
+    for _ in range(20):
+        k = w.size()
+        sizes.append(k)
+        if k:
+            w.record(k, accepted=0, seconds=0.01, distinct_experts=10, misses=5)
+    assert sizes[0] == 4 and 0 in sizes and min(s for s in sizes if s) == 1
+    w2 = Window(k_max=4, k=2)
+    w2.record(2, accepted=2, seconds=0.01, distinct_experts=6, misses=1)
+    assert w2.k == 3
+
+
+def test_lookup_finds_the_latest_earlier_continuation():
+    ix = NgramIndex()
+    assert ix.draft([1, 2, 3, 4, 1, 2], 2) == [3, 4]
+    assert ix.draft([1, 2, 3, 4, 1, 2, 9], 2) == []
+
+
+def test_generate_json_reports_speculation(packs):
+    import json
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-m", "moefit", "generate", str(packs("olmoe", "int8")), "--prompt",
+                        "the lantern burns the lantern burns the lantern", "--max-tokens", "12", "--spec", "lookup",
+                        "--json", "--ignore-eos"], capture_output=True, text=True)
+    spec = json.loads(r.stdout)["speculative"]
+    assert r.returncode == 0 and spec["mode"] == "lookup" and spec["windows"] >= 1
+    assert {"accepted", "drafted", "acceptance_rate", "distinct_experts_per_window"} <= set(spec)
