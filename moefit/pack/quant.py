@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from moefit import kernels
 from moefit.pack.layout import FLOAT_QUANTS, Part
 
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
@@ -51,7 +52,10 @@ def dequantize(parts: dict[str, torch.Tensor], name: str, quant: str, dtype: tor
 
 
 def qlinear(x: torch.Tensor, parts: dict[str, torch.Tensor], name: str, quant: str) -> torch.Tensor:
-    """x [T, C] @ W[R, C]^T with W quantized; int8 applies its per-row scale after the matmul."""
+    """x [T, C] @ W[R, C]^T with W quantized: the host kernel for a few tokens, else
+    dequantise and multiply (int8 applies its per-row scale after the matmul)."""
+    if quant in ("int8", "int4") and kernels.usable(x):
+        return kernels.qgemv(x, parts, name, quant)
     if quant == "int8":
         return F.linear(x, parts[name].to(x.dtype)) * parts[name + ".scale"].to(x.dtype)
     return F.linear(x, dequantize(parts, name, quant, x.dtype))
