@@ -3,7 +3,6 @@ official openai client. The model is overfit to answer one tool-using conversati
 a <think> block and a <tool_call>, so parsing is tested on text a model really emits."""
 
 import json
-import socket
 import subprocess
 import sys
 import threading
@@ -17,6 +16,7 @@ import torch
 from moefit.memory.simcard import write_card
 
 import tiny
+from serving import Served
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -50,38 +50,6 @@ def overfit_tool_model(hf_dir, tokenizer_dir):
     for old in list(hf_dir.glob("*.safetensors")) + list(hf_dir.glob("*.index.json")):
         old.unlink()
     model.save_pretrained(hf_dir)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Served:
-    def __init__(self, pack, card_path, state_dir, *extra):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "moefit", "serve", str(pack), "--port", str(self.port), "--device",
-               f"sim:{card_path}", "--ctx", "512", "--vram-reserve-mib", "8", "--low-headroom-mib", "0",
-               "--min-free-vram-mib", "8", "--grow-margin-mib", "1", "--min-expert-slots", "0", "--served-model-name", "tiny",
-               "--state-dir", str(state_dir), "--settle-s", "0", "--keepalive-s", "0.2", *extra]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            try:
-                if httpx.get(self.url + "/health").status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            assert self.proc.poll() is None, self.proc.stderr.read()
-            time.sleep(0.2)
-        raise TimeoutError("moefit serve did not become ready")
-
-    def stop(self) -> str:
-        self.proc.terminate()
-        _, err = self.proc.communicate(timeout=30)
-        return err
 
 
 @pytest.fixture(scope="module")

@@ -19,22 +19,13 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from moefit.ops.history import History
+    from moefit.ops.history import History, contract_row
     rows = History(state_dir(args)).rows(args.config, args.last)
     if args.json:
         print_json({"starts": [contract_row(r) for r in rows]})
     else:
         print(render(rows) if rows else "no starts recorded yet")
     return 0
-
-
-def contract_row(r: dict) -> dict:
-    return {"id": r["id"], "time": r["time"], "config_hash": r["config_hash"],
-            "free_bytes_at_start": r["free_bytes_at_start"], "slots": r["slots"], "cache_bytes": r["cache_bytes"],
-            "outcome": r["outcome"], "hit_rate": r["hit_rate"], "decode_tokens_per_s": r["decode_tokens_per_s"],
-            "verdict": r["verdict"], "zero_check": r["zero_check"], "message": r["message"],
-            "guard_warnings": r["guard_warnings"], "cache_resizes": r["cache_resizes"], "slots_now": r["slots_now"],
-            "pack_id": r["pack_id"], "command": r["command"]}
 
 
 def render(rows: list[dict]) -> str:

@@ -56,7 +56,7 @@ class Device:
     spec: str
     kind: str                                  # "cpu" | "cuda" | "sim"
     index: int = 0
-    sim: "SimCard | None" = field(default=None, repr=False)
+    sim: object = field(default=None, repr=False)          # a SimCard when kind == "sim"
 
     @property
     def has_vram(self) -> bool:

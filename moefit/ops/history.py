@@ -112,6 +112,16 @@ class History:
         return [json.loads(r["config_json"]) for r in rows]
 
 
+def contract_row(r: dict) -> dict:
+    return {"id": r["id"], "time": r["time"], "config_hash": r["config_hash"],
+            "free_bytes_at_start": r["free_bytes_at_start"], "slots": r["slots"], "cache_bytes": r["cache_bytes"],
+            "outcome": r["outcome"], "hit_rate": r["hit_rate"], "decode_tokens_per_s": r["decode_tokens_per_s"],
+            "verdict": r["verdict"], "zero_check": r["zero_check"], "message": r["message"],
+            "guard_warnings": r["guard_warnings"], "cache_resizes": r["cache_resizes"], "slots_now": r["slots_now"],
+            "pack_id": r["pack_id"], "command": r["command"]}
+
+
+
 def range_verdict(slots: int, zero_check: str, zero_message: str, healthy: HealthyRange | None,
                   config: dict, calibrated: list[dict]) -> str:
     """Why a start landed where it did, in the words an operator needs."""

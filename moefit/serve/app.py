@@ -104,6 +104,18 @@ def _routes(app: FastAPI, state: ServerState) -> None:
     async def status():
         return _status(state)
 
+    @app.get("/v1/history")
+    async def history():
+        """This configuration's start history (the page's table)."""
+        from moefit.ops.history import HistoryError, contract_row
+        start = state.start
+        if start is None or start.history is None:
+            return {"starts": []}
+        try:
+            return {"starts": [contract_row(r) for r in start.history.rows(start.config_hash, last=20)]}
+        except HistoryError as e:
+            raise P.ApiError(503, str(e).split(": ", 1)[-1], kind="server_error") from None
+
     @app.get("/metrics")
     async def metrics():
         _ready(state)
