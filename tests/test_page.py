@@ -2,6 +2,7 @@
 selenium) against a real `moefit serve` on a tiny model and a simulated card."""
 
 import json
+import re
 import shutil
 import time
 
@@ -99,9 +100,10 @@ def test_the_hit_rate_chart_updates_after_requests(server, browser):
     before = browser.execute_script("return Number(document.getElementById('hit-chart').dataset.points || 0)")
     for _ in range(3):
         httpx.post(server.url + "/v1/completions", json={"prompt": "the lantern", "max_tokens": 8}, timeout=30)
-    wait_for(lambda: " 0 hits" not in browser.find_element("id", "cache-summary").text, what="hits in the summary")
-    after = browser.execute_script("return Number(document.getElementById('hit-chart').dataset.points)")
-    assert after > before
+    hits = lambda: int(re.search(r"\((\d+) hits", browser.find_element("id", "cache-summary").text)[1])  # noqa: E731
+    wait_for(lambda: hits() > 0, what="hits in the summary")
+    points = lambda: browser.execute_script("return Number(document.getElementById('hit-chart').dataset.points)")  # noqa: E731
+    wait_for(lambda: points() > before, what="new points on the chart")
     bars = browser.execute_script("return document.querySelectorAll('#layer-bars div').length")
     assert bars == 3
 
