@@ -43,22 +43,29 @@ def convert(hf_dir, out, recipe: str = "bf16", group_size: int = 32, progress: b
     Usage: convert("Qwen3-30B-A3B/", "qwen3.pack", recipe="int4")
     """
     hf_dir, out = Path(hf_dir), Path(out)
+    raw_cfg = _read_config(hf_dir)
+    tensors = _TensorSource(hf_dir)
+    return write_pack(tensors, raw_cfg, out, recipe, group_size, lambda dest: _copy_tokenizer(hf_dir, dest),
+                      progress, hf_dir.name)
+
+
+def write_pack(tensors, raw_cfg: dict, out: Path, recipe: str, group_size: int, write_tokenizer,
+               progress: bool = False, name: str = "model") -> dict:
+    """Write a pack from any tensor source (a checkpoint, or random weights for benchmarks)."""
     if recipe not in RECIPES:
         raise PackError(f"unknown quantization {recipe!r} (choose from {', '.join(RECIPES)})")
-    raw_cfg = _read_config(hf_dir)
     model = ModelConfig.from_hf(raw_cfg)
     quants = layer_quants(recipe, list(model.moe_layers))
     if any(q == "int4" for q in quants.values()):
         _checked(check_group, group_size, model.hidden_size, model.expert_size)
-    tensors = _TensorSource(hf_dir)
     writer = fmt.PackWriter(out)
     dense_dtype = recipe if recipe in FLOAT_QUANTS else tensors.float_dtype()
     bar = tqdm(total=len(tensors.dense_keys) + len(quants) * model.num_experts, unit="tensor",
-               desc=f"packing {hf_dir.name}", disable=not progress, file=sys.stderr)
+               desc=f"packing {name}", disable=not progress, file=sys.stderr)
     _write_dense(tensors, writer, dense_dtype, bar)
     layouts = _write_experts(tensors, writer, model, quants, group_size, bar)
     bar.close()
-    _copy_tokenizer(hf_dir, out)
+    write_tokenizer(out)
     return writer.finish({
         "moefit_version": __version__, "family": model.family, "model_config": raw_cfg,
         "quant": {"recipe": recipe, "group_size": group_size, "dense_dtype": dense_dtype,

@@ -1,0 +1,93 @@
+"""Write a pack of any shape with random weights and no checkpoint, so memory and speed can
+be measured at real sizes (Qwen3-30B-A3B, Mixtral, OLMoE from ../shared/configs).
+
+    .venv/bin/python bench/synthetic_pack.py ../shared/configs/qwen3-30b-a3b.json -o /tmp/q30.pack \\
+        --quant int4 [--layers 8]
+
+Weights are random (dense ~ N(0, 0.02), experts ~ N(0, 0.02) before quantization): the
+output is noise, the bytes, shapes, plan and speed are real. --layers keeps the first N
+layers, for a machine with less disk than the full model needs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from moefit.config import ModelConfig  # noqa: E402
+from moefit.memory.footprint import dense_shapes  # noqa: E402
+from moefit.pack import format as fmt  # noqa: E402
+from moefit.pack.convert import write_pack  # noqa: E402
+
+
+class RandomSource:
+    """The tensor-source interface of pack.convert, drawing random weights on demand."""
+
+    def __init__(self, model: ModelConfig, seed: int):
+        shapes = dense_shapes(model)
+        if not model.tie_word_embeddings:
+            shapes["model.embed_tokens.weight"] = (model.vocab_size, model.hidden_size)
+        self.shapes = shapes
+        self.dense_keys = list(shapes)
+        self.model = model
+        self.seed = seed
+
+    def float_dtype(self) -> str:
+        return "bf16"
+
+    def _randn(self, shape, salt: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + salt)
+        std = 1.0 if len(shape) == 1 else 0.02
+        return (torch.randn(shape, generator=g) * std + (1.0 if len(shape) == 1 else 0.0)).to(torch.bfloat16)
+
+    def get(self, key: str) -> torch.Tensor:
+        return self._randn(self.shapes[key], hash(key) % 100_000)
+
+    def expert(self, layer: int, expert: int):
+        m = self.model
+        salt = 100_000 + layer * 10_000 + expert
+        return (self._randn((2 * m.expert_size, m.hidden_size), salt),
+                self._randn((m.hidden_size, m.expert_size), salt + 5_000_000))
+
+
+def word_tokenizer(vocab: int):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return tok
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("config", help="an HF config.json")
+    ap.add_argument("-o", "--output", required=True)
+    ap.add_argument("--quant", default="int4")
+    ap.add_argument("--group-size", type=int, default=32)
+    ap.add_argument("--layers", type=int, help="keep only the first N layers")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    raw = json.loads(Path(args.config).read_text())
+    if args.layers:
+        raw["num_hidden_layers"] = args.layers
+        raw["max_window_layers"] = min(raw.get("max_window_layers", args.layers), args.layers)
+    model = ModelConfig.from_hf(raw)
+
+    def tokenizer(out: Path) -> None:
+        dest = out / fmt.TOKENIZER_DIR
+        dest.mkdir(parents=True, exist_ok=True)
+        word_tokenizer(model.vocab_size).save(str(dest / "tokenizer.json"))
+        (dest / "tokenizer_config.json").write_text(json.dumps({"eos_token": None}))
+    header = write_pack(RandomSource(model, args.seed), raw, Path(args.output), args.quant, args.group_size,
+                        tokenizer, progress=True, name=Path(args.config).stem)
+    from moefit.commands.pack import describe
+    print(describe(header))
+
+
+if __name__ == "__main__":
+    main()
