@@ -117,3 +117,34 @@ def test_shrink_gives_back_the_coldest_first():
         book.admit((0, e))
     book.usage[0] = np.array([5.0, 1.0, 9.0])
     assert book.shrink_to(150) == [(0, 1), (0, 0)]
+
+
+def test_profile_command_records_hotness_that_orders_the_fill(packs, tmp_path, card):
+    import json
+    import shutil
+    import subprocess
+    import sys
+    pack = tmp_path / "pack"
+    shutil.copytree(packs("mixtral", "int8"), pack)
+    (tmp_path / "prompts.txt").write_text("the lantern burns\na river runs to the sea\n")
+    r = subprocess.run([sys.executable, "-m", "moefit", "profile", str(pack), "--prompts", str(tmp_path / "prompts.txt"),
+                        "--max-tokens", "8"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    counts = json.loads((pack / "profile.json").read_text())["counts"]
+    assert sum(map(sum, counts)) > 0
+    engine = Engine.open(pack, sim(card(16), expert_cache="3"))
+    hottest = sorted(((c, -l, -e) for l, row in enumerate(counts) for e, c in enumerate(row)), reverse=True)[:3]
+    assert set(engine.runner.slots) == {(-l, -e) for _, l, e in hottest}
+
+
+def test_dump_routing_writes_every_tokens_experts(packs, tmp_path):
+    import json
+    import subprocess
+    import sys
+    out = tmp_path / "routing.jsonl"
+    r = subprocess.run([sys.executable, "-m", "moefit", "generate", str(packs("olmoe", "int8")), "--prompt", "the king",
+                        "--max-tokens", "4", "--ignore-eos", "--dump-routing", str(out)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert {row["layer"] for row in rows} == {0, 1, 2}
+    assert all(len(row["experts"]) == 2 and len(row["weights"]) == 2 for row in rows)
