@@ -17,9 +17,9 @@ from moefit.pack.format import read_header
 
 from conftest import FAMILIES
 
-CONFIGS = Path(__file__).parent.parent.parent / "shared" / "configs"
+CONFIGS = Path(__file__).parent / "data"          # Qwen3-30B-A3B's published config.json
 MIB = L.MIB
-QWEN = json.loads((CONFIGS / "qwen3-30b-a3b.json").read_text()) if CONFIGS.exists() else None
+QWEN = json.loads((CONFIGS / "qwen3-30b-a3b.json").read_text())
 
 
 def card(total_mib=12282, procs=((2101, "gnome-shell", 587), (2202, "chromium", 434))):
@@ -35,10 +35,6 @@ def qwen_plan(snapshot=None, recipe="int4", **flags):
     return plan(fp, cfg, snapshot or card(), order), fp
 
 
-needs_configs = pytest.mark.skipif(QWEN is None, reason="shared/configs not beside the checkout")
-
-
-@needs_configs
 def test_ledger_lines_are_in_order_and_add_up_to_the_card():
     p, _ = qwen_plan()
     assert [x.name for x in p.lines] == [L.OTHER, L.DENSE, L.KV, L.RESERVE, L.CACHE, L.FREE]
@@ -48,14 +44,12 @@ def test_ledger_lines_are_in_order_and_add_up_to_the_card():
     assert p.reserve.total == p.reserve.recommended and p.serve_status == "OK"
 
 
-@needs_configs
 def test_expert_cache_n_is_a_byte_budget_so_mixed_blobs_load_more_slots():
     p, fp = qwen_plan(recipe="mixed", expert_cache="400")
     assert p.cache_budget == 400 * fp.largest_blob
     assert p.slots > 400 and p.cache_used <= 400 * fp.largest_blob
 
 
-@needs_configs
 def test_auto_takes_what_is_left_and_a_dirty_card_gets_less():
     clean, _ = qwen_plan()
     dirty, _ = qwen_plan(card(procs=((2101, "gnome-shell", 587), (3000, "moefit", 5000), (3100, "chromium", 2000))))
@@ -64,7 +58,6 @@ def test_auto_takes_what_is_left_and_a_dirty_card_gets_less():
     assert clean.cache_used - dirty.cache_used == pytest.approx((5000 + 2000 - 434) * MIB, abs=clean.largest_blob)
 
 
-@needs_configs
 def test_too_full_a_card_is_refused_with_fixes():
     p, fp = qwen_plan(card(procs=((2101, "gnome-shell", 587), (4242, "old-engine", 6000))), ctx=131072)
     assert p.refused and p.slots < p.min_slots == 48 * 8
@@ -72,14 +65,12 @@ def test_too_full_a_card_is_refused_with_fixes():
     assert any(f.startswith("--ctx ") for f in p.fixes)
 
 
-@needs_configs
 def test_an_explicit_cache_that_does_not_fit_is_a_refusal_not_a_crash():
     p, _ = qwen_plan(expert_cache="5000")
     assert p.refused and "--expert-cache 5000 needs" in p.serve_message
     assert any(f.startswith("--expert-cache ") for f in p.fixes)
 
 
-@needs_configs
 def test_a_small_reserve_is_low_and_turns_speculation_off_with_the_reason():
     p, _ = qwen_plan(vram_reserve_mib=100, spec="lookup", spec_window=8)
     assert p.serve_status == "LOW" and "a reserve of" in p.serve_message
@@ -88,7 +79,6 @@ def test_a_small_reserve_is_low_and_turns_speculation_off_with_the_reason():
     assert ok.spec_enabled and ok.line(L.RESERVE).parts[1].bytes > 0
 
 
-@needs_configs
 def test_speed_tier_uses_a_512_mib_reserve():
     p, _ = qwen_plan(tier="speed")
     assert p.reserve.total == 512 * MIB and p.reserve.recommended > 512 * MIB
@@ -103,7 +93,6 @@ def test_dense_shapes_from_a_config_match_what_the_pack_holds(family, packs):
     assert from_config(model, "fp32", "fp32").blob_sizes == from_pack_header(header, "fp32").blob_sizes
 
 
-@needs_configs
 def test_plan_from_a_config_json_without_weights(tmp_path):
     card_file = tmp_path / "card.json"
     card_file.write_text(json.dumps({"name": "RTX 4070 (simulated)", "total_mib": 12282,
