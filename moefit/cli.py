@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -78,6 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("moefit: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:                      # `moefit ... | head`: the reader left, not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 def print_json(obj) -> None:
