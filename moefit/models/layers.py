@@ -98,6 +98,26 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     return out.transpose(0, 1).reshape(q.shape[1], -1)
 
 
+def decoder_stack(model, tokens: torch.Tensor, start: int, kv, experts) -> torch.Tensor:
+    """The residual stack every family shares, one line per sublayer:
+    x = x + attention(norm(x)); x = x + mlp(norm(x)). Returns final-normed hidden [T, E]."""
+    cfg = model.cfg
+    x = model.embed[tokens].to(device=model.norm.device, dtype=model.norm.dtype)       # [T, E]
+    t = x.shape[0]
+    cos, sin = model.rope.cos[start:start + t], model.rope.sin[start:start + t]
+    mask = causal_mask(start, t, cfg.sliding_window, x.device)
+    for i, layer in enumerate(model.layers):
+        x = x + model.attention(i, layer, rms_norm(x, layer["input_norm"], cfg.rms_norm_eps), start, cos, sin, mask, kv)
+        x = x + model.mlp(i, layer, rms_norm(x, layer["post_norm"], cfg.rms_norm_eps), experts)
+    return rms_norm(x, model.norm, cfg.rms_norm_eps)
+
+
+def output_weights(cfg, w: "Weights") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(embedding table on the host, final norm, lm_head) on the device; tied models reuse the table."""
+    lm_head = w.get("model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight")
+    return w.host("model.embed_tokens.weight"), w.get("model.norm.weight"), lm_head
+
+
 def swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     """Dense SwiGLU MLP with gate and up fused: gate_up [2I, E], down [E, I]."""
     gate, up = F.linear(x, gate_up).chunk(2, dim=-1)

@@ -10,16 +10,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moefit.models.layers import RopeTable, Weights, apply_rope, attend, causal_mask, rms_norm
+from moefit.models.layers import (RopeTable, Weights, apply_rope, attend, decoder_stack, output_weights,
+                                  rms_norm)
 
 
 class Olmoe:
     def __init__(self, cfg, w: Weights, rope: RopeTable):
         self.cfg, self.rope = cfg, rope
-        self.embed = w.host("model.embed_tokens.weight")
         self.layers = [self._layer(w, i) for i in range(cfg.num_layers)]
-        self.norm = w.get("model.norm.weight")
-        self.lm_head = w.get("model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight")
+        self.embed, self.norm, self.lm_head = output_weights(cfg, w)
 
     def _layer(self, w: Weights, i: int) -> dict:
         p = f"model.layers.{i}."
@@ -36,15 +35,7 @@ class Olmoe:
 
     def forward(self, tokens: torch.Tensor, start: int, kv, experts) -> torch.Tensor:
         """Final hidden states [T, E] for tokens at positions start..start+T."""
-        x = self.embed[tokens].to(device=self.norm.device, dtype=self.norm.dtype)        # [T, E]
-        t = x.shape[0]
-        cos, sin = self.rope.cos[start:start + t], self.rope.sin[start:start + t]
-        mask = causal_mask(start, t, self.cfg.sliding_window, x.device)
-        for i, layer in enumerate(self.layers):
-            x = x + self.attention(i, layer, rms_norm(x, layer["input_norm"], self.cfg.rms_norm_eps),
-                                   start, cos, sin, mask, kv)
-            x = x + self.moe(i, layer, rms_norm(x, layer["post_norm"], self.cfg.rms_norm_eps), experts)
-        return rms_norm(x, self.norm, self.cfg.rms_norm_eps)
+        return decoder_stack(self, tokens, start, kv, experts)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return F.linear(h, self.lm_head).float()                                        # [T, V]
@@ -63,7 +54,7 @@ class Olmoe:
         keys, values = kv.read(i, start + t)
         return F.linear(attend(apply_rope(q, cos, sin), keys, values, mask), layer["o"])
 
-    def moe(self, i, layer, x, experts) -> torch.Tensor:
+    def mlp(self, i, layer, x, experts) -> torch.Tensor:
         probs = F.softmax(F.linear(x, layer["router"]).float(), dim=-1)                 # [T, N]
         weights, ids = torch.topk(probs, self.cfg.top_k, dim=-1)                          # [T, k]
         if self.cfg.norm_topk_prob:
