@@ -255,3 +255,43 @@ def test_a_public_address_without_a_key_is_refused(model_pack):
     r = subprocess.run([sys.executable, "-m", "moefit", "serve", str(model_pack), "--host", "0.0.0.0"],
                        capture_output=True, text=True)
     assert r.returncode == 2 and "without an API key" in r.stderr
+
+
+def test_keep_alive_comments_flow_while_a_request_waits(server):
+    body = {"model": "tiny", "prompt": "a", "max_tokens": 300, "ignore_eos": True}
+    busy = threading.Thread(target=lambda: httpx.post(server.url + "/v1/completions", json=body, timeout=60))
+    busy.start()
+    time.sleep(0.2)
+    lines = []
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=60,
+                      json={"model": "tiny", "prompt": "b", "max_tokens": 2, "stream": True}) as r:
+        lines = list(r.iter_lines())
+    busy.join()
+    assert ": keep-alive" in lines and lines[-2] == "data: [DONE]" or lines[-1] == "data: [DONE]"
+
+
+def test_a_dirty_start_grows_back_and_the_history_says_so(model_pack, tmp_path):
+    from moefit.memory.devices import open_device
+    from moefit.ops import zerocheck
+    from moefit.ops.history import History
+    card = tmp_path / "card.json"
+    write_card(card, CARD["name"], CARD["total_mib"], DESKTOP)
+    zerocheck.save_baseline(tmp_path / "state", open_device(f"sim:{card}").snapshot())
+    plan = json.loads(subprocess.run([sys.executable, "-m", "moefit", "plan", str(model_pack), "--json", "--device",
+                                      f"sim:{card}", "--ctx", "512", "--vram-reserve-mib", "8"],
+                                     capture_output=True, text=True).stdout)
+    room = plan["ledger"][-1]["bytes"] + plan["expert_cache"]["used_bytes"]          # free + cache on a clean card
+    old = (room - 4 * plan["expert_cache"]["largest_blob_bytes"]) / 2**20            # leaves about four experts
+    write_card(card, CARD["name"], CARD["total_mib"], DESKTOP + [(7000, "old-moefit", old)])
+    s = Served(model_pack, card, tmp_path / "state")
+    try:
+        started = httpx.get(s.url + "/v1/status").json()
+        assert started["start"]["zero_check"]["verdict"] == "DIRTY"
+        write_card(card, CARD["name"], CARD["total_mib"], DESKTOP)                 # the culprit exits
+        httpx.post(s.url + "/v1/completions", json={"prompt": "a", "max_tokens": 1}, timeout=30)
+        grown = httpx.get(s.url + "/v1/status").json()["expert_cache"]["slots"]
+        assert grown > started["expert_cache"]["slots"]
+    finally:
+        assert "moefit: stopped" in s.stop()
+    row = History(tmp_path / "state").rows()[-1]
+    assert row["zero_check"] == "DIRTY" and row["slots_now"] == grown > row["slots"] and row["cache_resizes"] >= 1

@@ -166,6 +166,10 @@ def _reserve_line(r: Reserve) -> L.Line:
 
 
 def _serve_check(fp, cfg, snap, reserve, budget, available, slots, min_slots, kv_dtype):
+    if available < 0:
+        why = (f"the dense weights, KV cache and reserve need {L.mib(-available):.0f} MiB more than the card "
+               f"has free ({L.mib(snap.free_bytes):.0f} MiB)")
+        return "REFUSED", why, refusal_fixes(fp, cfg, snap, reserve, min_slots, kv_dtype, available)
     if available < budget and cfg.expert_cache != "auto":
         why = (f"--expert-cache {cfg.expert_cache} needs {L.mib(budget):.0f} MiB but only "
                f"{L.mib(max(0, available)):.0f} MiB is left after the other lines")

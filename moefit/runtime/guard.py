@@ -57,8 +57,22 @@ class Guard:
                         f"(below {self.floor_bytes / MIB:.0f} MiB; held by {holders}); the driver may page device "
                         "memory to system RAM and decode collapses: giving back expert slots")
             self.shrink(self.floor_bytes - snap.free_bytes, "guard")
-        elif snap.free_bytes > self.floor_bytes + self.margin_bytes:
-            self.grow(snap.free_bytes - self.floor_bytes - self.margin_bytes)
+        elif snap.free_bytes > self._keep_free():
+            self.grow(snap.free_bytes - self._keep_free())
+
+    def _keep_free(self) -> int:
+        """What growing must leave free: the floor, the margin, and on CUDA the reserve,
+        which is free memory held back for activations rather than an allocation."""
+        plan = self.engine.loaded.plan
+        reserve = plan.reserve.total if self.engine.loaded.mem.device.kind == "cuda" else 0
+        return self.floor_bytes + self.margin_bytes + reserve
+
+    def target_budget(self) -> int:
+        """How large the cache may grow: --expert-cache N's budget, or with auto every
+        expert (a dirty start's small plan is not a ceiling once the culprit is gone)."""
+        if self.engine.cfg.expert_cache != "auto":
+            return self.engine.loaded.plan.cache_budget
+        return sum(self.engine.runner.book.sizes.values())
 
     def shrink(self, need_bytes: int, why: str) -> int:
         """Give back the coldest slots until need_bytes are freed; returns bytes freed."""
@@ -77,9 +91,10 @@ class Guard:
         return freed
 
     def grow(self, room_bytes: int) -> None:
-        """Load the hottest missing experts back, within room_bytes and the planned budget."""
+        """Load the hottest missing experts, within room_bytes and the target budget."""
         runner, plan = self.engine.runner, self.engine.loaded.plan
-        limit = min(plan.cache_budget, runner.book.used + room_bytes)
+        target = self.target_budget()
+        limit = min(target, runner.book.used + room_bytes)
         before, loaded = len(runner.slots), 0
         for key in self._hottest_missing():
             size = runner.book.sizes[key]
@@ -90,7 +105,7 @@ class Guard:
             except DeviceOutOfMemory:
                 break
             loaded += 1
-        runner.book.budget = max(runner.book.used, min(plan.cache_budget, limit))
+        runner.book.budget = max(runner.book.used, min(target, limit))
         if loaded:
             self.resizes += 1
             self._event("grow", f"expert cache grew back: {before} -> {len(runner.slots)} experts "

@@ -57,6 +57,17 @@ def load(pack: Pack, cfg: ServeConfig, log=lambda msg: None) -> Loaded:
     the_plan = _plan(pack, cfg, mem, cdt, profile) if device.has_vram else None
     if the_plan is not None and the_plan.refused:
         raise RefusedError(refusal_text(the_plan), the_plan)
+    try:
+        return _place(pack, cfg, mem, cdt, the_plan, profile, device.kind, log)
+    except DeviceOutOfMemory as e:          # the card filled up after the plan: refuse, with the ledger
+        if the_plan is None:
+            raise
+        raise RefusedError(refusal_text(the_plan, extra=str(e)), the_plan) from None
+
+
+def _place(pack: Pack, cfg: ServeConfig, mem: DeviceMemory, cdt: str, the_plan: Plan | None, profile: Profile,
+           kind: str, log) -> Loaded:
+    m = pack.model
     dtype = TORCH_DTYPES[cdt]
     place = lambda name, t: mem.copy_in(L.DENSE, t, dtype if t.is_floating_point() else None)  # noqa: E731
     weights = Weights(device_dense_names(m, pack.dense_names), pack.dense, place)
@@ -70,9 +81,9 @@ def load(pack: Pack, cfg: ServeConfig, log=lambda msg: None) -> Loaded:
     runner = ExpertRunner(pack, mem, book, profile)
     notes = []
     if the_plan is not None:
-        if device.kind == "sim":    # the draft head's weights are placed inside this line later
+        if kind == "sim":    # the draft head's weights are placed inside this line later
             mem.charge_block(L.RESERVE, the_plan.reserve.total - the_plan.reserve.draft)
-        notes = fill_cache(runner, the_plan, device.kind, log)
+        notes = fill_cache(runner, the_plan, kind, log)
     return Loaded(pack, mem, the_plan, model, kv, runner, cdt, notes)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import signal
 import sys
 import threading
 
@@ -47,6 +48,8 @@ class Server:
 
     def run(self) -> int:
         threading.Thread(target=self._load, name="moefit-load", daemon=True).start()
+        # uvicorn shuts down on SIGTERM, then raises it again: end through our finally, not abruptly
+        signal.signal(signal.SIGTERM, _exit_on_term)
         try:
             self.uvicorn.run()
         finally:
@@ -96,6 +99,10 @@ class Server:
             except OSError as e:
                 print(f"moefit: warning: could not save the learned profile ({e})", file=sys.stderr)
         print("moefit: stopped", file=sys.stderr, flush=True)
+
+
+def _exit_on_term(signum, frame) -> None:
+    raise SystemExit(0)
 
 
 def banner(http: dict, model: str) -> str:
