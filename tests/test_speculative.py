@@ -70,7 +70,7 @@ def test_the_draft_head_is_paid_for_from_the_reserve(checkpoints, tmp_path, card
     engine = Engine.open(tmp_path / "pack", ServeConfig(vram_reserve_mib=2, **sim))
     plan = engine.loaded.plan
     assert engine.spec_mode == "head" and plan.reserve.draft == 2 * (64 * 64 + 64) * 4
-    assert engine.loaded.mem.charged[L.RESERVE] == plan.reserve.total
+    assert engine.loaded.mem.charged[L.RESERVE] == plan.reserve.draft
     small = Engine.open(tmp_path / "pack", ServeConfig(vram_reserve_mib=0, **sim))
     assert small.spec_mode == "off" and "short" in small.spec_reason and "a reserve of" in small.spec_reason
     status = __import__("moefit.runtime.report", fromlist=["x"]).status_json(small)

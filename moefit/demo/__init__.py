@@ -19,7 +19,8 @@ SEED_DESKTOP = [(2101, "gnome-shell", 587), (2300, "hermes", 573), (2410, "chrom
 SEED_TOTAL_MIB = 12282
 # Flags the simulated card needs: the defaults are sized for real cards (a 512 MiB floor,
 # a 256 MiB headroom), this card is a few tens of MiB.
-SIM_FLAGS = ["--ctx", "2048", "--vram-reserve-mib", "3", "--low-headroom-mib", "1", "--min-free-vram-mib", "1",
+SIM_FLAGS = ["--ctx", "2048", "--prefill-chunk", "128", "--vram-reserve-mib", "4", "--low-headroom-mib", "1",
+             "--min-free-vram-mib", "1",
              "--grow-margin-mib", "1", "--tolerance-mib", "0.5", "--process-tolerance-mib", "0.25",
              "--spec", "lookup"]
 

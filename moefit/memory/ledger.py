@@ -38,13 +38,15 @@ def mib(n: int) -> float:
 
 
 def render(lines: list[Line], total: int, title: str) -> str:
-    """The ledger as an aligned table: name, MiB, share of the card, note."""
-    rows = [(title, f"{mib(total):,.0f}", "100.0%", "")]
+    """The ledger as an aligned table: name, MiB, share of the card, note. A small
+    (simulated) card gets two decimals so that its lines do not all round to zero."""
+    fmt = "{:,.0f}" if total >= 1024 * MIB else "{:,.2f}"
+    rows = [(title, fmt.format(mib(total)), "100.0%", "")]
     for line in lines:
         sign = "=" if line.name == FREE else "-"
-        rows.append((f"  {sign} {line.name}", f"{mib(line.bytes):,.0f}", _share(line.bytes, total), line.note))
+        rows.append((f"  {sign} {line.name}", fmt.format(mib(line.bytes)), _share(line.bytes, total), line.note))
         for part in line.parts:
-            rows.append((f"        {part.name}", f"{mib(part.bytes):,.0f}", _share(part.bytes, total), part.note))
+            rows.append((f"        {part.name}", fmt.format(mib(part.bytes)), _share(part.bytes, total), part.note))
     w0 = max(len(r[0]) for r in rows)
     w1 = max(len(r[1]) for r in rows)
     out = [f"{r[0]:<{w0}}  {r[1]:>{w1}} MiB  {r[2]:>6}  {r[3]}".rstrip() for r in rows]

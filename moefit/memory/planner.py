@@ -61,8 +61,9 @@ class Plan:
         return next(x for x in self.lines if x.name == name)
 
     def planned_device_bytes(self) -> int:
-        """What moefit itself holds on the card once started."""
-        return sum(self.line(n).bytes for n in (L.DENSE, L.KV, L.RESERVE, L.CACHE))
+        """What moefit allocates on the card once started. The reserve is free memory held
+        back for the prompt path and the verify arena; only a draft head is allocated in it."""
+        return sum(self.line(n).bytes for n in (L.DENSE, L.KV, L.CACHE)) + self.reserve.draft
 
     def table(self) -> str:
         return L.render(self.lines, self.device.total_bytes, f"{self.device.name} (total)")

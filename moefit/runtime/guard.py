@@ -61,11 +61,10 @@ class Guard:
             self.grow(snap.free_bytes - self._keep_free())
 
     def _keep_free(self) -> int:
-        """What growing must leave free: the floor, the margin, and on CUDA the reserve,
-        which is free memory held back for activations rather than an allocation."""
-        plan = self.engine.loaded.plan
-        reserve = plan.reserve.total if self.engine.loaded.mem.device.kind == "cuda" else 0
-        return self.floor_bytes + self.margin_bytes + reserve
+        """What growing must leave free: the floor and the margin, and at least the reserve
+        (free memory held back for the prompt path and the verify arena)."""
+        reserve = self.engine.loaded.plan.reserve
+        return max(self.floor_bytes, reserve.total - reserve.draft) + self.margin_bytes
 
     def target_budget(self) -> int:
         """How large the cache may grow: --expert-cache N's budget, or with auto every

@@ -81,8 +81,6 @@ def _place(pack: Pack, cfg: ServeConfig, mem: DeviceMemory, cdt: str, the_plan: 
     runner = ExpertRunner(pack, mem, book, profile)
     notes = []
     if the_plan is not None:
-        if kind == "sim":    # the draft head's weights are placed inside this line later
-            mem.charge_block(L.RESERVE, the_plan.reserve.total - the_plan.reserve.draft)
         notes = fill_cache(runner, the_plan, kind, log)
     return Loaded(pack, mem, the_plan, model, kv, runner, cdt, notes)
 
@@ -99,17 +97,20 @@ def _rope(m, ctx: int, mem: DeviceMemory, dtype) -> RopeTable:
 
 
 def fill_cache(runner: ExpertRunner, the_plan: Plan, kind: str, log) -> list[str]:
-    """Load the planned experts hottest first. If the card filled up since the plan,
-    stop there; with CUDA, also give slots back until the reserve is free again."""
+    """Load the planned experts hottest first. If the card filled up since the plan, stop
+    there, and give slots back until the reserve is free again: the reserve is free memory
+    held back for the prompt path and the verify arena (only a draft head is allocated in it)."""
     notes = []
+    keep_free = the_plan.reserve.total - the_plan.reserve.draft
     for i, key in enumerate(the_plan.cache_keys):
         try:
+            if runner.mem.snapshot().free_bytes - runner.book.sizes[key] < keep_free:
+                raise DeviceOutOfMemory("the next expert would eat into the reserve")
             runner.load(key)
         except DeviceOutOfMemory as e:
             notes.append(f"the card filled up while the cache loaded ({e}); "
                          f"started with {i} of {the_plan.slots} planned experts")
             break
-    keep_free = the_plan.reserve.total if kind == "cuda" else 0
     while runner.slots and runner.mem.snapshot().free_bytes < keep_free:
         runner.unload(runner.book.coldest()[0])
         if not notes:

@@ -42,10 +42,6 @@ class DeviceMemory:
         if self.device.kind == "sim":
             self.device.sim.release(nbytes)
 
-    def charge_block(self, line: str, nbytes: int) -> None:
-        """Hold bytes that moefit keeps for itself (the reserve pool) without a tensor."""
-        self._charge(line, nbytes)
-
     def _charge(self, line: str, nbytes: int) -> None:
         if self.device.kind == "sim":
             self.device.sim.charge(nbytes, line)
