@@ -33,7 +33,7 @@ def _compile() -> ctypes.CDLL | None:
     if not lib.exists():
         lib.parent.mkdir(parents=True, exist_ok=True)
         tmp = lib.with_suffix(f".{os.getpid()}.tmp")
-        cmd = [os.environ.get("CC", "cc"), "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC",
+        cmd = [os.environ.get("CC", "cc"), "-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC",
                str(SOURCE), "-o", str(tmp)]
         try:
             subprocess.run(cmd, check=True, capture_output=True, timeout=120)
