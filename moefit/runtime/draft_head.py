@@ -1,6 +1,6 @@
 """A draft head trained by moefit on the base model's hidden states (Medusa-style, Cai et
 al. 2024): head i reads the final hidden state h_t that produced token t+1 and guesses
-token t+1+i through the model's own lm_head:  logits_i = lm_head(h + silu(W_i h + b_i)).
+token t+2+i through the model's own lm_head:  logits_i = lm_head(h + silu(W_i h + b_i)).
 
 Stored in the pack as draft.bin (fp32) with a "draft" section in the header; its device
 bytes come out of the reserve, as the ledger says.
@@ -73,7 +73,8 @@ def collect(engine, tokens: list[int], chunk: int = 256) -> torch.Tensor:
 
 def train(engine, tokens: list[int], heads: int, steps: int, lr: float = 1e-3, seed: int = 0,
           log=lambda msg: None) -> DraftHead:
-    """Fit heads on the base model's hidden states: head i predicts tokens[t + 1 + i] from h_t."""
+    """Fit heads on the base model's hidden states. h_t already predicts token t+1 (the
+    model's own next token), so head i predicts tokens[t + 2 + i], the ones after it."""
     torch.manual_seed(seed)
     chunk = min(256, engine.cfg.ctx)
     hs = collect(engine, tokens, chunk)                                          # [N, E]
@@ -85,8 +86,8 @@ def train(engine, tokens: list[int], heads: int, steps: int, lr: float = 1e-3, s
     lm_head = engine.model.lm_head.float().cpu()
     opt = torch.optim.Adam(w + b, lr=lr)
     for step in range(steps):
-        rows = torch.randint(0, len(hs) - heads - 1, (256,))
-        loss = sum(F.cross_entropy(F.linear(head.hidden(hs[rows], i), lm_head), ids[rows + 1 + i])
+        rows = torch.randint(0, len(hs) - heads - 2, (256,))
+        loss = sum(F.cross_entropy(F.linear(head.hidden(hs[rows], i), lm_head), ids[rows + 2 + i])
                    for i in range(heads)) / heads
         opt.zero_grad()
         loss.backward()
