@@ -41,7 +41,9 @@ def render(rows: list[dict]) -> str:
 
 def _cells(r: dict) -> tuple[str, ...]:
     state = f"{r['zero_check'] or '?'}: {(r['free_bytes_at_start'] or 0) / MIB:,.0f} MiB free"
-    cache = "-" if r["slots"] is None else f"{r['slots']} / {(r['cache_bytes'] or 0) / 2**30:.2f} GiB"
+    size = r["cache_bytes"] or 0
+    size_text = f"{size / 2**30:.2f} GiB" if size >= 2**30 else f"{size / MIB:.2f} MiB"
+    cache = "-" if r["slots"] is None else f"{r['slots']} / {size_text}"
     if r["slots_now"] is not None and r["slots"] is not None and r["slots_now"] != r["slots"]:
         cache += f" (now {r['slots_now']})"
     hit = "-" if r["hit_rate"] is None else f"{100 * r['hit_rate']:.0f}%"

@@ -106,7 +106,8 @@ def start_engine(pack_path, cfg: ServeConfig, opts: StartOptions | None = None, 
         engine = Engine.open(pack, cfg, say)
     except RefusedError as e:
         _record(start, row, ledger_json=json.dumps(e.plan.to_json()["ledger"]) if e.plan else None,
-                slots=0, cache_bytes=0, outcome="refused", message=str(e).splitlines()[0], verdict="refused")
+                slots=0, cache_bytes=0, outcome="refused", message=str(e).splitlines()[0],
+                verdict=str(e).splitlines()[0])
         raise
     except MoefitError as e:
         _record(start, row, outcome="failed", message=str(e))

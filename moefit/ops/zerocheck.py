@@ -47,14 +47,18 @@ class ZeroCheck:
             return ("NO BASELINE: no clean baseline saved for this card; on a clean card run "
                     "`moefit doctor --save-baseline`")
         if self.verdict == "CLEAN":
-            return f"CLEAN: {self.over_bytes / MIB:+.0f} MiB against the baseline"
-        names = ", ".join(f"{c.pid} {c.name} {c.bytes_over / MIB:.0f} MiB ({c.why})" for c in self.culprits)
-        return f"DIRTY: {self.over_bytes / MIB:.0f} MiB above the baseline" + (f"; culprits: {names}" if names else "")
+            return f"CLEAN: {'+' if self.over_bytes >= 0 else ''}{_mib(self.over_bytes)} against the baseline"
+        names = ", ".join(f"{c.pid} {c.name} {_mib(c.bytes_over)} ({c.why})" for c in self.culprits)
+        return f"DIRTY: {_mib(self.over_bytes)} above the baseline" + (f"; culprits: {names}" if names else "")
 
     def to_json(self) -> dict:
         return {"verdict": self.verdict, "over_bytes": self.over_bytes, "message": self.headline(),
                 "baseline": self.baseline.to_json() if self.baseline else None,
                 "culprits": [c.__dict__ for c in self.culprits]}
+
+
+def _mib(n: int) -> str:
+    return f"{n / MIB:.0f} MiB" if abs(n) >= 10 * MIB else f"{n / MIB:.2f} MiB"
 
 
 def baseline_key(snap: DeviceSnapshot) -> str:
