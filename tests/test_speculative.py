@@ -97,6 +97,8 @@ def test_the_sampling_rule_keeps_the_target_distribution():
 
 def test_the_window_turns_off_when_nothing_is_accepted_and_probes_later():
     w = Window(k_max=4, cooldown=3)
+    assert w.size() == 0                                   # first a plain step, to know what a window costs
+    w.record_plain(0.01)
     sizes = []
     for _ in range(20):
         k = w.size()
@@ -105,8 +107,15 @@ def test_the_window_turns_off_when_nothing_is_accepted_and_probes_later():
             w.record(k, accepted=0, seconds=0.01, distinct_experts=10, misses=5)
     assert sizes[0] == 4 and 0 in sizes and min(s for s in sizes if s) == 1
     w2 = Window(k_max=4, k=2)
+    w2.record_plain(0.01)
     w2.record(2, accepted=2, seconds=0.01, distinct_experts=6, misses=1)
     assert w2.k == 3
+    w3 = Window(k_max=4)                                   # windows that cost more than they give
+    w3.record_plain(0.01)
+    for _ in range(6):
+        if w3.size():
+            w3.record(w3.k, accepted=1, seconds=0.05, distinct_experts=20, misses=12)
+    assert w3.k < 4
 
 
 def test_lookup_finds_the_latest_earlier_continuation():

@@ -77,12 +77,16 @@ class Window:
     window_s: float = 0.0          # EMA seconds per window
     window_tokens: float = 0.0     # EMA tokens produced per window (accepted + 1)
     step_s: float = 0.0            # EMA seconds per plain decode step
+    since_plain: int = 0           # windows since the last plain step (the cost baseline is re-measured)
+    probe_every: int = 16
     history: list[dict] = field(default_factory=list)
 
     def __post_init__(self):
         self.k = self.k or self.k_max
 
     def size(self) -> int:
+        if not self.step_s or self.since_plain >= self.probe_every:
+            return 0                                # a plain step: what a window is compared with
         if self.off_for > 0:
             self.off_for -= 1
             if self.off_for == 0:
@@ -91,9 +95,11 @@ class Window:
         return self.k
 
     def record_plain(self, seconds: float) -> None:
-        self.step_s = seconds if not self.step_s else 0.9 * self.step_s + 0.1 * seconds
+        self.step_s = seconds if not self.step_s else 0.8 * self.step_s + 0.2 * seconds
+        self.since_plain = 0
 
     def record(self, k: int, accepted: int, seconds: float, distinct_experts: int, misses: int) -> None:
+        self.since_plain += 1
         self.window_s = seconds if not self.window_s else 0.7 * self.window_s + 0.3 * seconds
         tokens = accepted + 1
         self.window_tokens = tokens if not self.window_tokens else 0.7 * self.window_tokens + 0.3 * tokens
