@@ -295,3 +295,14 @@ def test_a_dirty_start_grows_back_and_the_history_says_so(model_pack, tmp_path):
         assert "moefit: stopped" in s.stop()
     row = History(tmp_path / "state").rows()[-1]
     assert row["zero_check"] == "DIRTY" and row["slots_now"] == grown > row["slots"] and row["cache_resizes"] >= 1
+
+
+def test_a_start_that_does_not_fit_is_refused_with_the_ledger_and_exit_3(model_pack, tmp_path):
+    card = tmp_path / "card.json"
+    write_card(card, CARD["name"], 40.0, DESKTOP)                       # the dense weights alone need ~38 MiB
+    r = subprocess.run([sys.executable, "-m", "moefit", "serve", str(model_pack), "--port", "0", "--device",
+                        f"sim:{card}", "--state-dir", str(tmp_path / "state"), "--settle-s", "0"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 3
+    assert "refused:" in r.stderr and "dense weights" in r.stderr and "fixes:" in r.stderr
+    assert "Traceback" not in r.stderr
