@@ -150,3 +150,15 @@ def test_dump_routing_writes_every_tokens_experts(packs, tmp_path):
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert {row["layer"] for row in rows} == {0, 1, 2}
     assert all(len(row["experts"]) == 2 and len(row["weights"]) == 2 for row in rows)
+
+
+def test_int8_dense_weights_stay_close_and_the_ledger_still_matches_the_card(packs, card):
+    pack = packs("qwen3_moe", "int8")
+    exact = Engine.open(pack, ServeConfig(ctx=64)).prefill(PROMPT)[0]
+    engine = Engine.open(pack, sim(card(16), dense_quant="int8"))
+    got = engine.prefill(PROMPT)[0]
+    assert (got - exact).norm() / exact.norm() < 0.02
+    plan = engine.loaded.plan
+    assert engine.loaded.mem.charged[L.DENSE] == plan.line(L.DENSE).bytes
+    full = Engine.open(pack, sim(card(16))).loaded.plan.line(L.DENSE).bytes
+    assert plan.line(L.DENSE).bytes < 0.4 * full

@@ -24,18 +24,18 @@ def register(sub) -> None:
     p.set_defaults(run=run)
 
 
-def footprint_and_order(args, compute_dtype: str):
+def footprint_and_order(args, compute_dtype: str, dense_quant: str = "off"):
     from moefit.config import ModelConfig
     from moefit.experts.profile import Profile
     from moefit.memory import footprint
     if args.model_config:
         model = ModelConfig.from_hf(json.loads(Path(args.model_config).read_text()))
-        fp = footprint.from_config(model, args.quant, compute_dtype, args.group_size)
+        fp = footprint.from_config(model, args.quant, compute_dtype, args.group_size, dense_quant)
         profile = Profile.empty(model.num_layers, model.num_experts)
     else:
         from moefit.pack.format import read_header
         header = read_header(Path(args.pack))
-        fp = footprint.from_pack_header(header, compute_dtype)
+        fp = footprint.from_pack_header(header, compute_dtype, dense_quant)
         profile = Profile.load(Path(args.pack) / "profile.json", fp.model.num_layers, fp.model.num_experts)
     return fp, profile.hottest_first(list(fp.blob_sizes))
 
@@ -51,7 +51,7 @@ def run(args) -> int:
     device = open_device(cfg.device)
     if not device.has_vram:
         raise UsageError("planning needs a card: --device cuda or --device sim:CARD.json")
-    fp, order = footprint_and_order(args, compute_dtype_for(cfg, device.kind))
+    fp, order = footprint_and_order(args, compute_dtype_for(cfg, device.kind), cfg.dense_quant)
     p = plan(fp, cfg, device_snapshot(device), order)
     if args.json:
         print_json(p.to_json())

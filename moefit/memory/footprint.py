@@ -88,6 +88,18 @@ def dense_shapes(m: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def dense_bytes(shapes: dict[str, tuple], cb: int, dense_quant: str) -> int:
+    """Device bytes of the dense tensors; with dense_quant int8, each matrix but the router is
+    int8 codes plus one scale per row in the compute dtype (models/layers.py, Weights)."""
+    total = 0
+    for name, shape in shapes.items():
+        if dense_quant == "int8" and len(shape) == 2 and not name.endswith("mlp.gate.weight"):
+            total += _numel(shape) + shape[0] * cb
+        else:
+            total += _numel(shape) * cb
+    return total
+
+
 def _numel(shape) -> int:
     n = 1
     for d in shape:
@@ -101,18 +113,19 @@ def device_dense_names(m: ModelConfig, names) -> list[str]:
     return [n for n in names if m.tie_word_embeddings or n != "model.embed_tokens.weight"]
 
 
-def from_config(m: ModelConfig, recipe: str, compute_dtype: str, group_size: int = 32) -> Footprint:
+def from_config(m: ModelConfig, recipe: str, compute_dtype: str, group_size: int = 32,
+                dense_quant: str = "off") -> Footprint:
     sizes = expert_blob_sizes(m.hidden_size, m.expert_size, recipe, list(m.moe_layers), group_size)
     blobs = {(layer, e): sizes[layer] for layer in m.moe_layers for e in range(m.num_experts)}
-    dense = sum(_numel(s) for s in dense_shapes(m).values()) * COMPUTE_BYTES[compute_dtype]
+    dense = dense_bytes(dense_shapes(m), COMPUTE_BYTES[compute_dtype], dense_quant)
     return Footprint(m, compute_dtype, dense, blobs)
 
 
-def from_pack_header(header: dict, compute_dtype: str) -> Footprint:
+def from_pack_header(header: dict, compute_dtype: str, dense_quant: str = "off") -> Footprint:
     m = ModelConfig.from_hf(header["model_config"])
     tensors = header["dense"]["tensors"]
     names = device_dense_names(m, tensors)
-    dense = sum(_numel(tensors[n]["shape"]) for n in names) * COMPUTE_BYTES[compute_dtype]
+    dense = dense_bytes({n: tuple(tensors[n]["shape"]) for n in names}, COMPUTE_BYTES[compute_dtype], dense_quant)
     blobs = {(row[0], row[1]): row[3] for row in header["experts"]["index"]}
     draft = (header.get("draft") or {}).get("params", 0) * COMPUTE_BYTES[compute_dtype]
     return Footprint(m, compute_dtype, dense, blobs, draft)

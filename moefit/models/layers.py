@@ -12,6 +12,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from moefit.pack.quant import qlinear, quantize
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm in fp32, as the reference computes it, then scaled in x's dtype."""
@@ -120,27 +122,58 @@ def output_weights(cfg, w: "Weights") -> tuple[torch.Tensor, torch.Tensor, torch
 
 def swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     """Dense SwiGLU MLP with gate and up fused: gate_up [2I, E], down [E, I]."""
-    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, down)
+    gate, up = linear(x, gate_up).chunk(2, dim=-1)
+    return linear(F.silu(gate) * up, down)
+
+
+class QWeight:
+    """A dense matrix quantised to int8 at load (--dense-quant int8): codes + per-row scale."""
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor):
+        self.parts = {"w": codes, "w.scale": scale}
+
+    @property
+    def device(self):
+        return self.parts["w"].device
+
+
+def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear for a plain weight or a QWeight."""
+    if isinstance(w, QWeight):
+        y = qlinear(x, w.parts, "w", "int8")
+        return y + bias if bias is not None else y
+    return F.linear(x, w, bias)
+
+
+def quantizable(name: str, t: torch.Tensor) -> bool:
+    """Matrices worth int8 at load: not norms, biases or the (precision-sensitive, small) router."""
+    return t.dim() == 2 and not name.endswith("mlp.gate.weight")
 
 
 class Weights:
     """Named dense tensors placed on the device. `place(name, tensor)` copies a host
     tensor (a view of the pack) to the device and charges the ledger's dense line."""
 
-    def __init__(self, names: list[str], load, place):
+    def __init__(self, names: list[str], load, place, dense_quant: str = "off"):
         self._load, self._place, self._names = load, place, set(names)
+        self.dense_quant = dense_quant
 
     def has(self, name: str) -> bool:
         return name in self._names
 
-    def get(self, name: str) -> torch.Tensor:
-        return self._place(name, self._load(name))
+    def _placed(self, name: str, t: torch.Tensor):
+        if self.dense_quant == "int8" and quantizable(name, t):
+            codes, scale = quantize(t, "int8", 0)
+            return QWeight(self._place(name, codes), self._place(name + ".scale", scale))
+        return self._place(name, t)
+
+    def get(self, name: str):
+        return self._placed(name, self._load(name))
 
     def host(self, name: str) -> torch.Tensor:
         """A tensor kept in host memory (the embedding table: only looked up)."""
         return self._load(name)
 
-    def fused(self, names: list[str]) -> torch.Tensor:
+    def fused(self, names: list[str]):
         """Several matrices concatenated on dim 0 (q, k, v -> qkv) in one device tensor."""
-        return self._place("+".join(names), torch.cat([self._load(n) for n in names], dim=0))
+        return self._placed(names[0], torch.cat([self._load(n) for n in names], dim=0))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moefit.models.layers import (RopeTable, Weights, apply_rope, attend, decoder_stack, output_weights,
+from moefit.models.layers import (RopeTable, Weights, apply_rope, attend, decoder_stack, linear, output_weights,
                                   rms_norm)
 
 
@@ -38,12 +38,12 @@ class Olmoe:
         return decoder_stack(self, tokens, start, kv, experts)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        return F.linear(h, self.lm_head).float()                                        # [T, V]
+        return linear(h, self.lm_head).float()                                        # [T, V]
 
     def attention(self, i, layer, x, start, cos, sin, mask, kv) -> torch.Tensor:
         c = self.cfg
         t, hd = x.shape[0], c.head_dim
-        q, k, v = F.linear(x, layer["qkv"]).split([c.num_heads * hd, c.num_kv_heads * hd, c.num_kv_heads * hd], -1)
+        q, k, v = linear(x, layer["qkv"]).split([c.num_heads * hd, c.num_kv_heads * hd, c.num_kv_heads * hd], -1)
         q, k = rms_norm(q, layer["q_norm"], c.rms_norm_eps), rms_norm(k, layer["k_norm"], c.rms_norm_eps)
         if c.clip_qkv is not None:
             q, k, v = (z.clamp(-c.clip_qkv, c.clip_qkv) for z in (q, k, v))
@@ -52,7 +52,7 @@ class Olmoe:
         v = v.view(t, c.num_kv_heads, hd).transpose(0, 1)                                # [K, T, D]
         kv.write(i, start, apply_rope(k, cos, sin), v)
         keys, values = kv.read(i, start + t)
-        return F.linear(attend(apply_rope(q, cos, sin), keys, values, mask), layer["o"])
+        return linear(attend(apply_rope(q, cos, sin), keys, values, mask), layer["o"])
 
     def mlp(self, i, layer, x, experts) -> torch.Tensor:
         probs = F.softmax(F.linear(x, layer["router"]).float(), dim=-1)                 # [T, N]

@@ -70,7 +70,7 @@ def _place(pack: Pack, cfg: ServeConfig, mem: DeviceMemory, cdt: str, the_plan: 
     m = pack.model
     dtype = TORCH_DTYPES[cdt]
     place = lambda name, t: mem.copy_in(L.DENSE, t, dtype if t.is_floating_point() else None)  # noqa: E731
-    weights = Weights(device_dense_names(m, pack.dense_names), pack.dense, place)
+    weights = Weights(device_dense_names(m, pack.dense_names), pack.dense, place, cfg.dense_quant)
     rope = _rope(m, cfg.ctx, mem, dtype)
     model = FAMILY[m.family](m, weights, rope)
     kv_dtype = the_plan.kv_dtype if the_plan else (cdt if cfg.kv_dtype == "auto" else cfg.kv_dtype)
@@ -86,7 +86,7 @@ def _place(pack: Pack, cfg: ServeConfig, mem: DeviceMemory, cdt: str, the_plan: 
 
 
 def _plan(pack: Pack, cfg: ServeConfig, mem: DeviceMemory, cdt: str, profile: Profile) -> Plan:
-    fp = from_pack_header(pack.header, cdt)
+    fp = from_pack_header(pack.header, cdt, cfg.dense_quant)
     return plan(fp, cfg, mem.snapshot(), profile.hottest_first(list(pack.blobs)))
 
 
