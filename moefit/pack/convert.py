@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections import OrderedDict
 import shutil
 import sys
 from pathlib import Path
@@ -98,14 +99,28 @@ def _read_config(hf_dir: Path) -> dict:
 class _TensorSource:
     """Every tensor of a (possibly sharded) safetensors checkpoint, read lazily."""
 
+    OPEN_SHARDS = 2          # shards mapped at once: peak RSS stays near the largest shards, not the model
+
     def __init__(self, hf_dir: Path):
+        self.hf_dir = hf_dir
         self.file_of = _weight_map(hf_dir)
-        self.handles = {f: safe_open(str(hf_dir / f), framework="pt") for f in set(self.file_of.values())}
+        self._open: OrderedDict[str, object] = OrderedDict()
         self.per_expert: dict[tuple[int, int, str], str] = {}
         self.fused: dict[tuple[int, str], str] = {}
         self.dense_keys: list[str] = []
         for key in self.file_of:
             self._classify(key)
+        self.dense_keys.sort(key=lambda k: self.file_of[k])            # one shard after another
+
+    def _handle(self, key: str):
+        f = self.file_of[key]
+        if f in self._open:
+            self._open.move_to_end(f)
+        else:
+            self._open[f] = safe_open(str(self.hf_dir / f), framework="pt")
+            while len(self._open) > self.OPEN_SHARDS:
+                self._open.popitem(last=False)                           # unmaps that shard
+        return self._open[f]
 
     def _classify(self, key: str) -> None:
         if m := EXPERT_KEY.match(key):
@@ -116,7 +131,7 @@ class _TensorSource:
             self.dense_keys.append(key)
 
     def get(self, key: str) -> torch.Tensor:
-        return self.handles[self.file_of[key]].get_tensor(key)
+        return self._handle(key).get_tensor(key).clone()              # a copy: the shard may be unmapped
 
     def float_dtype(self) -> str:
         return DTYPE_NAMES.get(self.get(self.dense_keys[0]).dtype, "fp32")
@@ -124,10 +139,9 @@ class _TensorSource:
     def expert(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(gate_up [2I, H], down [H, I]) of one expert."""
         if (layer, "gate_up_proj") in self.fused:
-            gate_up = self.handles[self.file_of[self.fused[(layer, "gate_up_proj")]]]
-            down = self.handles[self.file_of[self.fused[(layer, "down_proj")]]]
-            return (gate_up.get_slice(self.fused[(layer, "gate_up_proj")])[expert],
-                    down.get_slice(self.fused[(layer, "down_proj")])[expert])
+            gate_up_key, down_key = self.fused[(layer, "gate_up_proj")], self.fused[(layer, "down_proj")]
+            gate_up = self._handle(gate_up_key).get_slice(gate_up_key)[expert].clone()
+            return gate_up, self._handle(down_key).get_slice(down_key)[expert].clone()
         try:
             gate, up, down = (self.get(self.per_expert[(layer, expert, r)]) for r in ("gate", "up", "down"))
         except KeyError:
