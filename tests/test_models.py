@@ -87,7 +87,8 @@ def test_quantisation_error_is_small_against_fp32(quant, checkpoints, packs):
     # three layers compound it, so the bound on the logits is looser than on one matrix.
     rel = (got - exact).norm() / exact.norm()
     assert rel < {"int8": 0.01, "int4": 0.25}[quant]
-    assert got.argmax() == exact.argmax() or quant == "int4"
+    if quant == "int8":                                  # int4 may move a near-tie; int8 must not
+        assert got.argmax() == exact.argmax()
 
 
 def test_int8_kv_cache_stays_close_and_runs_to_the_context_end(packs):
