@@ -10,6 +10,7 @@ Each ServeConfig field's `help` is the CLI help text: cli.py makes the flags fro
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 
 FAMILIES = ("qwen3_moe", "mixtral", "olmoe")
@@ -91,6 +92,27 @@ class ModelConfig:
     @property
     def is_moe_layer(self) -> list[bool]:
         return [i in self.moe_layers for i in range(self.num_layers)]
+
+    @staticmethod
+    def from_hf_file(path) -> "ModelConfig":
+        """A config.json read and checked; MoefitError naming the file and what is wrong."""
+        from pathlib import Path
+        from moefit.errors import MoefitError
+        path = Path(path)
+        try:
+            cfg = json.loads(path.read_text())
+        except OSError as e:
+            raise MoefitError(f"{path}: cannot be read ({e.strerror})") from None
+        except (ValueError, UnicodeDecodeError) as e:
+            raise MoefitError(f"{path}: not valid JSON ({e})") from None
+        if not isinstance(cfg, dict):
+            raise MoefitError(f"{path}: not a config.json (a JSON object is expected)")
+        try:
+            return ModelConfig.from_hf(cfg)
+        except KeyError as e:
+            raise MoefitError(f"{path}: the field {e} is missing") from None
+        except (ValueError, TypeError) as e:
+            raise MoefitError(f"{path}: {e}") from None
 
     @staticmethod
     def from_hf(cfg: dict) -> "ModelConfig":

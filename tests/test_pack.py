@@ -113,3 +113,18 @@ def test_the_cli_packs_and_generates(checkpoints, tmp_path):
     out = json.loads(r.stdout)
     assert r.returncode == 0 and len(out["token_ids"]) == 5 and out["prompt_tokens"] > 0
     assert out["decode_tokens_per_s"] > 0 and isinstance(out["text"], str)
+
+
+@pytest.mark.parametrize("damage,needle", [
+    (lambda d: (d / "config.json").write_text("{not json"), "config.json: not valid JSON"),
+    (lambda d: (d / "config.json").write_text('{"model_type": "llama4"}'), "model_type 'llama4' is not supported"),
+    (lambda d: [f.write_bytes(f.read_bytes()[:5000]) for f in d.glob("*.safetensors")],
+     "not a complete safetensors file"),
+])
+def test_a_broken_checkpoint_is_one_line_not_a_traceback(checkpoints, tmp_path, damage, needle):
+    hf = tmp_path / "hf"
+    shutil.copytree(checkpoints["olmoe"], hf)
+    damage(hf)
+    r = subprocess.run([sys.executable, "-m", "moefit", "pack", str(hf), "-o", str(tmp_path / "p")],
+                       capture_output=True, text=True)
+    assert r.returncode == 1 and needle in r.stderr and "Traceback" not in r.stderr

@@ -110,3 +110,13 @@ def test_plan_from_a_config_json_without_weights(tmp_path):
                         "--compute-dtype", "bf16"],
                        capture_output=True, text=True)
     assert r.returncode == 3 and "REFUSED" in r.stdout and "--kv-dtype int8 saves" in r.stdout
+
+
+def test_plan_on_a_model_type_moefit_does_not_run_is_one_line(tmp_path):
+    import subprocess
+    import sys
+    cfg = tmp_path / "config.json"
+    cfg.write_text('{"model_type": "llama4", "hidden_size": 8}')
+    r = subprocess.run([sys.executable, "-m", "moefit", "plan", "--model-config", str(cfg), "--quant", "int4",
+                        "--device", "sim:docs/rtx4070.json"], capture_output=True, text=True)
+    assert r.returncode == 1 and "model_type 'llama4' is not supported" in r.stderr and "Traceback" not in r.stderr

@@ -7,8 +7,13 @@ LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0])
 
 
 def draws(params, n=400, prompt=(), logits=LOGITS):
+    """n tokens as the decode loop takes them: draw, then accept (the next position)."""
     s = Sampler(params, list(prompt), len(logits))
-    return [s.next(logits) for _ in range(n)]
+    out = []
+    for _ in range(n):
+        out.append(s.next(logits))
+        s.accept(out[-1])
+    return out
 
 
 def test_greedy_is_the_argmax():
@@ -17,7 +22,7 @@ def test_greedy_is_the_argmax():
 
 def test_a_seed_reproduces_the_draws():
     p = SamplingParams(temperature=1.0, seed=3)
-    assert draws(p) == draws(p)
+    assert draws(p) == draws(p) != draws(SamplingParams(temperature=1.0, seed=4))
 
 
 def test_top_k_and_top_p_restrict_the_support():

@@ -7,7 +7,8 @@ import torch
 from moefit.config import ServeConfig
 from moefit.runtime.engine import Engine
 from moefit.runtime.sampler import SamplingParams
-from moefit.runtime.speculative import NgramIndex, Window, accept_or_resample
+from moefit.runtime.sampler import Sampler, uniform
+from moefit.runtime.speculative import NgramIndex, Window
 
 from conftest import FAMILIES
 import tiny
@@ -77,22 +78,31 @@ def test_the_draft_head_is_paid_for_from_the_reserve(checkpoints, tmp_path, card
     assert status["speculative"]["enabled"] is False and "short" in status["speculative"]["reason"]
 
 
-def test_the_sampling_rule_keeps_the_target_distribution():
-    g = torch.Generator().manual_seed(0)
-    p = torch.tensor([0.5, 0.2, 0.2, 0.1])
-    q = torch.tensor([0.1, 0.6, 0.2, 0.1])
-    counts = torch.zeros(4)
-    n = 20000
-    for _ in range(n):
-        draft = int(torch.multinomial(q, 1, generator=g))
-        token, _ = accept_or_resample(p, draft, q, float(torch.rand((), generator=g)), g)
-        counts[token] += 1
-    assert torch.allclose(counts / n, p, atol=0.015)
-    counts.zero_()
-    for _ in range(n):                                     # a deterministic draft (prompt lookup)
-        token, _ = accept_or_resample(p, 1, None, float(torch.rand((), generator=g)), g)
-        counts[token] += 1
-    assert torch.allclose(counts / n, p, atol=0.015)
+def test_a_seeded_draw_follows_the_distribution_and_never_takes_a_zero():
+    p = torch.tensor([0.5, 0.2, 0.0, 0.2, 0.1])
+    sampler = Sampler(SamplingParams(seed=3), [1], 5)
+    counts = torch.zeros(5)
+    for i in range(20000):
+        sampler.index = i
+        counts[sampler.draw(p)] += 1
+    assert counts[2] == 0 and torch.allclose(counts / 20000, p, atol=0.015)
+    assert uniform(3, 7) == uniform(3, 7) != uniform(4, 7)
+
+
+@pytest.mark.parametrize("spec", ["lookup", "head"])
+def test_a_seed_gives_the_same_text_with_and_without_speculation(spec, checkpoints, tmp_path):
+    from moefit.pack.convert import convert
+    from moefit.runtime import draft_head
+    convert(checkpoints["qwen3_moe"], tmp_path / "pack", "int8", progress=False)
+    if spec == "head":
+        base = Engine.open(tmp_path / "pack", ServeConfig(ctx=256))
+        draft_head.save(tmp_path / "pack", draft_head.train(base, base.codec.encode(" ".join(tiny.CORPUS)), 3, 40), {})
+    seeded = SamplingParams(max_tokens=40, temperature=0.7, seed=2**64 - 5, ignore_eos=True)
+    _, want = run(tmp_path / "pack", params=seeded)
+    engine, got = run(tmp_path / "pack", params=seeded, spec=spec, spec_window=3)
+    assert engine.spec_stats.windows > 0 and got == want
+    _, other = run(tmp_path / "pack", params=SamplingParams(**{**seeded.__dict__, "seed": 11}))
+    assert other != want
 
 
 def test_the_window_turns_off_when_nothing_is_accepted_and_probes_later():

@@ -154,3 +154,24 @@ def test_doctor_and_history_commands(seed, card):
     assert "start" in run("history").stdout
     r = subprocess.run([sys.executable, "-m", "moefit", "doctor"], capture_output=True, text=True)
     assert r.returncode == 1 and "NVML is not available" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_two_processes_of_one_name_each_keep_their_own_baseline(card, tmp_path):
+    from moefit.commands.doctor import render
+    base = open_device(f"sim:{card(4000, [(10, 'chromium', 400), (11, 'chromium', 100)])}").snapshot()
+    zerocheck.save_baseline(tmp_path, base)
+    now = open_device(f"sim:{card(4000, [(10, 'chromium', 400), (12, 'chromium', 1500)])}").snapshot()
+    result = zerocheck.check(now, zerocheck.load_baseline(tmp_path, now))
+    assert [(c.pid, c.why, c.bytes_over) for c in result.culprits] == [(12, "grew", 1400 * 2**20)]
+    rows = {line.split()[0]: line.split()[-1] for line in render(result).splitlines()[1:3]}
+    assert rows == {"12": "100", "10": "400"}             # each its own baseline, not the 500 MiB sum
+
+
+def test_with_no_baseline_a_leftover_moefit_is_named_in_the_verdict_and_the_history(packs, card, tmp_path):
+    path = card(CARD_MIB, DESKTOP + [(4100, "moefit", 0.0625)])
+    opts = StartOptions(tmp_path / "state", settle_s=0, tolerance=TOL)
+    engine, start = start_engine(packs("mixtral", "int8"), cfg(path), opts)
+    assert start.zero.verdict == "NO BASELINE"
+    assert "another moefit holds the card (pid 4100 moefit" in start.verdict
+    row = History(opts.state_dir).rows()[-1]
+    assert "likely a leftover instance" in row["verdict"] and "pid 4100" in row["zero_check_json"]

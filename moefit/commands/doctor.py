@@ -49,13 +49,12 @@ def run(args) -> int:
 
 
 def render(result) -> str:
+    from moefit.ops import zerocheck
     snap, base = result.snapshot, result.baseline
-    before = {}
-    for p in (base.processes if base else ()):
-        before[p.name] = before.get(p.name, 0) + p.bytes
+    before = zerocheck.matched_baseline(snap.processes, base.processes) if base else {}
     rows = [f"{'pid':>8}  {'process':<28} {'MiB':>8}  {'baseline':>8}"]
     for p in sorted(snap.processes, key=lambda p: -p.bytes):
-        b = f"{before[p.name] / MIB:,.0f}" if p.name in before else "new" if base else "-"
+        b = "-" if not base else "new" if before[p.pid] is None else f"{before[p.pid] / MIB:,.0f}"
         rows.append(f"{p.pid:>8}  {p.name[:28]:<28} {p.bytes / MIB:>8,.0f}  {b:>8}")
     if snap.unattributed_bytes:
         rows.append(f"{'-':>8}  {'(no live process)':<28} {snap.unattributed_bytes / MIB:>8,.0f}")
@@ -64,7 +63,7 @@ def render(result) -> str:
                 f"free {snap.free_bytes / MIB:,.0f}" + (f" (baseline: used {base.used_bytes / MIB:,.0f}, "
                                                        f"free {base.free_bytes / MIB:,.0f})" if base else ""))
     rows.append(f"verdict: {result.headline()}")
-    if any(c.why == "previous moefit" for c in result.culprits):
+    if any(c.why == "previous moefit" for c in result.culprits) and base:
         rows.append("a previous moefit instance still holds memory: stop it, then "
                     "`moefit doctor --wait-release 30` before starting again")
     return "\n".join(rows)

@@ -60,7 +60,7 @@ def run(args) -> int:
     finally:
         if dump:
             dump.close()
-        start.finish(engine)
+        start.finish(engine, final=True)
     stats = engine.last
     if args.json:
         print_json({**status_json(engine), "text": "".join(pieces), "token_ids": stats.generated,

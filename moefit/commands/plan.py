@@ -5,7 +5,6 @@ Answers "does it fit?" for a pack, or for a model that is not downloaded yet.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from moefit.cli import add_serve_flags, print_json, serve_config
@@ -29,7 +28,7 @@ def footprint_and_order(args, compute_dtype: str, dense_quant: str = "off"):
     from moefit.experts.profile import Profile
     from moefit.memory import footprint
     if args.model_config:
-        model = ModelConfig.from_hf(json.loads(Path(args.model_config).read_text()))
+        model = ModelConfig.from_hf_file(args.model_config)
         fp = footprint.from_config(model, args.quant, compute_dtype, args.group_size, dense_quant)
         profile = Profile.empty(model.num_layers, model.num_experts)
     else:

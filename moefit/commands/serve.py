@@ -19,6 +19,12 @@ def register(sub) -> None:
     p.add_argument("--max-queue", type=int, default=16, help="requests waiting before 429 (default: 16)")
     p.add_argument("--max-body-mib", type=float, default=4.0, help="largest request body (default: 4 MiB)")
     p.add_argument("--keepalive-s", type=float, default=5.0, help="SSE keep-alive comment interval")
+    p.add_argument("--allowed-origins", nargs="*", default=[], metavar="ORIGIN",
+                   help="web origins (https://app.example) allowed to call the API from a browser, besides "
+                   "the server's own page; '*' allows any")
+    p.add_argument("--stall-s", type=float, default=300.0,
+                   help="a request whose forward makes no progress this long means a wedged engine: /health "
+                   "turns 503 and the server exits 1 to be restarted (default: 300)")
     add_serve_flags(p)
     add_state_flags(p)
     p.set_defaults(run=run)
@@ -31,5 +37,6 @@ def run(args) -> int:
     setup_logging()
     http = {"host": args.host, "port": args.port, "api_key": api_key, "max_queue": args.max_queue,
             "model_name": args.served_model_name or Path(args.pack).resolve().name,
-            "max_body_bytes": int(args.max_body_mib * (1 << 20)), "keepalive_s": args.keepalive_s}
+            "max_body_bytes": int(args.max_body_mib * (1 << 20)), "keepalive_s": args.keepalive_s,
+            "allowed_origins": args.allowed_origins, "stall_s": args.stall_s}
     return Server(args.pack, serve_config(args), start_options(args), http).run()

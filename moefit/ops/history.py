@@ -27,8 +27,12 @@ CREATE TABLE IF NOT EXISTS starts (
   zero_check TEXT, zero_check_json TEXT, ledger_json TEXT,
   slots INTEGER, cache_bytes INTEGER, outcome TEXT, message TEXT, verdict TEXT,
   hit_rate REAL, decode_tokens_per_s REAL, guard_warnings INTEGER DEFAULT 0,
-  cache_resizes INTEGER DEFAULT 0, slots_now INTEGER, updated REAL
+  cache_resizes INTEGER DEFAULT 0, slots_now INTEGER, updated REAL, pid INTEGER, ended REAL
 )"""
+ADDED_COLUMNS = {"pid": "INTEGER", "ended": "REAL"}     # columns newer than the first schema
+STARTED_OUTCOMES = ("started", "killed")               # starts that loaded: they calibrate the range
+KILLED = ("the process ended without writing its final row (killed with -9, out of host memory, "
+          "or the machine stopped)")
 
 
 class HistoryError(MoefitError):
@@ -58,6 +62,10 @@ class History:
             with self._connect() as db:
                 db.execute("PRAGMA journal_mode=WAL")
                 db.execute(SCHEMA)
+                have = {r["name"] for r in db.execute("PRAGMA table_info(starts)")}
+                for name, kind in ADDED_COLUMNS.items():
+                    if name not in have:
+                        db.execute(f"ALTER TABLE starts ADD COLUMN {name} {kind}")
         except sqlite3.Error as e:
             raise HistoryError(f"{self.path}: the start history cannot be used ({e})") from None
 
@@ -90,13 +98,14 @@ class History:
         self._run(f"UPDATE starts SET {sets} WHERE id = ?", (*values.values(), row_id))
 
     def rows(self, config_hash: str | None = None, last: int | None = None) -> list[dict]:
+        self._reap()
         where, params = ("WHERE config_hash = ?", (config_hash,)) if config_hash else ("", ())
         limit = f"LIMIT {int(last)}" if last else ""
         rows = self._run(f"SELECT * FROM starts {where} ORDER BY id DESC {limit}", params)
         return [dict(r) for r in reversed(rows)]
 
     def healthy_range(self, config_hash: str, exclude_id: int | None = None) -> HealthyRange | None:
-        rows = [r for r in self.rows(config_hash) if r["id"] != exclude_id and r["outcome"] == "started"
+        rows = [r for r in self.rows(config_hash) if r["id"] != exclude_id and r["outcome"] in STARTED_OUTCOMES
                 and r["zero_check"] == "CLEAN"]
         if not rows:
             return None
@@ -107,9 +116,27 @@ class History:
     def calibrated_configs(self, pack_id: str, exclude_hash: str) -> list[dict]:
         """Configs of this pack with clean starts, other than exclude_hash (newest first)."""
         rows = self._run("SELECT config_hash, config_json FROM starts WHERE pack_id = ? AND config_hash != ? "
-                         "AND zero_check = 'CLEAN' AND outcome = 'started' ORDER BY id DESC",
+                         "AND zero_check = 'CLEAN' AND outcome IN ('started', 'killed') ORDER BY id DESC",
                          (pack_id, exclude_hash))
         return [json.loads(r["config_json"]) for r in rows]
+
+
+    def _reap(self) -> None:
+        """Starts still marked running whose process is gone were killed: say so."""
+        live = self._run("SELECT id, pid, time FROM starts WHERE outcome = 'started' AND ended IS NULL "
+                         "AND pid IS NOT NULL")
+        for r in live:
+            if not process_alive(r["pid"], r["time"]):
+                self.update(r["id"], outcome="killed", message=KILLED)
+
+
+def process_alive(pid: int, since: float) -> bool:
+    """Is pid the same process that wrote a row at `since` (not a later one reusing the pid)?"""
+    import psutil
+    try:
+        return psutil.Process(pid).create_time() <= since + 1.0
+    except psutil.Error:
+        return False
 
 
 def contract_row(r: dict) -> dict:
@@ -118,7 +145,7 @@ def contract_row(r: dict) -> dict:
             "outcome": r["outcome"], "hit_rate": r["hit_rate"], "decode_tokens_per_s": r["decode_tokens_per_s"],
             "verdict": r["verdict"], "zero_check": r["zero_check"], "message": r["message"],
             "guard_warnings": r["guard_warnings"], "cache_resizes": r["cache_resizes"], "slots_now": r["slots_now"],
-            "pack_id": r["pack_id"], "command": r["command"]}
+            "pack_id": r["pack_id"], "command": r["command"], "pid": r.get("pid"), "ended": r.get("ended")}
 
 
 

@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -70,9 +71,12 @@ class Start:
             log(f"moefit: warning: {e}")
             self.history = None
 
-    def finish(self, engine, **extra) -> None:
+    def finish(self, engine, final: bool = False, **extra) -> None:
+        """Write what the run measured; final=True when the process ends its run cleanly."""
         book = engine.runner.book
-        self.update(hit_rate=book.hit_rate(), decode_tokens_per_s=engine.last.decode_tokens_per_s,
+        if final:
+            extra["ended"] = time.time()
+        self.update(hit_rate=book.hit_rate(), decode_tokens_per_s=engine.decode_rate,
                     slots_now=len(engine.runner.slots), **extra)
 
     def summary(self) -> dict:
@@ -95,7 +99,7 @@ def start_engine(pack_path, cfg: ServeConfig, opts: StartOptions | None = None, 
     snap = zero.snapshot
     config = plan_config(cfg, pack.pack_id, snap.name, snap.total_bytes)
     start = Start(history, None, zero, config_hash=config_hash(config))
-    row = dict(version=__version__, command=command, config_hash=start.config_hash, config_json=json.dumps(config),
+    row = dict(version=__version__, command=command, pid=os.getpid(), config_hash=start.config_hash, config_json=json.dumps(config),
                pack_id=pack.pack_id, device_json=json.dumps(snap.to_json()), free_bytes_at_start=snap.free_bytes,
                used_bytes_at_start=snap.used_bytes, zero_check=zero.verdict,
                zero_check_json=json.dumps(zero.to_json()))
@@ -158,7 +162,8 @@ def _verdict(start: Start, history: History | None, slots: int, zero, config: di
         calibrated = history.calibrated_configs(pack_id, start.config_hash)
     except HistoryError as e:
         return f"start history unreadable ({e})"
-    return range_verdict(slots, zero.verdict, zero.headline(), healthy, config, calibrated)
+    verdict = range_verdict(slots, zero.verdict, zero.headline(), healthy, config, calibrated)
+    return verdict + (zero.leftover_note() if zero.verdict == "NO BASELINE" else "")
 
 
 def _banner(engine, zero, start: Start, say) -> None:

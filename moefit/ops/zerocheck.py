@@ -45,11 +45,18 @@ class ZeroCheck:
     def headline(self) -> str:
         if self.verdict == "NO BASELINE":
             return ("NO BASELINE: no clean baseline saved for this card; on a clean card run "
-                    "`moefit doctor --save-baseline`")
+                    "`moefit doctor --save-baseline`" + self.leftover_note())
         if self.verdict == "CLEAN":
             return f"CLEAN: {'+' if self.over_bytes >= 0 else ''}{_mib(self.over_bytes)} against the baseline"
         names = ", ".join(f"{c.pid} {c.name} {_mib(c.bytes_over)} ({c.why})" for c in self.culprits)
         return f"DIRTY: {_mib(self.over_bytes)} above the baseline" + (f"; culprits: {names}" if names else "")
+
+    def leftover_note(self) -> str:
+        olds = [c for c in self.culprits if c.why == "previous moefit"]
+        if not olds:
+            return ""
+        names = ", ".join(f"pid {c.pid} {c.name} {_mib(c.bytes_over)}" for c in olds)
+        return f"; another moefit holds the card ({names}): likely a leftover instance, stop it first"
 
     def to_json(self) -> dict:
         return {"verdict": self.verdict, "over_bytes": self.over_bytes, "message": self.headline(),
@@ -99,7 +106,8 @@ def check(snap: DeviceSnapshot, baseline: DeviceSnapshot | None, tol: Tolerance 
     """Verdict of the card now against its baseline (this process's own memory excluded)."""
     snap = _without_self(snap)
     if baseline is None:
-        return ZeroCheck("NO BASELINE", snap, None)
+        leftovers = [Culprit(p.pid, p.name, p.bytes, "previous moefit") for p in snap.processes if is_moefit(p, snap)]
+        return ZeroCheck("NO BASELINE", snap, None, culprits=leftovers)
     over = snap.used_bytes - baseline.used_bytes
     culprits = _culprits(snap, baseline, tol)
     dirty = over > tol.total_mib * MIB or bool(culprits)
@@ -107,20 +115,52 @@ def check(snap: DeviceSnapshot, baseline: DeviceSnapshot | None, tol: Tolerance 
 
 
 def _culprits(snap: DeviceSnapshot, baseline: DeviceSnapshot, tol: Tolerance) -> list[Culprit]:
-    before: dict[str, int] = {}
-    for p in baseline.processes:
-        before[p.name] = before.get(p.name, 0) + p.bytes
+    before = matched_baseline(snap.processes, baseline.processes)
     out = []
     for p in sorted(snap.processes, key=lambda p: -p.bytes):
-        grew = p.bytes - before.pop(p.name, 0)
+        grew = p.bytes - (before[p.pid] or 0)
         if grew <= tol.process_mib * MIB:
             continue
-        why = "previous moefit" if p.name.startswith("moefit") else ("new" if grew == p.bytes else "grew")
+        why = "previous moefit" if is_moefit(p, snap) else ("new" if before[p.pid] is None else "grew")
         out.append(Culprit(p.pid, p.name, grew, why))
     late = snap.unattributed_bytes - baseline.unattributed_bytes
     if late > tol.process_mib * MIB:
         out.append(Culprit(0, "(held by no live process: released late by the driver)", late, "no live process"))
     return out
+
+
+def matched_baseline(now, then) -> dict[int, int | None]:
+    """pid now -> its bytes in the baseline: the same pid and name, else an unmatched baseline
+    process of the same name (largest with largest), else None (new). Two processes of one
+    name are two rows, each with its own baseline."""
+    left = list(then)
+    out: dict[int, int | None] = {}
+    for p in now:
+        same = next((b for b in left if b.pid == p.pid and b.name == p.name), None)
+        if same is not None:
+            out[p.pid] = same.bytes
+            left.remove(same)
+    for p in sorted(now, key=lambda p: -p.bytes):
+        if p.pid in out:
+            continue
+        same = next((b for b in sorted(left, key=lambda b: -b.bytes) if b.name == p.name), None)
+        out[p.pid] = None if same is None else same.bytes
+        if same is not None:
+            left.remove(same)
+    return out
+
+
+def is_moefit(p, snap: DeviceSnapshot) -> bool:
+    """Another moefit: by name, or (real cards, where NVML names the interpreter) by command line."""
+    if p.name.startswith("moefit") or "moefit" in p.name.split("/")[-1]:
+        return True
+    if snap.source != "nvml":
+        return False
+    import psutil
+    try:
+        return any("moefit" in part for part in psutil.Process(p.pid).cmdline()[:3])
+    except psutil.Error:
+        return False
 
 
 @dataclass

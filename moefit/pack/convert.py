@@ -19,12 +19,12 @@ import sys
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
 from moefit import __version__
 from moefit.config import ModelConfig
-from moefit.errors import PackError
+from moefit.errors import MoefitError, PackError
 from moefit.pack import format as fmt
 from moefit.pack.layout import FLOAT_QUANTS, RECIPES, check_group, expert_layout, layer_quants
 from moefit.pack.quant import DTYPE_NAMES, TORCH_DTYPES, quantize
@@ -88,12 +88,11 @@ def _read_config(hf_dir: Path) -> dict:
     f = hf_dir / "config.json"
     if not f.exists():
         raise PackError(f"{f}: missing (is {hf_dir} a Hugging Face checkpoint directory?)")
-    cfg = json.loads(f.read_text())
     try:
-        ModelConfig.from_hf(cfg)
-    except (KeyError, ValueError) as e:
-        raise PackError(f"{f}: {e}") from None
-    return cfg
+        ModelConfig.from_hf_file(f)
+    except MoefitError as e:
+        raise PackError(str(e)) from None
+    return json.loads(f.read_text())
 
 
 class _TensorSource:
@@ -117,7 +116,7 @@ class _TensorSource:
         if f in self._open:
             self._open.move_to_end(f)
         else:
-            self._open[f] = safe_open(str(self.hf_dir / f), framework="pt")
+            self._open[f] = open_shard(self.hf_dir / f)
             while len(self._open) > self.OPEN_SHARDS:
                 self._open.popitem(last=False)                           # unmaps that shard
         return self._open[f]
@@ -152,15 +151,25 @@ class _TensorSource:
 def _weight_map(hf_dir: Path) -> dict[str, str]:
     index = hf_dir / "model.safetensors.index.json"
     if index.exists():
-        return json.loads(index.read_text())["weight_map"]
+        try:
+            return json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise PackError(f"{index}: not a safetensors index ({e})") from None
     files = sorted(p.name for p in hf_dir.glob("*.safetensors"))
     if not files:
         raise PackError(f"{hf_dir}: no safetensors weights found")
     out = {}
     for f in files:
-        with safe_open(str(hf_dir / f), framework="pt") as h:
-            out.update({k: f for k in h.keys()})
+        out.update({k: f for k in open_shard(hf_dir / f).keys()})
     return out
+
+
+def open_shard(path: Path):
+    """A safetensors file opened lazily; PackError naming it when it is truncated or not one."""
+    try:
+        return safe_open(str(path), framework="pt")
+    except (SafetensorError, OSError) as e:
+        raise PackError(f"{path}: not a complete safetensors file ({e}); download it again") from None
 
 
 def canonical_dense_name(key: str) -> str:

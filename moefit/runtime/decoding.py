@@ -1,8 +1,9 @@
 """The decode loop: one token per step, or a speculative window (last token + k drafts
 verified in one forward) when a draft source has something and the window pays.
 
-Greedy output is the same with or without speculation: a draft is kept only when it is
-the token greedy decoding would have picked from the same logits.
+Output is the same with or without speculation, greedy or seeded: a draft is kept only
+when it is the token the sampler itself draws at that position from the target's logits
+(argmax, or the position's own uniform). That is lossless for any draft source.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Iterator
 import torch
 
 from moefit.runtime.sampler import Sampler
-from moefit.runtime.speculative import NgramIndex, accept_or_resample
+from moefit.runtime.speculative import NgramIndex
 
 
 def token_stream(engine, prompt: list[int], sampler: Sampler, budget: int) -> Iterator[int]:
@@ -26,9 +27,9 @@ def token_stream(engine, prompt: list[int], sampler: Sampler, budget: int) -> It
     while produced < budget:
         room = min(budget - produced, engine.cfg.ctx - pos) - 1
         k = min(engine.window.size(), room) if engine.spec_mode != "off" else 0
-        drafts, q = _drafts(engine, lookup, prompt, token, k)
+        drafts = _drafts(engine, lookup, token, k)
         if drafts:
-            new = verify(engine, token, pos, drafts, q, sampler)
+            new = verify(engine, token, pos, drafts, sampler)
         else:
             t0 = time.perf_counter()
             logits = engine.decode_step(token, pos)
@@ -45,15 +46,15 @@ def _take(sampler: Sampler, probs: torch.Tensor) -> int:
     return token
 
 
-def _drafts(engine, lookup, prompt, token, k) -> tuple[list[int], torch.Tensor | None]:
+def _drafts(engine, lookup, token, k) -> list[int]:
     if k <= 0:
-        return [], None
+        return []
     if lookup is not None:
-        return lookup.draft(engine.kv_tokens + [token], k), None
+        return lookup.draft(engine.kv_tokens + [token], k)
     return engine.draft_head.propose(engine, token, k)
 
 
-def verify(engine, token: int, pos: int, drafts: list[int], q, sampler: Sampler) -> list[int]:
+def verify(engine, token: int, pos: int, drafts: list[int], sampler: Sampler) -> list[int]:
     """Run [token, d1..dk] at pos..pos+k in one forward; keep the drafts the target agrees
     with, then one token of its own (the correction, or a bonus when all were kept)."""
     book = engine.runner.book
@@ -62,15 +63,9 @@ def verify(engine, token: int, pos: int, drafts: list[int], q, sampler: Sampler)
     logits = engine.forward([token] + drafts, pos)                           # [k+1, V]
     out = []
     for i, d in enumerate(drafts):
-        p = sampler.probs(logits[i])
-        if sampler.p.greedy:
-            t, ok = int(p.argmax()), int(p.argmax()) == d
-        else:
-            u = float(torch.rand((), generator=sampler.generator))
-            t, ok = accept_or_resample(p, d, None if q is None else q[i], u, sampler.generator)
-        sampler.accept(t)
+        t = _take(sampler, sampler.probs(logits[i]))
         out.append(t)
-        if not ok:
+        if t != d:
             break
     else:
         out.append(_take(sampler, sampler.probs(logits[len(drafts)])))

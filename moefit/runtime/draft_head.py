@@ -32,12 +32,12 @@ class DraftHead:
         return h + F.silu(F.linear(h, self.weights[i], self.biases[i]))
 
     @torch.inference_mode()
-    def propose(self, engine, token: int, k: int) -> tuple[list[int], torch.Tensor | None]:
-        """k drafts after `token`, and their distributions [k, V] (for sampled decoding)."""
+    def propose(self, engine, token: int, k: int) -> list[int]:
+        """k drafts after `token`: each head's most likely token."""
         h = engine.last_hidden                                                    # [E]
         k = min(k, self.heads)
         logits = torch.stack([engine.model.logits(self.hidden(h, i)[None])[0] for i in range(k)])
-        return logits.argmax(-1).tolist(), torch.softmax(logits, dim=-1).cpu()
+        return logits.argmax(-1).tolist()
 
 
 def draft_params(hidden: int, heads: int) -> int:

@@ -87,6 +87,8 @@ class Engine:
         self.window = Window(cfg.spec_window)
         self.draft_head = load_draft_head(self.pack, loaded) if self.spec_mode == "head" else None
         self.steps = 0
+        self.forwards = 0                           # forwards run: the watchdog's sign of progress
+        self.decode_rate = 0.0                      # tokens/s of the last request that decoded
 
     def _spec_mode(self) -> tuple[str, str]:
         plan, cfg = self.loaded.plan, self.cfg
@@ -125,6 +127,7 @@ class Engine:
         """Logits [T, V] (fp32) of tokens at positions start..start+T (or of the last one).
         A device out of memory (CUDA, or an overfilled simulated card) is DeviceOutOfMemory."""
         self.loaded.mem.check_fits()
+        self.forwards += 1
         ids = torch.tensor(tokens, dtype=torch.long)
         try:
             h = self.model.forward(ids, start, self.loaded.kv, self.runner)
@@ -176,6 +179,7 @@ class Engine:
                 text, stopped = ("", False) if token in self.eos_ids and reason else stops.feed(detok.push(token))
                 if stopped or reason or cancelled():
                     stats.decode_s = time.perf_counter() - t0 - stats.prefill_s
+                    self.decode_rate = stats.decode_tokens_per_s or self.decode_rate
                     tail = "" if stopped else stops.flush()
                     yield Event(token, text + tail, "stop" if stopped else reason or "cancelled")
                     return
@@ -205,6 +209,10 @@ class Engine:
             text.append(event.text)
             reason = event.finish_reason
         return "".join(text), self.last, reason
+
+    def forget_prefix(self) -> None:
+        """After a failed request the KV may hold a half-written step: reuse none of it."""
+        self.kv_tokens = []
 
     def save_profile(self) -> None:
         self.runner.profile.save(self.pack.profile_path)

@@ -61,10 +61,12 @@ class Guard:
             self.grow(snap.free_bytes - self._keep_free())
 
     def _keep_free(self) -> int:
-        """What growing must leave free: the floor and the margin, and at least the reserve
-        (free memory held back for the prompt path and the verify arena)."""
+        """What growing must leave free: the floor plus the margin, and the reserve (free
+        memory held back for the prompt path and the verify arena), whichever is more.
+        A clean card has exactly the reserve free, so the margin is not added to it: that
+        would ask for more than a clean card has, and the cache would never grow back."""
         reserve = self.engine.loaded.plan.reserve
-        return max(self.floor_bytes, reserve.total - reserve.draft) + self.margin_bytes
+        return max(self.floor_bytes + self.margin_bytes, reserve.total - reserve.draft)
 
     def target_budget(self) -> int:
         """How large the cache may grow: --expert-cache N's budget, or with auto every

@@ -2,6 +2,10 @@
 
 Penalties follow their usual definitions: repetition (CTRL, over prompt and output),
 presence and frequency (OpenAI, over the output only).
+
+A seeded draw depends only on (seed, position in the output): the n-th token takes the
+n-th uniform of the seed's stream, by inverse CDF. So one seed gives one text, whether
+tokens come one per step or several per speculative window.
 """
 
 from __future__ import annotations
@@ -47,13 +51,14 @@ class Sampler:
 
     def __init__(self, params: SamplingParams, prompt_ids: list[int], vocab_size: int):
         self.p = params
-        self.generator = torch.Generator().manual_seed(params.seed if params.seed is not None else
-                                                       torch.seed() % (2**63))
+        self.seed = (params.seed if params.seed is not None else torch.seed()) % (1 << 64)
+        self.index = 0                               # tokens accepted so far: which uniform is next
         self.seen = torch.zeros(vocab_size, dtype=torch.bool)
         self.seen[torch.tensor(prompt_ids, dtype=torch.long)] = True
         self.counts = torch.zeros(vocab_size, dtype=torch.float32)
 
     def accept(self, token: int) -> None:
+        self.index += 1
         self.seen[token] = True
         self.counts[token] += 1
 
@@ -74,9 +79,13 @@ class Sampler:
         return probs / probs.sum()
 
     def draw(self, probs: torch.Tensor) -> int:
+        """The token at this output position: argmax when greedy, else inverse CDF at the
+        position's uniform (a token of probability 0 is never drawn)."""
         if self.p.greedy:
             return int(probs.argmax())
-        return int(torch.multinomial(probs, 1, generator=self.generator))
+        cdf = torch.cumsum(probs.double(), dim=0)
+        token = int(torch.searchsorted(cdf, uniform(self.seed, self.index) * float(cdf[-1]), right=True))
+        return token if token < len(probs) else int(torch.nonzero(probs)[-1])
 
     def next(self, logits: torch.Tensor) -> int:
         return self.draw(self.probs(logits))
@@ -88,6 +97,14 @@ class Sampler:
         if self.p.presence_penalty or self.p.frequency_penalty:
             logits = logits - self.p.presence_penalty * (self.counts > 0) - self.p.frequency_penalty * self.counts
         return logits
+
+
+def uniform(seed: int, index: int) -> float:
+    """The index-th number in [0, 1) of seed's stream (SplitMix64, Steele et al. 2014)."""
+    z = (seed + (index + 1) * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return ((z ^ (z >> 31)) >> 11) / float(1 << 53)
 
 
 def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:

@@ -2,14 +2,15 @@
 window that decides how many drafts a step verifies (down to none).
 
 Verification itself is one forward of [last token, d1..dk] over the static KV cache
-(engine.verify): rejected positions are simply overwritten by later writes.
+(decoding.verify): rejected positions are simply overwritten by later writes. A draft is
+kept when the sampler draws it itself at that position (see decoding.py), which keeps
+the output exactly what plain decoding gives, greedy or seeded.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
 
 
 class NgramIndex:
@@ -41,25 +42,6 @@ class NgramIndex:
             if at is not None and at < len(context):
                 return context[at:at + k]
         return []
-
-
-def accept_or_resample(p: torch.Tensor, draft: int, q: torch.Tensor | None, u: float,
-                       generator: torch.Generator | None) -> tuple[int, bool]:
-    """Standard speculative sampling (Leviathan et al. 2023; Chen et al. 2023): accept the
-    draft with probability min(1, p/q), else draw from the residual max(0, p - q). q None
-    means a deterministic draft (one-hot). The output is distributed exactly as p."""
-    qd = 1.0 if q is None else float(q[draft])
-    if qd > 0 and u < min(1.0, float(p[draft]) / qd):
-        return draft, True
-    residual = p.clone()
-    if q is None:
-        residual[draft] = 0.0
-    else:
-        residual = (p - q).clamp(min=0.0)
-    total = float(residual.sum())
-    if total <= 0:
-        return int(p.argmax()), False
-    return int(torch.multinomial(residual / total, 1, generator=generator)), False
 
 
 @dataclass

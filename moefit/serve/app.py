@@ -17,6 +17,7 @@ from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Res
 from moefit.errors import DeviceUnavailable
 from moefit.serve import protocol as P
 from moefit.serve.completions import ChatRun, CompletionRun
+from moefit.serve.crosssite import CrossSite
 from moefit.serve.metrics import Metrics
 
 log = logging.getLogger("moefit.serve")
@@ -37,10 +38,16 @@ class ServerState:
     metrics: Metrics = field(default_factory=Metrics)
     started: float = field(default_factory=time.time)
     load_error: str | None = None
+    cross_site: CrossSite = field(default_factory=lambda: CrossSite(loopback_bind=True))
 
     @property
     def ready(self) -> bool:
         return self.engine is not None
+
+    @property
+    def down(self) -> str | None:
+        """Why this server cannot serve (a failed load, a dead engine), or None."""
+        return self.load_error or (self.worker.health() if self.worker is not None else None)
 
 
 def create_app(state: ServerState) -> FastAPI:
@@ -49,13 +56,19 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.middleware("http")
     async def guard_request(request: Request, call_next):
+        cors = state.cross_site.cors_headers(request.headers.get("origin"))
         try:
+            if request.method == "OPTIONS" and cors:
+                return Response(status_code=204, headers=cors)
+            state.cross_site.check(request.method, request.url.path, request.headers)
             _authorize(state, request)
-            if int(request.headers.get("content-length") or 0) > state.max_body_bytes:
+            if _content_length(request) > state.max_body_bytes:
                 raise P.ApiError(413, f"the request body is over {state.max_body_bytes} bytes")
-            return await call_next(request)
+            response = await call_next(request)
         except P.ApiError as e:
-            return error_response(e)
+            response = error_response(e)
+        response.headers.update(cors)
+        return response
 
     @app.exception_handler(P.ApiError)
     async def api_error(request: Request, e: P.ApiError):
@@ -74,6 +87,13 @@ def error_response(e: P.ApiError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
+def _content_length(request: Request) -> int:
+    try:
+        return int(request.headers.get("content-length") or 0)
+    except ValueError:
+        raise P.ApiError(400, "the Content-Length header is not a number") from None
+
+
 def _authorize(state: ServerState, request: Request) -> None:
     if not state.api_key or request.url.path in OPEN_PATHS or request.url.path.startswith("/static/"):
         return
@@ -87,8 +107,8 @@ def _authorize(state: ServerState, request: Request) -> None:
 def _routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/health")
     async def health():
-        if state.load_error:
-            return JSONResponse({"status": "failed", "message": state.load_error}, status_code=503)
+        if state.down:
+            return JSONResponse({"status": "failed", "message": state.down}, status_code=503)
         if not state.ready:
             return JSONResponse({"status": "loading"}, status_code=503)
         plan = state.engine.loaded.plan
@@ -200,6 +220,8 @@ def _status(state: ServerState) -> dict:
     if not state.ready:
         return {"status": "failed" if state.load_error else "loading", "message": state.load_error,
                 "uptime_s": time.time() - state.started}
+    if state.down:
+        return {"status": "failed", "message": state.down, "uptime_s": time.time() - state.started}
     out = status_json(state.engine)
     out["uptime_s"] = time.time() - state.started
     out["model"] = state.model_name

@@ -14,6 +14,12 @@ from moefit.serve.toolparse import OutputParser, split_final
 from moefit.serve.worker import Done, Job
 
 
+async def _disconnect(request) -> None:
+    """Returns when the client hangs up; cancels nothing by itself."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 class _Run:
     object_name = ""
     chunk_name = ""
@@ -54,20 +60,19 @@ class _Run:
         return job
 
     async def collect(self, job: Job, request):
-        """Wait for the whole answer; a client that leaves cancels the job."""
+        """Wait for the whole answer; a client that leaves cancels the job. (A task waits on
+        the connection for its disconnect: Starlette's is_disconnected() polls with an
+        immediate cancel and never sees one through the middleware.)"""
         items = []
-        while True:
-            try:
-                item = await asyncio.wait_for(job.events.get(), timeout=0.5)
-            except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    job.cancelled.set()
-                continue
-            if item is None:
-                break
-            if isinstance(item, P.ApiError):
-                raise item
-            items.append(item)
+        gone = asyncio.ensure_future(_disconnect(request))
+        gone.add_done_callback(lambda f: f.cancelled() or job.cancelled.set())
+        try:
+            while (item := await job.events.get()) is not None:
+                if isinstance(item, P.ApiError):
+                    raise item
+                items.append(item)
+        finally:
+            gone.cancel()
         self.done = next(i for i in items if isinstance(i, Done))
         text = "".join(i.text for i in items if not isinstance(i, Done))
         return self.response(text, self.done.finish_reason)

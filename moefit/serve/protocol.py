@@ -11,6 +11,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from moefit.runtime.sampler import SamplingParams
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
+MAX_DEPTH = 64                 # JSON nesting a request may have: OpenAI bodies need about 8
+SEED_RANGE = (-(2**63), 2**64 - 1)   # what a 64-bit generator seed can hold (OpenAI's is int64)
 
 
 class ApiError(Exception):
@@ -49,7 +51,7 @@ class _Sampling(BaseModel):
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
     stop: str | list[str] | None = None
     n: int = Field(default=1, ge=1)
     stream: bool = False
@@ -72,12 +74,48 @@ class CompletionRequest(_Sampling):
     echo: bool = False
 
 
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def load_json(raw: bytes):
+    """Body bytes -> JSON data, or ApiError(400): invalid JSON, NaN / Infinity (not JSON),
+    nesting deeper than MAX_DEPTH, lone UTF-16 surrogates (no text can hold them)."""
+    try:
+        data = json.loads(raw, parse_constant=_no_constant)
+    except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as e:
+        raise ApiError(400, f"the request body is not valid JSON ({e})") from None
+    except RecursionError:
+        raise ApiError(400, f"the request body is nested deeper than {MAX_DEPTH} levels") from None
+    _check_tree(data)
+    return data
+
+
+def _check_tree(data, path: str = "", depth: int = 0) -> None:
+    if depth > MAX_DEPTH:
+        raise ApiError(400, f"the request body is nested deeper than {MAX_DEPTH} levels", param=path or None)
+    if isinstance(data, dict):
+        for k, v in data.items():
+            _check_text(k, path)
+            _check_tree(v, f"{path}.{k}" if path else k, depth + 1)
+    elif isinstance(data, list):
+        for i, v in enumerate(data):
+            _check_tree(v, f"{path}.{i}", depth + 1)
+    elif isinstance(data, str):
+        _check_text(data, path)
+
+
+def _check_text(text: str, path: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ApiError(400, f"{path or 'the body'}: the text holds a lone UTF-16 surrogate (\\ud800-\\udfff "
+                       "without its pair), which is not a character", param=path or None) from None
+
+
 def parse(model_type, raw: bytes):
     """Body bytes -> a validated request, or ApiError(400) naming the field."""
-    try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ApiError(400, f"the request body is not valid JSON ({e})") from None
+    data = load_json(raw)
     if not isinstance(data, dict):
         raise ApiError(400, "the request body must be a JSON object")
     try:
@@ -88,7 +126,24 @@ def parse(model_type, raw: bytes):
         raise ApiError(400, f"{field}: {err['msg']}", param=field) from None
     if req.n != 1:
         raise ApiError(400, "n: only n=1 is supported (one engine, one sequence)", param="n")
+    for i, m in enumerate(getattr(req, "messages", None) or ()):
+        _check_parts(i, m)
     return req
+
+
+TEXT_PARTS = ("text", "input_text", "output_text")
+
+
+def _check_parts(i: int, m: Message) -> None:
+    """Content parts moefit cannot read are an error that names them, never dropped."""
+    if not isinstance(m.content, list):
+        return
+    for j, part in enumerate(m.content):
+        kind = part.get("type", "text")
+        if kind not in TEXT_PARTS or not isinstance(part.get("text"), str):
+            where = f"messages.{i}.content.{j}"
+            what = f"type {kind!r}" if kind not in TEXT_PARTS else "a text part without a string 'text'"
+            raise ApiError(400, f"{where}: {what} is not supported: this model reads text only", param=where)
 
 
 def sampling(req: _Sampling, max_tokens: int) -> SamplingParams:
@@ -104,7 +159,7 @@ def message_dicts(messages: list[Message]) -> list[dict[str, Any]]:
     for m in messages:
         d = m.model_dump(exclude_none=True)
         if isinstance(m.content, list):
-            d["content"] = "".join(p.get("text", "") for p in m.content if p.get("type", "text") == "text")
+            d["content"] = "".join(p["text"] for p in m.content)
         d.setdefault("content", "")
         if m.tool_calls:
             d["tool_calls"] = [_tool_call(tc) for tc in m.tool_calls]

@@ -1,11 +1,18 @@
 """Run the server: listen at once (/health says 503 while loading), start the engine
-through the start-up discipline in the background, record the run in the history."""
+through the start-up discipline in the background, record the run in the history.
+
+Stopping (SIGTERM, Ctrl-C): stop taking requests, end the running stream with a final
+chunk (finish_reason "abort") and [DONE], join the engine thread, write the history row,
+exit 0. An engine that cannot go on makes the process exit 1, so a service manager
+restarts it rather than leaving it "healthy" and hung.
+"""
 
 from __future__ import annotations
 
-import ipaddress
+import errno
 import logging
 import signal
+import socket
 import sys
 import threading
 
@@ -13,19 +20,49 @@ import uvicorn
 
 from moefit.errors import MoefitError, UsageError
 from moefit.serve.app import ServerState, create_app
+from moefit.serve.crosssite import CrossSite, is_loopback
 from moefit.serve.worker import Worker
 
 HISTORY_EVERY_S = 30.0
 PROFILE_EVERY_S = 300.0
+JOIN_S = 30.0                      # how long stopping waits for the engine thread's last step
 
 
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
+def check_port(host: str, port: int) -> None:
+    """MoefitError (exit 1) naming who holds the port, before anything is loaded."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            if e.errno != errno.EADDRINUSE:
+                raise MoefitError(f"cannot listen on {host}:{port} ({e.strerror})") from None
+            raise MoefitError(f"port {port} is in use{port_holder(port)}; stop it or pick another --port") from None
+
+
+def port_holder(port: int) -> str:
+    """' (pid 123, python3)' when the holder can be seen, else ''."""
+    import psutil
     try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+        for c in psutil.net_connections(kind="inet"):
+            if c.laddr and c.laddr.port == port and c.status == psutil.CONN_LISTEN and c.pid:
+                return f" (pid {c.pid}, {psutil.Process(c.pid).name()})"
+    except (psutil.Error, OSError):
+        pass
+    return ""
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn's server, telling us first when a signal asks it to stop."""
+
+    def __init__(self, config, on_stop):
+        super().__init__(config)
+        self.on_stop = on_stop
+
+    def handle_exit(self, sig, frame) -> None:
+        self.on_stop()
+        super().handle_exit(sig, frame)
 
 
 def check_bind(host: str, api_key: str | None, insecure: bool) -> None:
@@ -39,15 +76,18 @@ class Server:
 
     def __init__(self, pack, cfg, start_opts, http: dict):
         self.pack, self.cfg, self.start_opts, self.http = pack, cfg, start_opts, http
-        self.state = ServerState(http["model_name"], http["api_key"], http["max_body_bytes"], http["keepalive_s"])
+        self.state = ServerState(http["model_name"], http["api_key"], http["max_body_bytes"], http["keepalive_s"],
+                                 cross_site=CrossSite(is_loopback(http["host"]), tuple(http["allowed_origins"])))
         self.exit_code = 0
         self._stop = threading.Event()
         config = uvicorn.Config(create_app(self.state), host=http["host"], port=http["port"], log_level="warning",
-                                timeout_graceful_shutdown=3)
-        self.uvicorn = uvicorn.Server(config)
+                                timeout_graceful_shutdown=5)
+        self.uvicorn = _Uvicorn(config, self._draining)
+        self.loader = threading.Thread(target=self._load, name="moefit-load", daemon=True)
 
     def run(self) -> int:
-        threading.Thread(target=self._load, name="moefit-load", daemon=True).start()
+        check_port(self.http["host"], self.http["port"])
+        self.loader.start()
         # uvicorn shuts down on SIGTERM, then raises it again: end through our finally, not abruptly
         signal.signal(signal.SIGTERM, _exit_on_term)
         try:
@@ -55,6 +95,16 @@ class Server:
         finally:
             self._shutdown()
         return self.exit_code
+
+    def _draining(self) -> None:
+        if self.state.worker is not None:
+            self.state.worker.drain()
+
+    def _fatal(self, reason: str) -> None:
+        print(f"moefit: the engine cannot go on ({reason}); exiting so that it can be restarted",
+              file=sys.stderr, flush=True)
+        self.exit_code = 1
+        self.uvicorn.should_exit = True
 
     def _load(self) -> None:
         from moefit.ops.startup import start_engine
@@ -69,15 +119,16 @@ class Server:
             return
         guard = Guard(engine, self.cfg.min_free_vram_mib << 20, self.cfg.grow_margin_mib << 20)
         self.state.guard, self.state.start = guard, start
-        self.state.worker = Worker(engine, guard, self.state.metrics, self.http["max_queue"])
+        self.state.worker = Worker(engine, guard, self.state.metrics, self.http["max_queue"],
+                                   stall_s=self.http["stall_s"], on_fatal=self._fatal)
         self.state.engine = engine
         print(banner(self.http, self.state.model_name), file=sys.stderr, flush=True)
         threading.Thread(target=self._record_loop, name="moefit-history", daemon=True).start()
 
-    def _record(self) -> None:
+    def _record(self, final: bool = False) -> None:
         engine, start, guard = self.state.engine, self.state.start, self.state.guard
         if engine is not None and start is not None:
-            start.finish(engine, guard_warnings=guard.warnings, cache_resizes=guard.resizes)
+            start.finish(engine, final, guard_warnings=guard.warnings, cache_resizes=guard.resizes)
 
     def _record_loop(self) -> None:
         waited = 0.0
@@ -90,10 +141,14 @@ class Server:
 
     def _shutdown(self) -> None:
         self._stop.set()
-        if self.state.worker is not None:
-            self.state.worker.stop()
-        if self.state.engine is not None:
-            self._record()
+        self.loader.join(JOIN_S)                     # never exit under a thread that is still in torch
+        worker = self.state.worker
+        if worker is not None:
+            worker.drain()
+            if not worker.join(JOIN_S) and not worker.fatal:
+                print("moefit: warning: the engine thread did not stop in time", file=sys.stderr, flush=True)
+        if self.state.engine is not None and (worker is None or not worker.thread.is_alive()):
+            self._record(final=True)
             try:
                 self.state.engine.save_profile()
             except OSError as e:

@@ -1,0 +1,118 @@
+"""The supervised engine thread: a failing request fails alone, a dead or wedged engine
+makes the server say so (and exit), and stopping ends the running stream cleanly."""
+
+import asyncio
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from moefit.runtime.sampler import SamplingParams
+from moefit.serve.metrics import Metrics
+from moefit.serve.protocol import ApiError
+from moefit.serve.worker import Done, Job, Worker
+
+
+class FakeEngine:
+    """Streams `n` tokens per request; `fail` decides, per request, what to raise."""
+
+    def __init__(self):
+        self.fail = None
+        self.block = threading.Event()
+        self.forwards = 0
+        self.prefix_forgotten = 0
+        self.last = SimpleNamespace(first_token_s=0.01, decode_tokens_per_s=100.0, prompt_tokens=1, generated=[1, 2],
+                                    cached_tokens=0)
+        self.runner = SimpleNamespace(slots={})
+
+    def stream(self, prompt, params, cancelled):
+        if self.fail == "block":
+            self.block.wait(10)
+        elif self.fail is not None:
+            raise self.fail
+        for i in range(params.max_tokens):
+            time.sleep(0.005)
+            self.forwards += 1
+            last = i == params.max_tokens - 1
+            yield SimpleNamespace(token=i, text="x", finish_reason="length" if last else None)
+            if cancelled() and not last:
+                yield SimpleNamespace(token=i, text="", finish_reason="cancelled")
+                return
+
+    def forget_prefix(self):
+        self.prefix_forgotten += 1
+
+
+def run_jobs(worker, *max_tokens):
+    """Submit jobs and collect every item each one receives, until its closing None."""
+    async def go():
+        loop = asyncio.get_running_loop()
+        jobs = [Job([1], SamplingParams(max_tokens=n), loop) for n in max_tokens]
+        for job in jobs:
+            worker.submit(job)
+
+        async def drain(job):
+            items = []
+            while (item := await asyncio.wait_for(job.events.get(), 10)) is not None:
+                items.append(item)
+            return items
+        return await asyncio.gather(*(drain(j) for j in jobs))
+    return asyncio.run(go())
+
+
+@pytest.fixture
+def made():
+    engine = FakeEngine()
+    died = []
+    worker = Worker(engine, SimpleNamespace(before_request=lambda: None), Metrics(), max_queue=4, stall_s=0.6,
+                    on_fatal=died.append)
+    yield engine, worker, died
+    engine.block.set()
+    worker.join(5)
+
+
+def test_an_exception_fails_that_request_with_a_500_and_the_engine_goes_on(made):
+    engine, worker, died = made
+    engine.fail = OverflowError("int too big to convert")
+    [items] = run_jobs(worker, 3)
+    assert isinstance(items[-1], ApiError) and items[-1].status == 500 and "OverflowError" in items[-1].message
+    assert engine.prefix_forgotten == 1
+    engine.fail = None
+    [items] = run_jobs(worker, 3)
+    assert isinstance(items[-1], Done) and worker.health() is None and not died
+
+
+def test_a_sticky_device_error_kills_the_engine_and_the_server_is_told(made):
+    engine, worker, died = made
+    engine.fail = RuntimeError("CUDA error: an illegal memory access was encountered")
+    [items] = run_jobs(worker, 3)
+    assert items[-1].status == 503
+    assert died and "unrecoverable" in worker.health()
+    with pytest.raises(ApiError) as e:
+        run_jobs(worker, 1)
+    assert e.value.status == 503
+
+
+def test_a_wedged_engine_is_noticed_by_the_watchdog(made):
+    engine, worker, died = made
+    engine.fail = "block"
+    [items] = run_jobs(worker, 3)
+    assert items[-1].status == 503 and "no progress" in worker.health() and died
+
+
+def test_draining_ends_the_running_stream_with_abort_and_answers_the_waiting_503(made):
+    engine, worker, died = made
+    threading.Timer(0.1, worker.drain).start()
+    running, waiting = run_jobs(worker, 400, 5)
+    assert running[-1].finish_reason == "abort" and 1 < len(running) < 400
+    assert isinstance(waiting[-1], ApiError) and waiting[-1].status == 503
+    assert worker.join(5) and not died
+
+
+def test_retry_after_follows_the_measured_request_time(made):
+    engine, worker, died = made
+    run_jobs(worker, 5, 5, 5)
+    assert worker.retry_after_s() == 1                         # requests of ~25 ms: a place frees within 1 s
+    worker._mean_s = 7.2
+    assert worker.retry_after_s() == 8
