@@ -52,7 +52,7 @@ class ServeConfig:
     swap_period: int = _opt(32, "adaptive cache: decode steps between swap rounds")
     swap_decay: float = _opt(0.95, "adaptive cache: decay of usage counts per round")
     max_swaps: int = _opt(4, "adaptive cache: most swaps per round (0 = static placement)")
-    threads: int | None = _opt(None, "host threads for expert compute (default: torch's)")
+    threads: int | None = _opt(None, "host threads for expert and dense compute (default: the physical cores)")
 
     def with_(self, **changes) -> "ServeConfig":
         return dataclasses.replace(self, **changes)

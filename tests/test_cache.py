@@ -157,7 +157,9 @@ def test_int8_dense_weights_stay_close_and_the_ledger_still_matches_the_card(pac
     exact = Engine.open(pack, ServeConfig(ctx=64)).prefill(PROMPT)[0]
     engine = Engine.open(pack, sim(card(16), dense_quant="int8"))
     got = engine.prefill(PROMPT)[0]
-    assert (got - exact).norm() / exact.norm() < 0.02
+    # int8 weights per row and, in the native kernel, int8 activations per block of 32 (llama.cpp's
+    # Q8_0 scheme) on every dense matrix: ~1 % per matrix, compounded over the tiny model's layers.
+    assert (got - exact).norm() / exact.norm() < 0.04 and got.argmax() == exact.argmax()
     plan = engine.loaded.plan
     assert engine.loaded.mem.charged[L.DENSE] == plan.line(L.DENSE).bytes
     full = Engine.open(pack, sim(card(16))).loaded.plan.line(L.DENSE).bytes

@@ -68,14 +68,26 @@ def dequantised_reference(family, hf_dir, pack_dir):
     return model
 
 
-@pytest.mark.parametrize("quant,tol", [("int8", 1e-4), ("int4", 1e-4), ("mixed", 1e-4)])
+@pytest.mark.parametrize("path", ["torch", "native"])
+@pytest.mark.parametrize("quant", ["int8", "int4", "mixed"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_quantised_packs_match_the_dequantised_model(family, quant, tol, checkpoints, packs):
+def test_quantised_packs_match_the_dequantised_model(family, quant, path, checkpoints, packs, monkeypatch):
+    """The torch path (dequantise, then matmul) is exact to 1e-4; the native kernel also
+    quantises activations to int8 per block of 32 (exact to 1e-5 against that reference in
+    test_kernels.py), which costs ~1 % of the logits end to end and must not move the argmax."""
+    from moefit import kernels
+    if path == "torch":
+        monkeypatch.setattr(kernels, "_lib", False)
+    elif kernels.library() is None:
+        pytest.skip("the native kernel is not built")
     ref = dequantised_reference(family, checkpoints[family], packs(family, quant))
     with torch.no_grad():
         want = ref(torch.tensor([PROMPT])).logits[0, -1]
     got, _ = Engine.open(packs(family, quant), ServeConfig(ctx=128)).prefill(PROMPT)
-    assert torch.allclose(got, want, atol=tol, rtol=0)
+    if path == "torch":
+        assert torch.allclose(got, want, atol=1e-4, rtol=0)
+    else:
+        assert (got - want).norm() / want.norm() < 0.03 and got.argmax() == want.argmax()
 
 
 @pytest.mark.parametrize("quant", ["int8", "int4"])
@@ -85,8 +97,9 @@ def test_quantisation_error_is_small_against_fp32(quant, checkpoints, packs):
     got, _ = Engine.open(packs("mixtral", quant), ServeConfig(ctx=128)).prefill(PROMPT)
     # int4 keeps ~8 % RMS weight error on Gaussian weights (step = absmax/7 per group of 32);
     # three layers compound it, so the bound on the logits is looser than on one matrix.
+    # int8 also quantises activations (q8 per block of 32) in the native kernel: ~1.5 % here.
     rel = (got - exact).norm() / exact.norm()
-    assert rel < {"int8": 0.01, "int4": 0.25}[quant]
+    assert rel < {"int8": 0.025, "int4": 0.25}[quant]
     if quant == "int8":                                  # int4 may move a near-tie; int8 must not
         assert got.argmax() == exact.argmax()
 

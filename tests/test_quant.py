@@ -37,16 +37,3 @@ def test_mixed_recipe_keeps_edge_layers_at_int8():
     int8 = blob_nbytes(expert_layout(2048, 768, "int8", 32))
     int4 = blob_nbytes(expert_layout(2048, 768, "int4", 32))
     assert int4 < int8 < 2 * int4 + 4096
-
-
-@pytest.mark.parametrize("quant", ["int8", "int4"])
-@pytest.mark.parametrize("tokens", [1, 5])
-def test_the_host_kernel_matches_dequantise_then_matmul(quant, tokens):
-    from moefit import kernels
-    if kernels.library() is None:
-        pytest.skip("no C compiler: moefit uses the torch path")
-    w = torch.randn(96, 64, generator=torch.Generator().manual_seed(1))
-    parts = dict(zip(["w", "w.scale"], quantize(w, quant, 32)))
-    x = torch.randn(tokens, 64, generator=torch.Generator().manual_seed(2))
-    want = torch.nn.functional.linear(x, dequantize(parts, "w", quant, torch.float32))
-    assert torch.allclose(kernels.qgemv(x, parts, "w", quant), want, atol=1e-4, rtol=1e-4)

@@ -1,9 +1,11 @@
 """Running a layer's routed experts: resident ones on the device from their cache slot,
 misses on the host straight from the pack's map.
 
-Resident experts are launched first so that, on CUDA, the device works while the host
-computes the misses. Outputs are summed in expert-id order whatever the placement, so
-greedy output does not depend on the cache size (same device kind and dtype).
+The host part is one native call per layer (kernels.moe_layer) for all its experts. Where the
+device's memory is host memory (cpu, a simulated card), resident experts go through that same
+call, so the numbers do not depend on the cache size. On CUDA, resident experts are launched
+first so that the device works while the host computes the misses. Outputs are summed in
+expert-id order whatever the placement.
 
 Legend: T tokens, E hidden, k top-k.
 """
@@ -15,6 +17,7 @@ import json
 import torch
 import torch.nn.functional as F
 
+from moefit import kernels
 from moefit.experts.cache import CacheBook, Key
 from moefit.experts.profile import Profile
 from moefit.pack.quant import blob_views, qlinear
@@ -65,6 +68,11 @@ class ExpertRunner:
         experts = torch.unique(ids_host).tolist()
         resident = [(layer, e) in self.slots for e in experts]
         self.book.record(layer, experts, resident)
+        quant = self.pack.blobs[(layer, experts[0])].quant
+        if x.device.type == "cpu" and kernels.usable(x, quant):
+            out = self._native(layer, experts, x, ids_host, weights, quant)
+            if out is not None:
+                return out
         order = [e for e, r in zip(experts, resident) if r] + [e for e, r in zip(experts, resident) if not r]
         outputs = {e: self._one(layer, e, x, ids, weights) for e in order}
         if x.shape[0] == 1:                    # decode: every expert's row is row 0
@@ -74,6 +82,17 @@ class ExpertRunner:
             rows, y = outputs[e]
             out.index_add_(0, rows, y)
         return out
+
+    def _native(self, layer: int, experts: list[int], x, ids, weights, quant) -> torch.Tensor | None:
+        """Every expert of the layer in one native call, resident or not (host memory)."""
+        rows, ws, parts = [], [], []
+        for e in experts:
+            r, kpos = torch.where(ids == e)
+            rows.append(r)
+            ws.append(weights[r, kpos])
+            slot = self.slots.get((layer, e))
+            parts.append(slot[1] if slot is not None else self._host(layer, e))
+        return kernels.moe_layer(x, quant, parts, rows, ws)
 
     def _one(self, layer: int, e: int, x, ids, weights) -> tuple[torch.Tensor, torch.Tensor]:
         rows, kpos = torch.where(ids == e)

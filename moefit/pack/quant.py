@@ -54,8 +54,8 @@ def dequantize(parts: dict[str, torch.Tensor], name: str, quant: str, dtype: tor
 def qlinear(x: torch.Tensor, parts: dict[str, torch.Tensor], name: str, quant: str) -> torch.Tensor:
     """x [T, C] @ W[R, C]^T with W quantized: the host kernel for a few tokens, else
     dequantise and multiply (int8 applies its per-row scale after the matmul)."""
-    if quant in ("int8", "int4") and kernels.usable(x):
-        return kernels.qgemv(x, parts, name, quant)
+    if kernels.usable(x, quant) and (y := kernels.qlinear(x, parts, name, quant)) is not None:
+        return y
     if quant == "int8":
         return F.linear(x, parts[name].to(x.dtype)) * parts[name + ".scale"].to(x.dtype)
     return F.linear(x, dequantize(parts, name, quant, x.dtype))

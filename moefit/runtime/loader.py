@@ -12,6 +12,7 @@ from moefit.config import ServeConfig
 from moefit.errors import DeviceOutOfMemory, RefusedError
 from moefit.experts.cache import CacheBook, SwapPolicy
 from moefit.experts.profile import Profile
+from moefit import kernels
 from moefit.experts.runner import ExpertRunner
 from moefit.memory import ledger as L
 from moefit.memory.devices import open_device
@@ -51,6 +52,7 @@ def load(pack: Pack, cfg: ServeConfig, log=lambda msg: None) -> Loaded:
         torch.zeros(1, device=mem.torch_device)          # create the context before the snapshot
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+        kernels.set_threads(cfg.threads)
     cdt = compute_dtype_for(cfg, device.kind)
     m = pack.model
     profile = Profile.load(pack.profile_path, m.num_layers, m.num_experts)

@@ -1,0 +1,400 @@
+/* One MoE layer's routed experts on the host, in one call:
+ *
+ *   out[t] += sum over (t, e, w) in the pairs of  w * down_e( silu(gate_e x_t) * up_e x_t )
+ *
+ * Weights stay in the pack's blob layout (int8: codes [R, C] + fp32 scale per row; int4: two
+ * codes per byte, low nibble = even column, fp16 scale per (row, group of G columns)).
+ * Activations are quantised per block of 32 to int8 with one fp32 scale (llama.cpp's q8_0), so
+ * every dot product is an integer dot product: AVX2 maddubs, or dpbusd where the CPU has
+ * AVX-VNNI / AVX512-VNNI, chosen at run time. The file is built without -march=native: each
+ * SIMD body carries its own target attribute, so one build runs on any x86-64 (and a portable
+ * body serves other CPUs).
+ *
+ * Each expert's weights are read once per call whatever the number of its tokens (prefill
+ * chunks and verify windows are GEMMs, not T GEMVs). Work is split over a persistent pthread
+ * pool by (expert, block of weight rows); results are summed in the caller's expert order, so
+ * the output does not depend on the thread count.
+ */
+#include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define QK 32                      /* activation block */
+#define ROWS_PER_TASK 16
+
+typedef struct {
+    const void *gu, *gu_scale, *dn, *dn_scale;
+} expert_ptrs;
+
+/* ---- fp16 -> fp32 (scales) ------------------------------------------------------------ */
+static float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, f;
+    if (exp == 0) {
+        if (man == 0) f = sign;
+        else {                                         /* subnormal: normalise */
+            exp = 127 - 15 + 1;
+            while (!(man & 0x400)) { man <<= 1; exp--; }
+            f = sign | (exp << 23) | ((man & 0x3ff) << 13);
+        }
+    } else if (exp == 31) f = sign | 0x7f800000 | (man << 13);
+    else f = sign | ((exp + 127 - 15) << 23) | (man << 13);
+    float out;
+    memcpy(&out, &f, 4);
+    return out;
+}
+
+/* ---- activation quantisation: x [n] -> q [n] int8, s [n / QK] ----------------------------
+ * perm != 0 stores each block as its 16 even then its 16 odd elements: the order of the int4
+ * codes once a byte's low and high nibbles are split. */
+static void quantize_row(const float *x, int64_t n, int8_t *q, float *s, int perm) {
+    for (int64_t b = 0; b < n / QK; b++) {
+        const float *xb = x + b * QK;
+        float amax = 0.0f;
+        for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(xb[i]));
+        const float d = amax / 127.0f, id = d ? 1.0f / d : 0.0f;
+        s[b] = d;
+        for (int i = 0; i < QK; i++) {
+            const int at = perm ? (i & 1) * 16 + i / 2 : i;
+            q[b * QK + at] = (int8_t)lrintf(xb[i] * id);
+        }
+    }
+}
+
+/* ---- dot products: one weight row against one quantised activation row ----------------- */
+typedef float (*dot_fn)(const void *w, const void *ws, const int8_t *q, const float *qs, int64_t n,
+                        int64_t group);
+
+static float dot_q8_portable(const void *w, const void *ws, const int8_t *q, const float *qs, int64_t n,
+                             int64_t group) {
+    (void)group;
+    const int8_t *c = w;
+    float acc = 0.0f;
+    for (int64_t b = 0; b < n / QK; b++) {
+        int32_t isum = 0;
+        for (int i = 0; i < QK; i++) isum += c[b * QK + i] * q[b * QK + i];
+        acc += qs[b] * (float)isum;
+    }
+    return acc * *(const float *)ws;
+}
+
+static float dot_q4_portable(const void *w, const void *ws, const int8_t *q, const float *qs, int64_t n,
+                             int64_t group) {
+    const uint8_t *c = w;
+    const uint16_t *s = ws;
+    const int64_t per_group = group / QK;
+    float acc = 0.0f;
+    for (int64_t b = 0; b < n / QK; b++) {
+        int32_t isum = 0;
+        for (int i = 0; i < 16; i++) {
+            const uint8_t byte = c[b * 16 + i];
+            isum += ((byte & 15) - 8) * q[b * QK + i] + ((byte >> 4) - 8) * q[b * QK + 16 + i];
+        }
+        acc += qs[b] * half_to_float(s[b / per_group]) * (float)isum;
+    }
+    return acc;
+}
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+
+__attribute__((target("avx2,fma"))) static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* The SIMD bodies, once per instruction set: DOT32 turns |w| (u8) and sign(w)*x (s8) into
+ * eight int32 partial sums. */
+#define Q8_BODY(NAME, TARGET, DOT32)                                                          \
+    __attribute__((target(TARGET))) static float NAME(const void *w, const void *ws,           \
+            const int8_t *q, const float *qs, int64_t n, int64_t group) {                      \
+        (void)group;                                                                           \
+        const int8_t *c = w;                                                                   \
+        __m256 acc = _mm256_setzero_ps();                                                      \
+        for (int64_t b = 0; b < n / QK; b++) {                                                 \
+            const __m256i wv = _mm256_loadu_si256((const __m256i *)(c + b * QK));              \
+            const __m256i xv = _mm256_loadu_si256((const __m256i *)(q + b * QK));              \
+            const __m256i isum = DOT32(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv));    \
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(qs[b]), acc);       \
+        }                                                                                      \
+        return hsum8(acc) * *(const float *)ws;                                                \
+    }
+
+#define Q4_BODY(NAME, TARGET, DOT32)                                                          \
+    __attribute__((target(TARGET))) static float NAME(const void *w, const void *ws,           \
+            const int8_t *q, const float *qs, int64_t n, int64_t group) {                      \
+        const uint8_t *c = w;                                                                  \
+        const uint16_t *s = ws;                                                                \
+        const int64_t per_group = group / QK;                                                  \
+        const __m256i low = _mm256_set1_epi8(15), eight = _mm256_set1_epi8(8);                 \
+        __m256 acc = _mm256_setzero_ps();                                                      \
+        for (int64_t b = 0; b < n / QK; b++) {                                                 \
+            const __m128i bytes = _mm_loadu_si128((const __m128i *)(c + b * 16));              \
+            __m256i wv = _mm256_set_m128i(_mm_srli_epi16(bytes, 4), bytes);                    \
+            wv = _mm256_sub_epi8(_mm256_and_si256(wv, low), eight);                            \
+            const __m256i xv = _mm256_loadu_si256((const __m256i *)(q + b * QK));              \
+            const __m256i isum = DOT32(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv));    \
+            const float d = qs[b] * half_to_float(s[b / per_group]);                           \
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(d), acc);           \
+        }                                                                                      \
+        return hsum8(acc);                                                                     \
+    }
+
+#define DOT_AVX2(a, b) _mm256_madd_epi16(_mm256_maddubs_epi16((a), (b)), _mm256_set1_epi16(1))
+#define DOT_VNNI512(a, b) _mm256_dpbusd_epi32(_mm256_setzero_si256(), (a), (b))
+#define DOT_AVXVNNI(a, b) _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), (a), (b))
+
+Q8_BODY(dot_q8_avx2, "avx2,fma", DOT_AVX2)
+Q4_BODY(dot_q4_avx2, "avx2,fma", DOT_AVX2)
+Q8_BODY(dot_q8_vnni512, "avx2,fma,avx512f,avx512vl,avx512bw,avx512vnni", DOT_VNNI512)
+Q4_BODY(dot_q4_vnni512, "avx2,fma,avx512f,avx512vl,avx512bw,avx512vnni", DOT_VNNI512)
+#if defined(__GNUC__) && (__GNUC__ >= 11 || defined(__clang__))
+Q8_BODY(dot_q8_avxvnni, "avx2,fma,avxvnni", DOT_AVXVNNI)
+Q4_BODY(dot_q4_avxvnni, "avx2,fma,avxvnni", DOT_AVXVNNI)
+#define HAVE_AVXVNNI 1
+#endif
+#endif
+
+static dot_fn dot_q8 = dot_q8_portable, dot_q4 = dot_q4_portable;
+static const char *isa = "portable";
+
+static void choose_isa(void) {
+#if defined(__x86_64__)
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
+        __builtin_cpu_supports("avx512bw")) {
+        dot_q8 = dot_q8_vnni512, dot_q4 = dot_q4_vnni512, isa = "avx512-vnni";
+        return;
+    }
+#ifdef HAVE_AVXVNNI
+    if (__builtin_cpu_supports("avxvnni")) {
+        dot_q8 = dot_q8_avxvnni, dot_q4 = dot_q4_avxvnni, isa = "avx-vnni";
+        return;
+    }
+#endif
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+        dot_q8 = dot_q8_avx2, dot_q4 = dot_q4_avx2, isa = "avx2";
+#endif
+}
+
+/* ---- the thread pool: workers sleep on a condition variable between calls, spin briefly
+ * between the phases of one call. `next` holds (generation << 32 | next task index), so a
+ * worker still looking at an older phase can never claim a task of the new one. */
+typedef void (*task_fn)(void *ctx, int64_t task);
+
+static struct {
+    pthread_mutex_t lock;
+    pthread_cond_t wake;
+    int threads;                       /* including the caller */
+    _Atomic uint64_t generation, next;
+    _Atomic int64_t done;
+    int64_t tasks;
+    task_fn fn;
+    void *ctx;
+} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 1};
+
+#define SPIN 2000                  /* ~50 us: covers the gap between phases, not between layers */
+#if defined(__x86_64__)
+#define RELAX() __builtin_ia32_pause()
+#else
+#define RELAX() ((void)0)
+#endif
+
+static void run_tasks(uint64_t gen) {
+    for (;;) {
+        uint64_t v = atomic_load(&pool.next);
+        if (v >> 32 != gen || (int64_t)(v & 0xffffffffu) >= pool.tasks) return;
+        if (!atomic_compare_exchange_weak(&pool.next, &v, v + 1)) continue;
+        pool.fn(pool.ctx, (int64_t)(v & 0xffffffffu));
+        atomic_fetch_add(&pool.done, 1);
+    }
+}
+
+static void *worker(void *arg) {
+    (void)arg;
+    uint64_t seen = atomic_load(&pool.generation);
+    for (;;) {
+        int spins = 0;
+        while (atomic_load(&pool.generation) == seen && spins++ < SPIN) RELAX();
+        if (atomic_load(&pool.generation) == seen) {
+            pthread_mutex_lock(&pool.lock);
+            while (atomic_load(&pool.generation) == seen) pthread_cond_wait(&pool.wake, &pool.lock);
+            pthread_mutex_unlock(&pool.lock);
+        }
+        seen = atomic_load(&pool.generation);
+        run_tasks(seen);
+    }
+    return NULL;
+}
+
+static void parallel(task_fn fn, void *ctx, int64_t tasks) {
+    if (pool.threads <= 1 || tasks == 1) {
+        for (int64_t t = 0; t < tasks; t++) fn(ctx, t);
+        return;
+    }
+    const uint64_t gen = atomic_load(&pool.generation) + 1;
+    atomic_store(&pool.next, gen << 32);            /* first: stale workers stop claiming */
+    pool.fn = fn, pool.ctx = ctx, pool.tasks = tasks;
+    atomic_store(&pool.done, 0);
+    pthread_mutex_lock(&pool.lock);
+    atomic_store(&pool.generation, gen);
+    pthread_cond_broadcast(&pool.wake);
+    pthread_mutex_unlock(&pool.lock);
+    run_tasks(gen);
+    while (atomic_load(&pool.done) < tasks) RELAX();
+}
+
+/* Threads used by later calls (the caller counts as one). Grows the pool; never shrinks it
+ * (extra workers just sleep). */
+int moe_set_threads(int n) {
+    static int started = 1;
+    pthread_mutex_lock(&pool.lock);
+    for (; started < n; started++) {
+        pthread_t th;
+        if (pthread_create(&th, NULL, worker, NULL) != 0) break;
+        pthread_detach(th);
+    }
+    pool.threads = n < started ? n : started;
+    pthread_mutex_unlock(&pool.lock);
+    return pool.threads;
+}
+
+const char *moe_isa(void) {
+    choose_isa();
+    return isa;
+}
+
+/* ---- one layer ------------------------------------------------------------------------- */
+typedef struct {
+    int64_t E, I, group, n_exp;
+    int quant;                          /* 8 or 4 */
+    const expert_ptrs *ex;
+    const int64_t *start;               /* [n_exp + 1] into rows / weights */
+    const int32_t *rows;                /* token row of each pair */
+    const float *weights;
+    const int8_t *xq;                   /* [T, E] */
+    const float *xs;                    /* [T, E / QK] */
+    float *h;                           /* [pairs, 2I] gate_up outputs, then act in [:, :I] */
+    int8_t *hq;                         /* [pairs, I] */
+    float *hs;                          /* [pairs, I / QK] */
+    float *y;                           /* [pairs, E] down outputs */
+    int64_t *task_expert, *task_row;    /* task -> (expert, first weight row) */
+} layer;
+
+static dot_fn dot_for(int quant) { return quant == 8 ? dot_q8 : dot_q4; }
+
+static size_t row_bytes(int quant, int64_t cols) { return quant == 8 ? (size_t)cols : (size_t)cols / 2; }
+
+static const void *scale_of(int quant, const void *scales, int64_t row, int64_t cols, int64_t group) {
+    return quant == 8 ? (const void *)((const float *)scales + row)
+                      : (const void *)((const uint16_t *)scales + row * (cols / group));
+}
+
+static void gate_up_task(void *ctx, int64_t task) {
+    const layer *L = ctx;
+    const int64_t e = L->task_expert[task], r0 = L->task_row[task], r1 = r0 + ROWS_PER_TASK;
+    const expert_ptrs *x = &L->ex[e];
+    const dot_fn dot = dot_for(L->quant);
+    for (int64_t r = r0; r < r1 && r < 2 * L->I; r++) {
+        const void *w = (const char *)x->gu + r * row_bytes(L->quant, L->E);
+        const void *ws = scale_of(L->quant, x->gu_scale, r, L->E, L->group);
+        for (int64_t p = L->start[e]; p < L->start[e + 1]; p++) {
+            const int64_t t = L->rows[p];
+            L->h[p * 2 * L->I + r] = dot(w, ws, L->xq + t * L->E, L->xs + t * (L->E / QK), L->E, L->group);
+        }
+    }
+}
+
+static void act_task(void *ctx, int64_t p) {
+    const layer *L = ctx;
+    float *g = L->h + p * 2 * L->I, *u = g + L->I;
+    for (int64_t i = 0; i < L->I; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    quantize_row(g, L->I, L->hq + p * L->I, L->hs + p * (L->I / QK), L->quant == 4);
+}
+
+static void down_task(void *ctx, int64_t task) {
+    const layer *L = ctx;
+    const int64_t e = L->task_expert[task], r0 = L->task_row[task], r1 = r0 + ROWS_PER_TASK;
+    const expert_ptrs *x = &L->ex[e];
+    const dot_fn dot = dot_for(L->quant);
+    for (int64_t r = r0; r < r1 && r < L->E; r++) {
+        const void *w = (const char *)x->dn + r * row_bytes(L->quant, L->I);
+        const void *ws = scale_of(L->quant, x->dn_scale, r, L->I, L->group);
+        for (int64_t p = L->start[e]; p < L->start[e + 1]; p++)
+            L->y[p * L->E + r] = dot(w, ws, L->hq + p * L->I, L->hs + p * (L->I / QK), L->I, L->group);
+    }
+}
+
+static int64_t plan_tasks(layer *L, int64_t rows) {
+    const int64_t per = (rows + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
+    int64_t n = 0;
+    for (int64_t e = 0; e < L->n_exp; e++)
+        for (int64_t k = 0; k < per; k++) L->task_expert[n] = e, L->task_row[n++] = k * ROWS_PER_TASK;
+    return n;
+}
+
+/* Returns 0, or -1 when the shapes are not supported (the caller uses its portable path). */
+int moe_layer(const float *x, int64_t T, int64_t E, int64_t I, int quant, int64_t group, int64_t n_exp,
+              const expert_ptrs *ex, const int64_t *start, const int32_t *rows, const float *weights,
+              float *out) {
+    if (E % QK || I % QK || (quant == 4 && group % QK) || (quant != 4 && quant != 8)) return -1;
+    choose_isa();
+    const int64_t pairs = start[n_exp], most_rows = 2 * I > E ? 2 * I : E;
+    layer L = {E, I, group, n_exp, quant, ex, start, rows, weights};
+    L.xq = malloc(T * E), L.xs = malloc(sizeof(float) * T * (E / QK));
+    L.h = malloc(sizeof(float) * pairs * 2 * I), L.hq = malloc(pairs * I);
+    L.hs = malloc(sizeof(float) * pairs * (I / QK)), L.y = malloc(sizeof(float) * pairs * E);
+    const int64_t max_tasks = n_exp * ((most_rows + ROWS_PER_TASK - 1) / ROWS_PER_TASK);
+    L.task_expert = malloc(sizeof(int64_t) * max_tasks), L.task_row = malloc(sizeof(int64_t) * max_tasks);
+    for (int64_t t = 0; t < T; t++)
+        quantize_row(x + t * E, E, (int8_t *)L.xq + t * E, (float *)L.xs + t * (E / QK), quant == 4);
+    parallel(gate_up_task, &L, plan_tasks(&L, 2 * I));
+    parallel(act_task, &L, pairs);
+    parallel(down_task, &L, plan_tasks(&L, E));
+    for (int64_t p = 0; p < pairs; p++) {        /* fixed order: the caller's expert order */
+        float *o = out + (int64_t)rows[p] * E;
+        const float w = weights[p], *y = L.y + p * E;
+        for (int64_t c = 0; c < E; c++) o[c] += w * y[c];
+    }
+    free((void *)L.xq), free((void *)L.xs), free(L.h), free(L.hq), free(L.hs), free(L.y);
+    free(L.task_expert), free(L.task_row);
+    return 0;
+}
+
+/* ---- one quantised matrix: y [T, R] = x [T, C] W^T, rows split over the pool ------------- */
+typedef struct {
+    const void *w, *scales;
+    int quant;
+    int64_t T, R, C, group;
+    const int8_t *xq;
+    const float *xs;
+    float *y;
+} linear;
+
+static void linear_task(void *ctx, int64_t task) {
+    const linear *L = ctx;
+    const dot_fn dot = dot_for(L->quant);
+    for (int64_t r = task * ROWS_PER_TASK; r < (task + 1) * ROWS_PER_TASK && r < L->R; r++) {
+        const void *w = (const char *)L->w + r * row_bytes(L->quant, L->C);
+        const void *ws = scale_of(L->quant, L->scales, r, L->C, L->group);
+        for (int64_t t = 0; t < L->T; t++)
+            L->y[t * L->R + r] = dot(w, ws, L->xq + t * L->C, L->xs + t * (L->C / QK), L->C, L->group);
+    }
+}
+
+int moe_linear(const float *x, int64_t T, int64_t C, int64_t R, int quant, int64_t group, const void *w,
+               const void *scales, float *y) {
+    if (C % QK || (quant == 4 && group % QK) || (quant != 4 && quant != 8)) return -1;
+    choose_isa();
+    int8_t *xq = malloc(T * C);
+    float *xs = malloc(sizeof(float) * T * (C / QK));
+    for (int64_t t = 0; t < T; t++) quantize_row(x + t * C, C, xq + t * C, xs + t * (C / QK), quant == 4);
+    linear L = {w, scales, quant, T, R, C, group, xq, xs, y};
+    parallel(linear_task, &L, (R + ROWS_PER_TASK - 1) / ROWS_PER_TASK);
+    free(xq), free(xs);
+    return 0;
+}

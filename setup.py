@@ -1,0 +1,9 @@
+"""The native host kernel (moefit/kernels/moe.c) is built here, at install time, as a plain
+shared library loaded with ctypes. It is optional: without a C compiler the install still
+succeeds and moefit runs its torch path, saying so once."""
+
+from setuptools import Extension, setup
+
+setup(ext_modules=[Extension("moefit.kernels._moe", ["moefit/kernels/moe.c"],
+                             extra_compile_args=["-O3", "-std=gnu11"], libraries=["m", "pthread"],
+                             optional=True)])

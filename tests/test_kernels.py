@@ -1,0 +1,82 @@
+"""The native host kernel against a torch reference that quantises activations the same
+way (q8 per block of 32): every quant type, T in {1, 3, 8, 64}, odd shapes, 1 and 2 threads."""
+
+import pytest
+import torch
+
+from moefit import kernels
+from moefit.pack.quant import dequantize, quantize
+
+pytestmark = pytest.mark.skipif(kernels.library() is None, reason="the native kernel is not built")
+
+
+def q8(x: torch.Tensor) -> torch.Tensor:
+    """x with each block of 32 rounded to int8 codes times its absmax / 127 (llama.cpp's q8_0)."""
+    b = x.reshape(*x.shape[:-1], -1, 32)
+    d = b.abs().amax(-1, keepdim=True) / 127
+    return (torch.round(b / torch.where(d == 0, 1, d)) * d).reshape(x.shape)
+
+
+def reference(x, quant, experts, rows, weights):
+    out = torch.zeros_like(x, dtype=torch.float64)
+    for p, r, w in zip(experts, rows, weights):
+        gu = dequantize(p, "gate_up", quant, torch.float64)
+        dn = dequantize(p, "down", quant, torch.float64)
+        gate, up = (q8(x[r]).double() @ gu.T).chunk(2, -1)
+        h = q8((torch.nn.functional.silu(gate) * up).float()).double()
+        out.index_add_(0, r, (h @ dn.T) * w[:, None].double())
+    return out.float()
+
+
+def make(quant, hidden, inter, n_experts, tokens, seed):
+    g = torch.Generator().manual_seed(seed)
+    experts = []
+    for _ in range(n_experts):
+        p = dict(zip(["gate_up", "gate_up.scale"], quantize(torch.randn(2 * inter, hidden, generator=g), quant, 32)))
+        p.update(zip(["down", "down.scale"], quantize(torch.randn(hidden, inter, generator=g), quant, 32)))
+        experts.append(p)
+    x = torch.randn(tokens, hidden, generator=g)
+    rows = [torch.nonzero(torch.rand(tokens, generator=g) < 0.6)[:, 0] for _ in experts]
+    rows = [r if len(r) else torch.tensor([tokens - 1]) for r in rows]
+    return x, experts, rows, [torch.rand(len(r), generator=g) for r in rows]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("tokens", [1, 3, 8, 64])
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+def test_one_call_per_layer_matches_the_reference(quant, tokens, threads):
+    kernels.set_threads(threads)
+    try:
+        for hidden, inter, n in ((96, 64, 3), (160, 224, 5)):              # odd multiples of 32
+            x, experts, rows, weights = make(quant, hidden, inter, n, tokens, seed=tokens + hidden)
+            got = kernels.moe_layer(x, quant, experts, rows, weights)
+            want = reference(x, quant, experts, rows, weights)
+            assert (got - want).norm() / want.norm() < 1e-5
+    finally:
+        kernels.set_threads(kernels.default_threads())
+
+
+def test_the_thread_count_does_not_change_a_bit():
+    x, experts, rows, weights = make("int4", 128, 96, 6, 8, seed=5)
+    outs = []
+    for threads in (1, 2):
+        kernels.set_threads(threads)
+        outs.append(kernels.moe_layer(x, "int4", experts, rows, weights))
+    kernels.set_threads(kernels.default_threads())
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_shapes_the_kernel_does_not_take_return_none():
+    x, experts, rows, weights = make("int8", 40, 32, 2, 2, seed=1)       # hidden 40: not a multiple of 32
+    assert kernels.moe_layer(x, "int8", experts, rows, weights) is None
+
+
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_a_single_matrix_matches_the_reference(quant, tokens):
+    g = torch.Generator().manual_seed(tokens)
+    parts = dict(zip(["w", "w.scale"], quantize(torch.randn(70, 64, generator=g), quant, 32)))
+    x = torch.randn(tokens, 64, generator=g)
+    want = q8(x).double() @ dequantize(parts, "w", quant, torch.float64).T
+    got = kernels.qlinear(x, parts, "w", quant)
+    assert (got - want).norm() / want.norm() < 1e-5
