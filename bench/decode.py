@@ -5,8 +5,12 @@ int4, on one random mid-size Qwen3-MoE, in one run. Not a test.
 
 Shape: hidden 1024, 8 layers, 32 experts, top-8, expert size 256, 16 heads / 4 KV heads,
 vocab 32000 (pass --vocab 151936 for Qwen's). Everything runs on the CPU, batch 1.
-If llama-cpp-python is installed it is measured too (GGUF conversion is left to the user:
-pass --gguf-q8 FILE / --gguf-q4 FILE).
+
+Routing is spread: every engine samples at temperature 2 with a fixed seed, so each step
+routes to new experts (greedy decoding of a random model repeats one token and 94 % of a
+step's experts are the previous step's, which the caches flatter); the run prints how many
+distinct (layer, expert) pairs decoding touched. llama.cpp (llama-cpp-python) is timed on
+GGUF files of the same checkpoint when given: --gguf NAME=FILE (F32, Q8_0, Q4_0, ...).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from moefit.runtime.engine import Engine  # noqa: E402
 from moefit.runtime.sampler import SamplingParams  # noqa: E402
 
 REPEATS = 5          # each figure is the best of five runs (this machine is shared and noisy)
+SPREAD = dict(temperature=2.0, seed=0)
 
 
 def build(out: Path, vocab: int) -> Path:
@@ -49,7 +54,8 @@ def time_transformers(hf: Path, prompt: list[int], new: int) -> dict:
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
     ids = torch.tensor([prompt])
-    gen = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
+    gen = dict(do_sample=True, temperature=SPREAD["temperature"], top_k=0, top_p=1.0, eos_token_id=None,
+               pad_token_id=0)
     best = {"prefill_tok_s": 0.0, "decode_tok_s": 0.0}
     with torch.no_grad():
         model.generate(ids[:, :16], max_new_tokens=4, **gen)                 # warm-up, dropped
@@ -66,19 +72,40 @@ def time_transformers(hf: Path, prompt: list[int], new: int) -> dict:
 
 
 def _best(a: dict, b: dict) -> dict:
-    return {k: max(a[k], b[k]) if k != "tokens" else b[k] for k in b}
+    return {k: max(a.get(k, 0), b[k]) for k in b}
 
 
-def time_moefit(pack: Path, prompt: list[int], new: int, dense_quant: str = "off") -> dict:
-    engine = Engine.open(pack, ServeConfig(ctx=len(prompt) + new + 8, dense_quant=dense_quant))
-    greedy = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
+def time_moefit(pack: Path, prompt: list[int], new: int, threads: int, dense_quant: str = "off") -> dict:
+    engine = Engine.open(pack, ServeConfig(ctx=len(prompt) + new + 8, dense_quant=dense_quant, threads=threads))
+    spread = SamplingParams(max_tokens=new, ignore_eos=True, **SPREAD)
     engine.generate(prompt[:16], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))   # warm-up
     best = {"prefill_tok_s": 0.0, "decode_tok_s": 0.0}
     for _ in range(REPEATS):
         engine.kv_tokens = []                                                # no prefix reuse between runs
-        _, stats, _ = engine.generate(prompt, greedy)
+        before = engine.runner.profile.counts.copy()
+        _, stats, _ = engine.generate(prompt, spread)
+        touched = int(((engine.runner.profile.counts - before) > 0).sum())
         best = _best(best, {"prefill_tok_s": stats.prefill_tokens_per_s, "decode_tok_s": stats.decode_tokens_per_s,
-                            "tokens": stats.generated})
+                            "experts_touched": touched})
+    return best
+
+
+def time_llama(gguf: str, prompt: list[int], new: int, threads: int) -> dict:
+    from llama_cpp import Llama
+    llm = Llama(model_path=gguf, n_ctx=len(prompt) + new + 8, n_threads=threads, n_batch=len(prompt),
+                verbose=False, logits_all=False)
+    best = {"prefill_tok_s": 0.0, "decode_tok_s": 0.0}
+    for _ in range(REPEATS + 1):                                             # the first is the warm-up
+        llm.reset()
+        t0 = time.perf_counter()
+        llm.eval(prompt)
+        prefill = time.perf_counter() - t0
+        t0, n = time.perf_counter(), 0
+        for _token in llm.generate([], temp=SPREAD["temperature"], top_k=0, top_p=1.0, min_p=0.0, reset=False):
+            n += 1
+            if n == new - 1:
+                break
+        best = _best(best, {"prefill_tok_s": len(prompt) / prefill, "decode_tok_s": n / (time.perf_counter() - t0)})
     return best
 
 
@@ -90,19 +117,25 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--work", default="/tmp/moefit-bench-decode")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    ap.add_argument("--gguf", action="append", default=[], metavar="NAME=FILE",
+                    help="time llama.cpp on this GGUF of the same checkpoint (e.g. Q4_0=/tmp/m-q4_0.gguf)")
+    ap.add_argument("--only", default="fp32,int8,int4", help="moefit quants to run")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     work = Path(args.work)
     hf = build(work / f"hf-{args.vocab}", args.vocab)
     prompt = torch.randint(0, args.vocab, (args.prompt,), generator=torch.Generator().manual_seed(1)).tolist()
     rows = {"transformers fp32": time_transformers(hf, prompt, args.new)}
-    for quant in ("fp32", "int8", "int4"):
+    for quant in args.only.split(","):
         pack = work / f"pack-{args.vocab}-{quant}"
         if not (pack / "moefit-pack.json").exists():
             convert(hf, pack, quant, progress=False)
-        rows[f"moefit {quant}"] = time_moefit(pack, prompt, args.new)
+        rows[f"moefit {quant}"] = time_moefit(pack, prompt, args.new, args.threads)
         if quant != "fp32":                    # the dense matrices and lm_head quantised too
-            rows[f"moefit {quant}+dense8"] = time_moefit(pack, prompt, args.new, "int8")
+            rows[f"moefit {quant}+dense8"] = time_moefit(pack, prompt, args.new, args.threads, "int8")
+    for spec in args.gguf:
+        name, file = spec.split("=", 1)
+        rows[f"llama.cpp {name}"] = time_llama(file, prompt, args.new, args.threads)
     report(rows, args)
 
 
@@ -111,10 +144,13 @@ def report(rows: dict, args) -> None:
     lines = [f"# bench/decode.py: Qwen3-MoE random, hidden 1024, 8 layers, 32 experts top-8, expert 256, "
              f"16/4 heads, vocab {args.vocab}; prompt {args.prompt}, {args.new} new tokens, batch 1, best of {REPEATS}, "
              f"{args.threads} threads, torch {torch.__version__}, {platform.processor() or platform.machine()}",
-             f"{'engine':<20} {'prefill tok/s':>14} {'x tf':>6} {'decode tok/s':>13} {'x tf':>6}"]
+             f"{'engine':<20} {'prefill tok/s':>14} {'x tf':>6} {'decode tok/s':>13} {'x tf':>6} {'experts':>8}"]
     for name, r in rows.items():
         lines.append(f"{name:<20} {r['prefill_tok_s']:>14.1f} {r['prefill_tok_s'] / base['prefill_tok_s']:>6.2f} "
-                     f"{r['decode_tok_s']:>13.1f} {r['decode_tok_s'] / base['decode_tok_s']:>6.2f}")
+                     f"{r['decode_tok_s']:>13.1f} {r['decode_tok_s'] / base['decode_tok_s']:>6.2f} "
+                     f"{r.get('experts_touched', ''):>8}")
+    lines.append("experts: distinct (layer, expert) pairs one run touched (of "
+                 f"{8 * 32}); llama.cpp rows: the same checkpoint as GGUF, same threads")
     text = "\n".join(lines)
     print(text)
     out = Path(args.out)

@@ -47,11 +47,13 @@ def make(quant, hidden, inter, n_experts, tokens, seed):
 def test_one_call_per_layer_matches_the_reference(quant, tokens, threads):
     kernels.set_threads(threads)
     try:
-        for hidden, inter, n in ((96, 64, 3), (160, 224, 5)):              # odd multiples of 32
+        for hidden, inter, n in ((96, 64, 3), (160, 224, 5), (544, 768, 2)):   # 3, 5, 17 and 24 blocks a row
             x, experts, rows, weights = make(quant, hidden, inter, n, tokens, seed=tokens + hidden)
             got = kernels.moe_layer(x, quant, experts, rows, weights)
             want = reference(x, quant, experts, rows, weights)
-            assert (got - want).norm() / want.norm() < 1e-5
+            # 1e-3: now and then an intermediate activation rounds to the neighbouring int8 code
+            # (float32 in the kernel, float64 here); q8 itself costs ~1e-2, a layout bug ~1.
+            assert (got - want).norm() / want.norm() < 1e-3
     finally:
         kernels.set_threads(kernels.default_threads())
 

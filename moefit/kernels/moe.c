@@ -23,7 +23,8 @@
 #include <string.h>
 
 #define QK 32                      /* activation block */
-#define ROWS_PER_TASK 16
+#define ROWS_PER_TASK 16          /* the smallest task; larger when there are many rows */
+#define TASKS_PER_THREAD 8         /* enough to balance, few enough that claiming costs nothing */
 
 typedef struct {
     const void *gu, *gu_scale, *dn, *dn_scale;
@@ -46,30 +47,34 @@ static float half_to_float(uint16_t h) {
     return out;
 }
 
-/* ---- activation quantisation: x [n] -> q [n] int8, s [n / QK] ----------------------------
+/* ---- activation quantisation: x [n] -> q [n] int8, s [n / QK] scales, sum [n / QK] -------
  * perm != 0 stores each block as its 16 even then its 16 odd elements: the order of the int4
- * codes once a byte's low and high nibbles are split. */
-static void quantize_row(const float *x, int64_t n, int8_t *q, float *s, int perm) {
+ * codes once a byte's low and high nibbles are split. The block sums let an int4 dot use the
+ * unsigned nibble directly: sum (c - 8) x = sum c x - 8 sum x. */
+static void quantize_row(const float *x, int64_t n, int8_t *q, float *s, int32_t *sum, int perm) {
     for (int64_t b = 0; b < n / QK; b++) {
         const float *xb = x + b * QK;
         float amax = 0.0f;
         for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(xb[i]));
         const float d = amax / 127.0f, id = d ? 1.0f / d : 0.0f;
+        int32_t total = 0;
         s[b] = d;
         for (int i = 0; i < QK; i++) {
             const int at = perm ? (i & 1) * 16 + i / 2 : i;
             q[b * QK + at] = (int8_t)lrintf(xb[i] * id);
+            total += q[b * QK + at];
         }
+        sum[b] = total;
     }
 }
 
 /* ---- dot products: one weight row against one quantised activation row ----------------- */
-typedef float (*dot_fn)(const void *w, const void *ws, const int8_t *q, const float *qs, int64_t n,
-                        int64_t group);
+typedef float (*dot_fn)(const void *w, const void *ws, const int8_t *q, const float *qs, const int32_t *qsum,
+                        int64_t n, int64_t group);
 
-static float dot_q8_portable(const void *w, const void *ws, const int8_t *q, const float *qs, int64_t n,
-                             int64_t group) {
-    (void)group;
+static float dot_q8_portable(const void *w, const void *ws, const int8_t *q, const float *qs,
+                             const int32_t *qsum, int64_t n, int64_t group) {
+    (void)group, (void)qsum;
     const int8_t *c = w;
     float acc = 0.0f;
     for (int64_t b = 0; b < n / QK; b++) {
@@ -80,8 +85,9 @@ static float dot_q8_portable(const void *w, const void *ws, const int8_t *q, con
     return acc * *(const float *)ws;
 }
 
-static float dot_q4_portable(const void *w, const void *ws, const int8_t *q, const float *qs, int64_t n,
-                             int64_t group) {
+static float dot_q4_portable(const void *w, const void *ws, const int8_t *q, const float *qs,
+                             const int32_t *qsum, int64_t n, int64_t group) {
+    (void)qsum;
     const uint8_t *c = w;
     const uint16_t *s = ws;
     const int64_t per_group = group / QK;
@@ -107,12 +113,12 @@ __attribute__((target("avx2,fma"))) static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* The SIMD bodies, once per instruction set: DOT32 turns |w| (u8) and sign(w)*x (s8) into
- * eight int32 partial sums. */
+/* The 256-bit bodies, once per instruction set: DOT32(u8, s8) gives eight int32 partial sums.
+ * int8 weights: |w| against sign(w) * x. int4: the nibble (0..15) against x, less 8 sum x. */
 #define Q8_BODY(NAME, TARGET, DOT32)                                                          \
     __attribute__((target(TARGET))) static float NAME(const void *w, const void *ws,           \
-            const int8_t *q, const float *qs, int64_t n, int64_t group) {                      \
-        (void)group;                                                                           \
+            const int8_t *q, const float *qs, const int32_t *qsum, int64_t n, int64_t group) { \
+        (void)group, (void)qsum;                                                               \
         const int8_t *c = w;                                                                   \
         __m256 acc = _mm256_setzero_ps();                                                      \
         for (int64_t b = 0; b < n / QK; b++) {                                                 \
@@ -126,37 +132,120 @@ __attribute__((target("avx2,fma"))) static inline float hsum8(__m256 v) {
 
 #define Q4_BODY(NAME, TARGET, DOT32)                                                          \
     __attribute__((target(TARGET))) static float NAME(const void *w, const void *ws,           \
-            const int8_t *q, const float *qs, int64_t n, int64_t group) {                      \
+            const int8_t *q, const float *qs, const int32_t *qsum, int64_t n, int64_t group) { \
         const uint8_t *c = w;                                                                  \
         const uint16_t *s = ws;                                                                \
         const int64_t per_group = group / QK;                                                  \
-        const __m256i low = _mm256_set1_epi8(15), eight = _mm256_set1_epi8(8);                 \
+        const __m256i low = _mm256_set1_epi8(15);                                              \
         __m256 acc = _mm256_setzero_ps();                                                      \
+        float offset = 0.0f;                                                                   \
         for (int64_t b = 0; b < n / QK; b++) {                                                 \
             const __m128i bytes = _mm_loadu_si128((const __m128i *)(c + b * 16));              \
-            __m256i wv = _mm256_set_m128i(_mm_srli_epi16(bytes, 4), bytes);                    \
-            wv = _mm256_sub_epi8(_mm256_and_si256(wv, low), eight);                            \
+            const __m256i wv = _mm256_and_si256(                                               \
+                _mm256_set_m128i(_mm_srli_epi16(bytes, 4), bytes), low);                       \
             const __m256i xv = _mm256_loadu_si256((const __m256i *)(q + b * QK));              \
-            const __m256i isum = DOT32(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv));    \
-            const float d = qs[b] * half_to_float(s[b / per_group]);                           \
-            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(d), acc);           \
+            const float d = qs[b] * _cvtsh_ss(s[b / per_group]);                               \
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(DOT32(wv, xv)), _mm256_set1_ps(d), acc);  \
+            offset += d * (float)qsum[b];                                                      \
         }                                                                                      \
-        return hsum8(acc);                                                                     \
+        return hsum8(acc) - 8.0f * offset;                                                     \
     }
 
 #define DOT_AVX2(a, b) _mm256_madd_epi16(_mm256_maddubs_epi16((a), (b)), _mm256_set1_epi16(1))
-#define DOT_VNNI512(a, b) _mm256_dpbusd_epi32(_mm256_setzero_si256(), (a), (b))
 #define DOT_AVXVNNI(a, b) _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), (a), (b))
 
-Q8_BODY(dot_q8_avx2, "avx2,fma", DOT_AVX2)
-Q4_BODY(dot_q4_avx2, "avx2,fma", DOT_AVX2)
-Q8_BODY(dot_q8_vnni512, "avx2,fma,avx512f,avx512vl,avx512bw,avx512vnni", DOT_VNNI512)
-Q4_BODY(dot_q4_vnni512, "avx2,fma,avx512f,avx512vl,avx512bw,avx512vnni", DOT_VNNI512)
+Q8_BODY(dot_q8_avx2, "avx2,fma,f16c", DOT_AVX2)
+Q4_BODY(dot_q4_avx2, "avx2,fma,f16c", DOT_AVX2)
 #if defined(__GNUC__) && (__GNUC__ >= 11 || defined(__clang__))
-Q8_BODY(dot_q8_avxvnni, "avx2,fma,avxvnni", DOT_AVXVNNI)
-Q4_BODY(dot_q4_avxvnni, "avx2,fma,avxvnni", DOT_AVXVNNI)
+Q8_BODY(dot_q8_avxvnni, "avx2,fma,f16c,avxvnni", DOT_AVXVNNI)
+Q4_BODY(dot_q4_avxvnni, "avx2,fma,f16c,avxvnni", DOT_AVXVNNI)
 #define HAVE_AVXVNNI 1
 #endif
+
+/* AVX512-VNNI: two blocks an instruction; lanes 0-7 hold block b, lanes 8-15 block b + 1. */
+#define AVX512 "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq,avx512vnni"
+
+__attribute__((target(AVX512))) static inline __m512 two_scales(float d0, float d1) {
+    return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(d0)), _mm256_set1_ps(d1), 1);
+}
+
+__attribute__((target(AVX512))) static float dot_q8_vnni512(const void *w, const void *ws, const int8_t *q,
+        const float *qs, const int32_t *qsum, int64_t n, int64_t group) {
+    const int8_t *c = w;
+    const int64_t nb = n / QK;
+    __m512 acc = _mm512_setzero_ps();
+    int64_t b = 0;
+    for (; b + 1 < nb; b += 2) {
+        const __m512i wv = _mm512_loadu_si512(c + b * QK), xv = _mm512_loadu_si512(q + b * QK);
+        const __mmask64 neg = _mm512_movepi8_mask(wv);
+        const __m512i sx = _mm512_mask_sub_epi8(xv, neg, _mm512_setzero_si512(), xv);   /* sign(w) x */
+        const __m512i isum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_abs_epi8(wv), sx);
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), two_scales(qs[b], qs[b + 1]), acc);
+    }
+    float tail = b < nb ? dot_q8_avx2(c + b * QK, &(float){1.0f}, q + b * QK, qs + b, qsum + b, QK, group) : 0.0f;
+    return (_mm512_reduce_add_ps(acc) + tail) * *(const float *)ws;
+}
+
+/* Two int4 blocks (32 bytes of codes) against their activations: 16 int32 lanes, block b in
+ * lanes 0-7 and block b + 1 in lanes 8-15. */
+__attribute__((target(AVX512))) static inline __m512 q4_pair(const uint8_t *c, const int8_t *q) {
+    const __m256i bytes = _mm256_loadu_si256((const __m256i *)c);
+    __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(bytes), _mm256_srli_epi16(bytes, 4), 1);
+    z = _mm512_and_si512(_mm512_shuffle_i64x2(z, z, _MM_SHUFFLE(3, 1, 2, 0)), _mm512_set1_epi8(15));
+    return _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), z, _mm512_loadu_si512(q)));
+}
+
+/* group 32: sixteen (then eight) blocks at a time, their scales converted and multiplied in
+ * one vector, the "- 8 sum x" terms in one FMA. Returns the blocks done. */
+__attribute__((target(AVX512))) static void q4_g32_chunk(const uint8_t *c, const int8_t *q, __m512 d, int blocks,
+                                                          __m512 *acc) {
+    for (int k = 0; k < blocks; k += 2) {
+        const __m512i idx = _mm512_set_epi32(k + 1, k + 1, k + 1, k + 1, k + 1, k + 1, k + 1, k + 1,
+                                             k, k, k, k, k, k, k, k);
+        *acc = _mm512_fmadd_ps(q4_pair(c + k * 16, q + k * QK), _mm512_permutexvar_ps(idx, d), *acc);
+    }
+}
+
+__attribute__((target(AVX512))) static int64_t q4_g32_vnni512(const uint8_t *c, const uint16_t *s, const int8_t *q,
+        const float *qs, const int32_t *qsum, int64_t nb, __m512 *acc, __m512 *off) {
+    int64_t b = 0;
+    for (; b + 16 <= nb; b += 16) {
+        const __m512 d = _mm512_mul_ps(_mm512_loadu_ps(qs + b),
+                                       _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(s + b))));
+        *off = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_loadu_si512(qsum + b)), *off);
+        q4_g32_chunk(c + b * 16, q + b * QK, d, 16, acc);
+    }
+    if (b + 8 <= nb) {
+        const __m256 d8 = _mm256_mul_ps(_mm256_loadu_ps(qs + b), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + b))));
+        const __m512 d = _mm512_zextps256_ps512(d8);
+        *off = _mm512_fmadd_ps(d, _mm512_zextps256_ps512(_mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)(qsum + b)))),
+                               *off);
+        q4_g32_chunk(c + b * 16, q + b * QK, d, 8, acc);
+        b += 8;
+    }
+    return b;
+}
+
+__attribute__((target(AVX512))) static float dot_q4_vnni512(const void *w, const void *ws, const int8_t *q,
+        const float *qs, const int32_t *qsum, int64_t n, int64_t group) {
+    const uint8_t *c = w;
+    const uint16_t *s = ws;
+    const int64_t per_group = group / QK, nb = n / QK;
+    __m512 acc = _mm512_setzero_ps(), off = _mm512_setzero_ps();
+    int64_t b = group == QK ? q4_g32_vnni512(c, s, q, qs, qsum, nb, &acc, &off) : 0;
+    float offset = 0.0f;
+    for (; b + 1 < nb; b += 2) {
+        const float d0 = qs[b] * _cvtsh_ss(s[b / per_group]), d1 = qs[b + 1] * _cvtsh_ss(s[(b + 1) / per_group]);
+        acc = _mm512_fmadd_ps(q4_pair(c + b * 16, q + b * QK), two_scales(d0, d1), acc);
+        offset += d0 * (float)qsum[b] + d1 * (float)qsum[b + 1];
+    }
+    float tail = 0.0f;
+    if (b < nb) {                                        /* an odd block count: the last one alone */
+        const uint16_t one = s[b / per_group];
+        tail = dot_q4_avx2(c + b * 16, &one, q + b * QK, qs + b, qsum + b, QK, QK);
+    }
+    return _mm512_reduce_add_ps(acc) - 8.0f * (offset + _mm512_reduce_add_ps(off)) + tail;
+}
 #endif
 
 static dot_fn dot_q8 = dot_q8_portable, dot_q4 = dot_q4_portable;
@@ -278,16 +367,24 @@ typedef struct {
     const float *weights;
     const int8_t *xq;                   /* [T, E] */
     const float *xs;                    /* [T, E / QK] */
+    const int32_t *xsum;                /* [T, E / QK] */
     float *h;                           /* [pairs, 2I] gate_up outputs, then act in [:, :I] */
     int8_t *hq;                         /* [pairs, I] */
     float *hs;                          /* [pairs, I / QK] */
+    int32_t *hsum;                      /* [pairs, I / QK] */
     float *y;                           /* [pairs, E] down outputs */
     int64_t *task_expert, *task_row;    /* task -> (expert, first weight row) */
+    int64_t chunk;                      /* weight rows a task */
 } layer;
 
 static dot_fn dot_for(int quant) { return quant == 8 ? dot_q8 : dot_q4; }
 
 static size_t row_bytes(int quant, int64_t cols) { return quant == 8 ? (size_t)cols : (size_t)cols / 2; }
+
+static int64_t task_rows(int64_t rows) {
+    const int64_t want = (rows + pool.threads * TASKS_PER_THREAD - 1) / (pool.threads * TASKS_PER_THREAD);
+    return want <= ROWS_PER_TASK ? ROWS_PER_TASK : (want + ROWS_PER_TASK - 1) / ROWS_PER_TASK * ROWS_PER_TASK;
+}
 
 static const void *scale_of(int quant, const void *scales, int64_t row, int64_t cols, int64_t group) {
     return quant == 8 ? (const void *)((const float *)scales + row)
@@ -296,7 +393,7 @@ static const void *scale_of(int quant, const void *scales, int64_t row, int64_t 
 
 static void gate_up_task(void *ctx, int64_t task) {
     const layer *L = ctx;
-    const int64_t e = L->task_expert[task], r0 = L->task_row[task], r1 = r0 + ROWS_PER_TASK;
+    const int64_t e = L->task_expert[task], r0 = L->task_row[task], r1 = r0 + L->chunk;
     const expert_ptrs *x = &L->ex[e];
     const dot_fn dot = dot_for(L->quant);
     for (int64_t r = r0; r < r1 && r < 2 * L->I; r++) {
@@ -304,7 +401,8 @@ static void gate_up_task(void *ctx, int64_t task) {
         const void *ws = scale_of(L->quant, x->gu_scale, r, L->E, L->group);
         for (int64_t p = L->start[e]; p < L->start[e + 1]; p++) {
             const int64_t t = L->rows[p];
-            L->h[p * 2 * L->I + r] = dot(w, ws, L->xq + t * L->E, L->xs + t * (L->E / QK), L->E, L->group);
+            L->h[p * 2 * L->I + r] = dot(w, ws, L->xq + t * L->E, L->xs + t * (L->E / QK),
+                                         L->xsum + t * (L->E / QK), L->E, L->group);
         }
     }
 }
@@ -313,27 +411,29 @@ static void act_task(void *ctx, int64_t p) {
     const layer *L = ctx;
     float *g = L->h + p * 2 * L->I, *u = g + L->I;
     for (int64_t i = 0; i < L->I; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
-    quantize_row(g, L->I, L->hq + p * L->I, L->hs + p * (L->I / QK), L->quant == 4);
+    quantize_row(g, L->I, L->hq + p * L->I, L->hs + p * (L->I / QK), L->hsum + p * (L->I / QK), L->quant == 4);
 }
 
 static void down_task(void *ctx, int64_t task) {
     const layer *L = ctx;
-    const int64_t e = L->task_expert[task], r0 = L->task_row[task], r1 = r0 + ROWS_PER_TASK;
+    const int64_t e = L->task_expert[task], r0 = L->task_row[task], r1 = r0 + L->chunk;
     const expert_ptrs *x = &L->ex[e];
     const dot_fn dot = dot_for(L->quant);
     for (int64_t r = r0; r < r1 && r < L->E; r++) {
         const void *w = (const char *)x->dn + r * row_bytes(L->quant, L->I);
         const void *ws = scale_of(L->quant, x->dn_scale, r, L->I, L->group);
         for (int64_t p = L->start[e]; p < L->start[e + 1]; p++)
-            L->y[p * L->E + r] = dot(w, ws, L->hq + p * L->I, L->hs + p * (L->I / QK), L->I, L->group);
+            L->y[p * L->E + r] = dot(w, ws, L->hq + p * L->I, L->hs + p * (L->I / QK), L->hsum + p * (L->I / QK),
+                                     L->I, L->group);
     }
 }
 
 static int64_t plan_tasks(layer *L, int64_t rows) {
-    const int64_t per = (rows + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
+    L->chunk = task_rows(rows * L->n_exp);
+    const int64_t per = (rows + L->chunk - 1) / L->chunk;
     int64_t n = 0;
     for (int64_t e = 0; e < L->n_exp; e++)
-        for (int64_t k = 0; k < per; k++) L->task_expert[n] = e, L->task_row[n++] = k * ROWS_PER_TASK;
+        for (int64_t k = 0; k < per; k++) L->task_expert[n] = e, L->task_row[n++] = k * L->chunk;
     return n;
 }
 
@@ -345,13 +445,15 @@ int moe_layer(const float *x, int64_t T, int64_t E, int64_t I, int quant, int64_
     choose_isa();
     const int64_t pairs = start[n_exp], most_rows = 2 * I > E ? 2 * I : E;
     layer L = {E, I, group, n_exp, quant, ex, start, rows, weights};
-    L.xq = malloc(T * E), L.xs = malloc(sizeof(float) * T * (E / QK));
+    L.xq = malloc(T * E), L.xs = malloc(sizeof(float) * T * (E / QK)), L.xsum = malloc(4 * T * (E / QK));
     L.h = malloc(sizeof(float) * pairs * 2 * I), L.hq = malloc(pairs * I);
     L.hs = malloc(sizeof(float) * pairs * (I / QK)), L.y = malloc(sizeof(float) * pairs * E);
+    L.hsum = malloc(4 * pairs * (I / QK));
     const int64_t max_tasks = n_exp * ((most_rows + ROWS_PER_TASK - 1) / ROWS_PER_TASK);
     L.task_expert = malloc(sizeof(int64_t) * max_tasks), L.task_row = malloc(sizeof(int64_t) * max_tasks);
     for (int64_t t = 0; t < T; t++)
-        quantize_row(x + t * E, E, (int8_t *)L.xq + t * E, (float *)L.xs + t * (E / QK), quant == 4);
+        quantize_row(x + t * E, E, (int8_t *)L.xq + t * E, (float *)L.xs + t * (E / QK),
+                     (int32_t *)L.xsum + t * (E / QK), quant == 4);
     parallel(gate_up_task, &L, plan_tasks(&L, 2 * I));
     parallel(act_task, &L, pairs);
     parallel(down_task, &L, plan_tasks(&L, E));
@@ -360,7 +462,8 @@ int moe_layer(const float *x, int64_t T, int64_t E, int64_t I, int quant, int64_
         const float w = weights[p], *y = L.y + p * E;
         for (int64_t c = 0; c < E; c++) o[c] += w * y[c];
     }
-    free((void *)L.xq), free((void *)L.xs), free(L.h), free(L.hq), free(L.hs), free(L.y);
+    free((void *)L.xq), free((void *)L.xs), free((void *)L.xsum), free(L.h), free(L.hq), free(L.hs), free(L.hsum);
+    free(L.y);
     free(L.task_expert), free(L.task_row);
     return 0;
 }
@@ -372,17 +475,20 @@ typedef struct {
     int64_t T, R, C, group;
     const int8_t *xq;
     const float *xs;
+    const int32_t *xsum;
     float *y;
+    int64_t chunk;
 } linear;
 
 static void linear_task(void *ctx, int64_t task) {
     const linear *L = ctx;
     const dot_fn dot = dot_for(L->quant);
-    for (int64_t r = task * ROWS_PER_TASK; r < (task + 1) * ROWS_PER_TASK && r < L->R; r++) {
+    for (int64_t r = task * L->chunk; r < (task + 1) * L->chunk && r < L->R; r++) {
         const void *w = (const char *)L->w + r * row_bytes(L->quant, L->C);
         const void *ws = scale_of(L->quant, L->scales, r, L->C, L->group);
         for (int64_t t = 0; t < L->T; t++)
-            L->y[t * L->R + r] = dot(w, ws, L->xq + t * L->C, L->xs + t * (L->C / QK), L->C, L->group);
+            L->y[t * L->R + r] = dot(w, ws, L->xq + t * L->C, L->xs + t * (L->C / QK), L->xsum + t * (L->C / QK),
+                                     L->C, L->group);
     }
 }
 
@@ -392,9 +498,11 @@ int moe_linear(const float *x, int64_t T, int64_t C, int64_t R, int quant, int64
     choose_isa();
     int8_t *xq = malloc(T * C);
     float *xs = malloc(sizeof(float) * T * (C / QK));
-    for (int64_t t = 0; t < T; t++) quantize_row(x + t * C, C, xq + t * C, xs + t * (C / QK), quant == 4);
-    linear L = {w, scales, quant, T, R, C, group, xq, xs, y};
-    parallel(linear_task, &L, (R + ROWS_PER_TASK - 1) / ROWS_PER_TASK);
-    free(xq), free(xs);
+    int32_t *xsum = malloc(4 * T * (C / QK));
+    for (int64_t t = 0; t < T; t++)
+        quantize_row(x + t * C, C, xq + t * C, xs + t * (C / QK), xsum + t * (C / QK), quant == 4);
+    linear L = {w, scales, quant, T, R, C, group, xq, xs, xsum, y, task_rows(R)};
+    parallel(linear_task, &L, (R + L.chunk - 1) / L.chunk);
+    free(xq), free(xs), free(xsum);
     return 0;
 }
