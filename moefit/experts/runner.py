@@ -27,6 +27,24 @@ from moefit.runtime.placement import DeviceMemory
 LINE = "expert cache"
 
 
+class Groups:
+    """A layer's (token, expert, weight) triples grouped by expert, experts ascending:
+    experts[i]'s tokens are rows[start[i]:start[i + 1]], with their router weights."""
+
+    def __init__(self, experts: list[int], start: list[int], rows: torch.Tensor, weights: torch.Tensor):
+        self.experts, self.start, self.rows, self.weights = experts, start, rows, weights
+
+    @staticmethod
+    def of(ids: torch.Tensor, weights: torch.Tensor) -> "Groups":
+        """ids, weights [T, k] on the host."""
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        experts, counts = torch.unique_consecutive(flat[order], return_counts=True)
+        start = [0] + torch.cumsum(counts, 0).tolist()
+        rows = (order // ids.shape[1]).to(torch.int32)
+        return Groups(experts.tolist(), start, rows, weights.reshape(-1)[order].float())
+
+
 def expert_forward(x: torch.Tensor, parts: dict[str, torch.Tensor], quant: str) -> torch.Tensor:
     """SwiGLU expert on x [T, E] from a blob's parts (gate_up [2I, E], down [E, I])."""
     gate, up = qlinear(x, parts, "gate_up", quant).chunk(2, dim=-1)
@@ -65,12 +83,14 @@ class ExpertRunner:
         self.profile.record(layer, ids_host.numpy())
         if self.dump is not None:
             self._dump(layer, ids_host, weights)
-        experts = torch.unique(ids_host).tolist()
+        groups = Groups.of(ids_host, weights)
+        experts = groups.experts
         resident = [(layer, e) in self.slots for e in experts]
         self.book.record(layer, experts, resident)
         quant = self.pack.blobs[(layer, experts[0])].quant
         if x.device.type == "cpu" and kernels.usable(x, quant):
-            out = self._native(layer, experts, x, ids_host, weights, quant)
+            out = kernels.moe_call(x, quant, self._shape(quant), self._pointers(layer, experts), groups.start,
+                                   groups.rows, groups.weights)
             if out is not None:
                 return out
         order = [e for e, r in zip(experts, resident) if r] + [e for e, r in zip(experts, resident) if not r]
@@ -83,16 +103,20 @@ class ExpertRunner:
             out.index_add_(0, rows, y)
         return out
 
-    def _native(self, layer: int, experts: list[int], x, ids, weights, quant) -> torch.Tensor | None:
-        """Every expert of the layer in one native call, resident or not (host memory)."""
-        rows, ws, parts = [], [], []
+    def _shape(self, quant: str) -> tuple[int, int]:
+        """(intermediate size, int4 group size or 0) of this quant's blobs, from the layout."""
+        parts = {p.name: p for p in self.pack.layouts[quant]}
+        inter = parts["gate_up"].shape[0] // 2
+        return inter, (self.pack.model.hidden_size // parts["gate_up.scale"].shape[1] if quant == "int4" else 0)
+
+    def _pointers(self, layer: int, experts: list[int]) -> list[int]:
+        """The four part addresses of each expert, from its slot or from the pack's map
+        (both host memory here), flat in expert order."""
+        out = []
         for e in experts:
-            r, kpos = torch.where(ids == e)
-            rows.append(r)
-            ws.append(weights[r, kpos])
             slot = self.slots.get((layer, e))
-            parts.append(slot[1] if slot is not None else self._host(layer, e))
-        return kernels.moe_layer(x, quant, parts, rows, ws)
+            out += kernels.addresses(slot[1] if slot is not None else self._host(layer, e))
+        return out
 
     def _one(self, layer: int, e: int, x, ids, weights) -> tuple[torch.Tensor, torch.Tensor]:
         rows, kpos = torch.where(ids == e)

@@ -97,21 +97,37 @@ def qlinear(x: torch.Tensor, parts: dict, name: str, quant: str) -> torch.Tensor
     return y if ok == 0 else None
 
 
-def moe_layer(x: torch.Tensor, quant: str, experts: list[dict], rows: list[torch.Tensor],
-              weights: list[torch.Tensor]) -> torch.Tensor | None:
-    """sum over experts of weight * expert(x[rows]) into [T, E] (fp32), in the given expert
-    order; experts are blob part views (gate_up, down and their scales). None when the shapes
-    are not supported (hidden or expert size not a multiple of 32)."""
+PARTS = ("gate_up", "gate_up.scale", "down", "down.scale")
+
+
+def addresses(parts: dict) -> list[int]:
+    """An expert's four part addresses, as moe_call takes them."""
+    return [parts[name].data_ptr() for name in PARTS]
+
+
+def moe_call(x: torch.Tensor, quant: str, shape: tuple[int, int], pointers: list[int], start: list[int],
+             rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor | None:
+    """One layer's experts on the host: expert i (its four part addresses at pointers[4i:4i+4])
+    takes the tokens rows[start[i]:start[i+1]] (int32) with their router weights (fp32).
+    shape is (intermediate size, int4 group size or 0). Returns [T, E] fp32 summed in expert
+    order, or None for shapes the kernel does not take."""
     x = x.contiguous()
     t, e = x.shape
+    inter, group = shape
+    n = len(start) - 1
+    out = torch.zeros(t, e, dtype=torch.float32)
+    ok = library().moe_layer(_p(x), t, e, inter, Q[quant], group, n, (ctypes.c_int64 * len(pointers))(*pointers),
+                             (ctypes.c_int64 * len(start))(*start), _p(rows), _p(weights), _p(out))
+    return out if ok == 0 else None
+
+
+def moe_layer(x: torch.Tensor, quant: str, experts: list[dict], rows: list[torch.Tensor],
+              weights: list[torch.Tensor]) -> torch.Tensor | None:
+    """moe_call from part views and per-expert token rows and weights (tests, benchmarks)."""
+    e = x.shape[1]
     inter = experts[0]["down"].shape[1] * (2 if quant == "int4" else 1)
     group = e // experts[0]["gate_up.scale"].shape[1] if quant == "int4" else 0
-    ptrs = torch.tensor([[p["gate_up"].data_ptr(), p["gate_up.scale"].data_ptr(), p["down"].data_ptr(),
-                          p["down.scale"].data_ptr()] for p in experts], dtype=torch.int64)
-    start = torch.tensor([0] + [len(r) for r in rows], dtype=torch.int64).cumsum(0)
-    flat_rows = torch.cat(rows).to(torch.int32)
-    flat_w = torch.cat(weights).to(torch.float32).contiguous()
-    out = torch.zeros(t, e, dtype=torch.float32)
-    ok = library().moe_layer(_p(x), t, e, inter, Q[quant], group, len(experts), _p(ptrs), _p(start), _p(flat_rows),
-                             _p(flat_w), _p(out))
-    return out if ok == 0 else None
+    start = torch.tensor([0] + [len(r) for r in rows]).cumsum(0).tolist()
+    pointers = [a for p in experts for a in addresses(p)]
+    return moe_call(x, quant, (inter, group), pointers, start, torch.cat(rows).to(torch.int32),
+                    torch.cat(weights).float().contiguous())
