@@ -1,6 +1,12 @@
 """Expert-cache policies replayed on routing traces (not a test): static profile placement,
-LRU, LFU, moefit's adaptive tier, and Belady's MIN with bypass (the offline optimum), at budgets of
-5, 10, 15, 25 and 50 % of the experts. Prints hit rates and each policy's ratio to MIN.
+LRU, LFU, moefit's adaptive tier, the adaptive tier with look-ahead prefetch, and Belady's MIN
+with bypass (the best any demand cache can do), at budgets of 5, 10, 15, 25 and 50 % of the
+experts. Prints hit rates and each policy's ratio to MIN.
+
+Look-ahead: traces made with a cache (a simulated card) carry each token's predicted top-k
+for the layer (the layer's own router on the residual stream one layer earlier); before a
+step, up to B predicted experts that are not resident are brought in, in place of the
+coldest slots no prediction wants. B is the PCIe budget per layer, in experts.
 
     .venv/bin/python bench/cache_policy.py [TRACE.jsonl[.gz] ...]
     .venv/bin/python bench/cache_policy.py --make-traces PACK      # dump fresh traces first
@@ -33,11 +39,17 @@ PROMPTS = ["Define: lantern", "Define: river", "Define: justice", "Define: harbo
            "Define: bright", "Define: quickly", "Define: orchestra"]
 
 
-def read_trace(path: Path) -> list[list[tuple[int, int]]]:
-    """Steps: each step is the (layer, expert) keys one token touched in one layer."""
+def read_trace(path: Path) -> tuple[list[list[tuple[int, int]]], list[list[tuple[int, int]] | None]]:
+    """(steps, predictions): each step is the (layer, expert) keys one token touched in one
+    layer; its prediction the keys foreseen for it (None where the trace has none)."""
     opener = gzip.open if path.suffix == ".gz" else open
+    steps, preds = [], []
     with opener(path, "rt") as f:
-        return [[(row["layer"], e) for e in sorted(set(row["experts"]))] for row in map(json.loads, f)]
+        for row in map(json.loads, f):
+            steps.append([(row["layer"], e) for e in sorted(set(row["experts"]))])
+            guess = row.get("predicted")
+            preds.append(None if guess is None else [(row["layer"], e) for e in guess])
+    return steps, preds
 
 
 def static(profile_steps, steps, capacity) -> float:
@@ -104,8 +116,9 @@ def belady(profile_steps, steps, capacity) -> float:
     return hits / len(accesses)
 
 
-def adaptive(profile_steps, steps, capacity, layers, experts) -> float:
-    """moefit's tier: profile placement, then swap rounds on decayed usage (CacheBook)."""
+def adaptive(profile_steps, steps, capacity, layers, experts, preds=None, budget: int = 0) -> float:
+    """moefit's tier: profile placement, then swap rounds on decayed usage (CacheBook); with
+    preds and a budget, the look-ahead prefetch before each step."""
     counts = defaultdict(int)
     for step in profile_steps:
         for key in step:
@@ -119,6 +132,8 @@ def adaptive(profile_steps, steps, capacity, layers, experts) -> float:
     hits = total = 0
     per_token = max(1, len({k[0] for s in steps[:50] for k in s}))
     for i, step in enumerate(steps):
+        if budget and preds[i]:
+            prefetch(book, preds[i], set(preds[i]) | set((preds[i - 1] if i else None) or ()), budget)
         resident = [key in book.resident for key in step]
         hits, total = hits + sum(resident), total + len(step)
         if step:
@@ -130,22 +145,69 @@ def adaptive(profile_steps, steps, capacity, layers, experts) -> float:
     return hits / total
 
 
+def cold_start(steps, capacity, layers, experts, target: float, window: int = 100) -> tuple[int | None, list]:
+    """The engine's adaptive tier (its default swap policy) from a cold start: pack order, no
+    profile. Returns the tokens until the hit rate over the last `window` tokens reaches
+    `target` (None if never), and that rolling hit rate every 100 tokens."""
+    sizes = {(l, e): 1 for l in range(layers) for e in range(experts)}
+    policy = SwapPolicy()
+    book = CacheBook(sizes, layers, experts, capacity, policy)
+    for key in sorted(sizes, key=lambda k: (k[1], k[0]))[:capacity]:       # Profile.hottest_first, no counts
+        book.admit(key)
+    per_token = max(1, len({k[0] for s in steps[:50] for k in s}))
+    hits, seen, curve, reached = [], 0, [], None
+    for i, step in enumerate(steps):
+        resident = [key in book.resident for key in step]
+        book.record(step[0][0], [k[1] for k in step], resident)
+        seen += sum(resident)
+        if (i + 1) % per_token:
+            continue
+        hits.append(seen / max(1, sum(len(s) for s in steps[i + 1 - per_token:i + 1])))
+        seen = 0
+        if len(hits) % policy.period == 0:
+            for evict, admit in book.swap_round():
+                book.evict(evict)
+                book.admit(admit)
+        rolling = sum(hits[-window:]) / len(hits[-window:])
+        if reached is None and len(hits) >= window and rolling >= target:
+            reached = len(hits)
+        if len(hits) % 100 == 0:
+            curve.append(round(rolling, 3))
+    return reached, curve
+
+
+def prefetch(book: CacheBook, predicted: list, wanted: set, budget: int) -> None:
+    """Bring up to budget predicted experts in, evicting the coldest that no prediction wants."""
+    missing = [k for k in predicted if k not in book.resident][:budget]
+    for key in missing:
+        victim = next((v for v in book.coldest() if v not in wanted), None)
+        if victim is None:
+            return
+        book.evict(victim)
+        book.admit(key)
+
+
 def _score(steps, is_hit) -> float:
     hits = sum(is_hit(key) for step in steps for key in step)
     return hits / sum(len(step) for step in steps)
 
 
 def make_traces(pack: str, out: Path, tokens: int) -> None:
+    """Routing of the demo prompts, generated on the demo's simulated card (so that the
+    look-ahead runs and its predictions are in the trace)."""
+    from moefit.demo import CARD, SIM_FLAGS
     out.mkdir(parents=True, exist_ok=True)
     for i, prompt in enumerate(PROMPTS):
         raw = out / f"trace-{i}.jsonl"
         subprocess.run([sys.executable, "-m", "moefit", "generate", pack, "--chat", "--prompt", prompt,
                         "--max-tokens", str(tokens), "--temperature", "0.8", "--seed", str(i), "--ignore-eos",
-                        "--dump-routing", str(raw)], check=True, capture_output=True)
+                        "--dump-routing", str(raw), "--device", f"sim:{CARD}", *SIM_FLAGS, "--settle-s", "0",
+                        "--state-dir", str(out / "state")], check=True, capture_output=True)
         with open(raw) as f, gzip.open(str(raw) + ".gz", "wt") as g:
             for line in f:
                 row = json.loads(line)
-                g.write(json.dumps({"layer": row["layer"], "experts": row["experts"]}) + "\n")
+                keep = {k: row[k] for k in ("layer", "experts", "predicted") if k in row}
+                g.write(json.dumps(keep) + "\n")
         raw.unlink()
 
 
@@ -158,23 +220,42 @@ def main() -> None:
     if args.make_traces:
         make_traces(args.make_traces, DEFAULT_TRACES, args.tokens)
     paths = [Path(p) for p in args.traces] or sorted(DEFAULT_TRACES.glob("*.jsonl*"))
-    steps = [s for p in paths for s in read_trace(p)]
+    read = [read_trace(p) for p in paths]
+    steps = [s for st, _ in read for s in st]
+    preds = [g for _, pr in read for g in pr]
     layers = 1 + max(k[0] for s in steps for k in s)
     moe_layers = len({k[0] for s in steps for k in s})
     experts = 1 + max(k[1] for s in steps for k in s)
     cut = len(steps) // 4
-    profile_steps, scored = steps[:cut], steps[cut:]
+    profile_steps, scored, scored_preds = steps[:cut], steps[cut:], preds[cut:]
+    have = any(p is not None for p in scored_preds)
+    recall = _recall(scored, scored_preds) if have else None
     print(f"# {len(paths)} traces, {len(steps)} (token, layer) steps, {moe_layers} MoE layers x {experts} experts; "
-          f"first quarter profiles, the rest is scored")
-    print(f"{'budget':>8} {'static':>8} {'LRU':>8} {'LFU':>8} {'adaptive':>9} {'MIN':>8}   ratio to MIN (static LRU LFU adaptive)")
+          f"first quarter profiles, the rest is scored; prediction recall "
+          f"{'-' if recall is None else f'{recall:.3f}'}; +pfB = adaptive with look-ahead, B experts a layer")
+    names = ("static", "LRU", "LFU", "adaptive") + (("+pf1", "+pf2", "+pf4") if have else ())
+    print(f"{'budget':>8} " + " ".join(f"{n:>8}" for n in names) + f" {'MIN':>8}   ratio to MIN")
     for share in BUDGETS:
         cap = max(1, int(share * moe_layers * experts))
         r = {"static": static(profile_steps, scored, cap), "LRU": lru(profile_steps, scored, cap),
-             "LFU": lfu(profile_steps, scored, cap), "adaptive": adaptive(profile_steps, scored, cap, layers, experts),
-             "MIN": belady(profile_steps, scored, cap)}
-        ratios = " ".join(f"{r[k] / r['MIN']:.2f}" if r["MIN"] else "-" for k in ("static", "LRU", "LFU", "adaptive"))
-        print(f"{share:>7.0%} {r['static']:>8.3f} {r['LRU']:>8.3f} {r['LFU']:>8.3f} {r['adaptive']:>9.3f} "
-              f"{r['MIN']:>8.3f}   {ratios}")
+             "LFU": lfu(profile_steps, scored, cap), "adaptive": adaptive(profile_steps, scored, cap, layers, experts)}
+        for b in (1, 2, 4) if have else ():
+            r[f"+pf{b}"] = adaptive(profile_steps, scored, cap, layers, experts, scored_preds, b)
+        r["MIN"] = belady(profile_steps, scored, cap)
+        ratios = " ".join(f"{r[k] / r['MIN']:.2f}" if r["MIN"] else "-" for k in names)
+        print(f"{share:>7.0%} " + " ".join(f"{r[n]:>8.3f}" for n in names) + f" {r['MIN']:>8.3f}   {ratios}")
+    cap = int(0.15 * moe_layers * experts)
+    warm = adaptive(profile_steps, scored, cap, layers, experts)
+    first = read[0][0]
+    reached, curve = cold_start(first, cap, layers, experts, 0.9 * warm)
+    print(f"# cold start at 15 %, one trace ({len(first) // moe_layers} tokens), the engine's swap policy: the hit rate "
+          f"over 100 tokens reaches 90 % of the profiled adaptive's {warm:.3f} after "
+          f"{reached if reached is not None else 'never (within the trace)'} tokens; every 100 tokens: {curve}")
+
+
+def _recall(steps, preds) -> float:
+    hit = sum(len(set(s) & set(p)) for s, p in zip(steps, preds) if p is not None)
+    return hit / sum(len(s) for s, p in zip(steps, preds) if p is not None)
 
 
 if __name__ == "__main__":

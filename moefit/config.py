@@ -52,6 +52,8 @@ class ServeConfig:
     swap_period: int = _opt(32, "adaptive cache: decode steps between swap rounds")
     swap_decay: float = _opt(0.95, "adaptive cache: decay of usage counts per round")
     max_swaps: int = _opt(4, "adaptive cache: most swaps per round (0 = static placement)")
+    prefetch_per_layer: int = _opt(2, "look-ahead: experts a layer may bring into the cache ahead of use, "
+                                   "predicted by the next layer's own router (0 = no look-ahead)")
     threads: int | None = _opt(None, "host threads for expert and dense compute (default: the physical cores)")
 
     def with_(self, **changes) -> "ServeConfig":

@@ -22,6 +22,8 @@ def run(args) -> int:
     from moefit.pack.convert import convert
     header = convert(args.hf_dir, args.output, args.quant, args.group_size, progress=sys.stderr.isatty())
     print(describe(header))
+    print("  no expert profile yet: until one is recorded the expert cache fills in pack order (a uniform "
+          "guess); record one with `moefit profile PACK --prompts FILE`, or let `serve` learn it as it runs")
     return 0
 
 

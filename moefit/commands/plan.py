@@ -5,9 +5,11 @@ Answers "does it fit?" for a pack, or for a model that is not downloaded yet.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from moefit.cli import add_serve_flags, print_json, serve_config
+from moefit.experts.profile import no_profile_note
 from moefit.errors import UsageError
 from moefit.pack.layout import RECIPES
 
@@ -36,7 +38,7 @@ def footprint_and_order(args, compute_dtype: str, dense_quant: str = "off"):
         header = read_header(Path(args.pack))
         fp = footprint.from_pack_header(header, compute_dtype, dense_quant)
         profile = Profile.load(Path(args.pack) / "profile.json", fp.model.num_layers, fp.model.num_experts)
-    return fp, profile.hottest_first(list(fp.blob_sizes))
+    return fp, profile.hottest_first(list(fp.blob_sizes)), not profile.is_empty
 
 
 def run(args) -> int:
@@ -50,8 +52,10 @@ def run(args) -> int:
     device = open_device(cfg.device)
     if not device.has_vram:
         raise UsageError("planning needs a card: --device cuda or --device sim:CARD.json")
-    fp, order = footprint_and_order(args, compute_dtype_for(cfg, device.kind), cfg.dense_quant)
+    fp, order, profiled = footprint_and_order(args, compute_dtype_for(cfg, device.kind), cfg.dense_quant)
     p = plan(fp, cfg, device_snapshot(device), order)
+    if args.pack and not profiled:
+        p = dataclasses.replace(p, serve_message=f"{p.serve_message}; {no_profile_note(p.slots, p.total_experts)}")
     if args.json:
         print_json(p.to_json())
     else:

@@ -11,6 +11,7 @@ from pathlib import Path
 HERE = Path(__file__).parent
 MODEL = HERE / "model"
 CARD = HERE / "card.json"
+PROFILE = HERE / "profile.json"         # expert hotness from the training corpus (tools/profile_demo.py)
 QUANT = "int8"
 # The seed's desktop baseline (2,367 MiB of a 12,282 MiB RTX 4070), as shares of the card.
 SEED_DESKTOP = [(2101, "gnome-shell", 587), (2300, "hermes", 573), (2410, "chromium", 434),
@@ -39,10 +40,15 @@ def model_digest() -> str:
 
 
 def demo_pack(log=print) -> Path:
-    """The demo model's pack, written on first use and reused after."""
+    """The demo model's pack, written on first use and reused after, with the shipped
+    expert profile (the demo never serves blind)."""
     from moefit.pack.convert import convert
+    from moefit.pack.reader import Pack
     pack = cache_dir() / f"demo-{model_digest()}-{QUANT}.pack"
     if not (pack / "moefit-pack.json").exists():
         log(f"packing the demo model into {pack} ...")
         convert(MODEL, pack, QUANT, progress=False)
+    profile = Pack.open(pack, checksums=False).profile_path
+    if PROFILE.exists() and not profile.exists():
+        profile.write_bytes(PROFILE.read_bytes())
     return pack

@@ -41,6 +41,10 @@ class Profile:
     def record(self, layer: int, expert_ids: np.ndarray) -> None:
         np.add.at(self.counts[layer], expert_ids.reshape(-1), 1)
 
+    @property
+    def is_empty(self) -> bool:
+        return not self.counts.any()
+
     def merge(self, other: "Profile") -> "Profile":
         return Profile(self.counts + other.counts)
 
@@ -58,3 +62,11 @@ class Profile:
             top = np.sort(row)[::-1][: max(1, len(row) // 4)].sum()
             out.append(float(top / total) if total else 0.0)
         return out
+
+
+def no_profile_note(cached: int, total: int) -> str:
+    """What serving without a profile costs, in the operator's words."""
+    share = f"about {cached / total:.0%} of routings (a uniform guess)" if total else "a uniform guess's share"
+    return (f"no expert profile: the cache starts in pack order and hits {share} until it adapts, instead of "
+            "the hottest experts' much larger share; record one with `moefit profile PACK --prompts FILE` "
+            "(a few hundred prompts like the ones it will serve)")

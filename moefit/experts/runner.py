@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from moefit import kernels
 from moefit.experts.cache import CacheBook, Key
+from moefit.experts.lookahead import LookAhead
 from moefit.experts.profile import Profile
 from moefit.pack.quant import blob_views, qlinear
 from moefit.pack.reader import Pack
@@ -59,6 +60,42 @@ class ExpertRunner:
         self.slots: dict[Key, tuple[torch.Tensor, dict]] = {}
         self._host_parts: dict[Key, dict] = {}
         self.dump = None                       # an open file: every token's routing as JSON lines
+        self.ahead: LookAhead | None = None    # set by the loader when look-ahead is on
+
+    @property
+    def look_ahead(self) -> bool:
+        return self.ahead is not None
+
+    def expect(self, layer: int, ids: torch.Tensor) -> None:
+        """The next layer's predicted top-k [T, k]: record it, bring the most confident
+        missing experts into the cache (at most the budget), and ask for the pages of the
+        other missing ones, which the host will compute from the pack's map."""
+        order = self.ahead.expect(layer, ids.cpu().tolist())
+        missing = [e for e in order if (layer, e) not in self.slots]
+        for n, e in enumerate(missing):
+            if n >= self.ahead.budget or not self._make_room((layer, e)):
+                self.pack.warm(layer, e)
+                continue
+            self.load((layer, e))
+            self.book.swaps += 1
+            self.ahead.fetched_for(layer, e)
+
+    def _make_room(self, key: Key) -> bool:
+        """Evict the coldest slots no prediction wants so that key fits the budget; nothing
+        is evicted when they cannot free enough."""
+        need = self.book.used + self.book.sizes[key] - self.book.budget
+        keep, victims, freed = self.ahead.wanted(key[0]), [], 0
+        for victim in self.book.coldest():
+            if freed >= need:
+                break
+            if victim not in keep:
+                victims.append(victim)
+                freed += self.book.resident[victim]
+        if freed < need:
+            return False
+        for victim in victims:
+            self.unload(victim)
+        return True
 
     # -- placement ---------------------------------------------------------------
     def load(self, key: Key) -> None:
@@ -85,6 +122,8 @@ class ExpertRunner:
             self._dump(layer, ids_host, weights)
         groups = Groups.of(ids_host, weights)
         experts = groups.experts
+        if self.ahead is not None:
+            self.ahead.score(layer, experts)
         resident = [(layer, e) in self.slots for e in experts]
         self.book.record(layer, experts, resident)
         quant = self.pack.blobs[(layer, experts[0])].quant
@@ -135,6 +174,9 @@ class ExpertRunner:
         return parts
 
     def _dump(self, layer: int, ids: torch.Tensor, weights: torch.Tensor) -> None:
-        for row_ids, row_w in zip(ids.tolist(), weights.float().cpu().tolist()):
-            self.dump.write(json.dumps({"layer": layer, "experts": row_ids,
-                                        "weights": [round(w, 5) for w in row_w]}) + "\n")
+        guesses = self.ahead.per_token.get(layer) if self.ahead is not None else None
+        for t, (row_ids, row_w) in enumerate(zip(ids.tolist(), weights.float().cpu().tolist())):
+            row = {"layer": layer, "experts": row_ids, "weights": [round(w, 5) for w in row_w]}
+            if guesses is not None:
+                row["predicted"] = guesses[t]
+            self.dump.write(json.dumps(row) + "\n")

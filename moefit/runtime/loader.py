@@ -4,6 +4,8 @@ hottest first. Every byte goes through DeviceMemory under its ledger line.
 
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass
 
 import torch
@@ -11,8 +13,9 @@ import torch
 from moefit.config import ServeConfig
 from moefit.errors import DeviceOutOfMemory, RefusedError
 from moefit.experts.cache import CacheBook, SwapPolicy
-from moefit.experts.profile import Profile
+from moefit.experts.profile import Profile, no_profile_note
 from moefit import kernels
+from moefit.experts.lookahead import LookAhead
 from moefit.experts.runner import ExpertRunner
 from moefit.memory import ledger as L
 from moefit.memory.devices import open_device
@@ -57,6 +60,9 @@ def load(pack: Pack, cfg: ServeConfig, log=lambda msg: None) -> Loaded:
     m = pack.model
     profile = Profile.load(pack.profile_path, m.num_layers, m.num_experts)
     the_plan = _plan(pack, cfg, mem, cdt, profile) if device.has_vram else None
+    if the_plan is not None and profile.is_empty:
+        the_plan = dataclasses.replace(the_plan, serve_message=f"{the_plan.serve_message}; "
+                                       f"{no_profile_note(the_plan.slots, the_plan.total_experts)}")
     if the_plan is not None and the_plan.refused:
         raise RefusedError(refusal_text(the_plan), the_plan)
     try:
@@ -84,6 +90,8 @@ def _place(pack: Pack, cfg: ServeConfig, mem: DeviceMemory, cdt: str, the_plan: 
     notes = []
     if the_plan is not None:
         notes = fill_cache(runner, the_plan, kind, log)
+        if cfg.prefetch_per_layer > 0:            # a device with an expert cache: look ahead
+            runner.ahead = LookAhead(m.num_layers, cfg.prefetch_per_layer)
     return Loaded(pack, mem, the_plan, model, kv, runner, cdt, notes)
 
 

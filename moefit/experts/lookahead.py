@@ -1,0 +1,73 @@
+"""Look-ahead: which experts will the next MoE layer route to?
+
+The hidden state after layer l's attention, put through layer l+1's own norm and router,
+predicts layer l+1's routing (no training: published figures give 90-97 % recall on
+Qwen3-30B and Mixtral). Predictions are scored against the routing that follows (recall per
+layer), and on a device with an expert cache the predicted experts that are not resident
+are brought in ahead of use, at most `budget` per layer, in place of the coldest slots no
+prediction wants. A prefetched expert the layer then uses is a hit (it is resident when the
+layer runs) and a prefetch hit. No torch: the runner applies the moves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class LookAhead:
+    num_layers: int
+    budget: int                                     # experts a layer may bring in ahead (0: predict only)
+    predicted: dict[int, list[int]] = field(default_factory=dict)   # layer -> experts, most confident first
+    per_token: dict[int, list[list[int]]] = field(default_factory=dict)  # layer -> each token's top-k guess
+    fetched: dict[int, set[int]] = field(default_factory=dict)      # layer -> brought in, not yet used
+    guessed: np.ndarray = None                      # [L] routed experts that were predicted
+    routed: np.ndarray = None                       # [L] routed experts (distinct per forward)
+    prefetched: int = 0
+    prefetch_hits: int = 0
+
+    def __post_init__(self):
+        self.guessed = np.zeros(self.num_layers, dtype=np.int64)
+        self.routed = np.zeros(self.num_layers, dtype=np.int64)
+
+    def expect(self, layer: int, per_token: list[list[int]]) -> list[int]:
+        """Record each token's predicted top-k for `layer`; returns the union, rank by rank
+        (every token's first choice, then every second choice, ...)."""
+        self.per_token[layer] = per_token
+        order = list(dict.fromkeys(e for rank in zip(*per_token) for e in rank))
+        self.predicted[layer] = order
+        return order
+
+    def wanted(self, layer: int) -> set[tuple[int, int]]:
+        """(layer, expert) keys a prefetch must not evict: what the layer computing now and
+        the next one are predicted to use."""
+        return {(l, e) for l in (layer - 1, layer) for e in self.predicted.get(l, ())}
+
+    def fetched_for(self, layer: int, expert: int) -> None:
+        self.fetched.setdefault(layer, set()).add(expert)
+        self.prefetched += 1
+
+    def score(self, layer: int, experts: list[int]) -> None:
+        """The layer has routed to `experts` (distinct): count what was foreseen."""
+        guess = self.predicted.pop(layer, None)
+        self.per_token.pop(layer, None)
+        if guess is None:
+            return
+        routed = set(experts)
+        self.guessed[layer] += len(routed & set(guess))
+        self.routed[layer] += len(routed)
+        self.prefetch_hits += len(routed & self.fetched.pop(layer, set()))
+
+    def recall(self) -> float:
+        total = self.routed.sum()
+        return float(self.guessed.sum() / total) if total else 0.0
+
+    def layer_recall(self) -> list[float | None]:
+        return [float(g / r) if r else None for g, r in zip(self.guessed, self.routed)]
+
+    def to_json(self) -> dict:
+        return {"prefetched": self.prefetched, "prefetch_hits": self.prefetch_hits,
+                "prediction_recall": self.recall(), "layer_prediction_recall": self.layer_recall(),
+                "prefetch_per_layer": self.budget}
