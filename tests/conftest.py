@@ -58,3 +58,14 @@ def qwen3_tokenizer_dir(tmp_path_factory):
         z.extractall(out)
     (out / "tokenizer_config.json").write_bytes((src / "tokenizer_config.json").read_bytes())
     return out
+
+
+@pytest.fixture(scope="session")
+def tool_pack(tmp_path_factory, qwen3_tokenizer_dir):
+    """An int8 pack of the tool-trained tiny model (tests/toolmodel.py)."""
+    from moefit.pack.convert import convert
+    from toolmodel import overfit_tool_model
+    root = tmp_path_factory.mktemp("tool-model")
+    overfit_tool_model(root / "hf", qwen3_tokenizer_dir)
+    convert(root / "hf", root / "pack", "int8", progress=False)
+    return root / "pack"

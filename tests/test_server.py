@@ -11,54 +11,19 @@ import time
 import httpx
 import openai
 import pytest
-import torch
 
 from moefit.memory.simcard import write_card
 
-import tiny
 from serving import Served
+from toolmodel import ASK, TOOLS
 
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
-                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                                                          "required": ["city"]}}}]
-ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
-ANSWER = ('<think>\nThe user wants the weather.\n</think>\n\n<tool_call>\n{"name": "get_weather", '
-          '"arguments": {"city": "Paris"}}\n</tool_call><|im_end|>')
 CARD = dict(name="RTX 4070 (simulated)", total_mib=120.0)
 DESKTOP = [(2101, "gnome-shell", 10.0)]
 
 
-def overfit_tool_model(hf_dir, tokenizer_dir):
-    """Train the tiny model until it answers ASK (with TOOLS) with ANSWER, greedily."""
-    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
-    tiny.build_checkpoint("qwen3_moe", hf_dir, tokenizer_dir=tokenizer_dir, tie_word_embeddings=True)
-    tok = PreTrainedTokenizerFast.from_pretrained(tokenizer_dir)
-    prompt = tok.apply_chat_template(ASK, tools=TOOLS, tokenize=False, add_generation_prompt=True)
-    p_ids = tok(prompt, add_special_tokens=False)["input_ids"]
-    ids = torch.tensor([p_ids + tok(ANSWER, add_special_tokens=False)["input_ids"]])
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
-    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
-    labels = ids.clone()
-    labels[0, :len(p_ids)] = -100
-    for _ in range(150):
-        loss = model(ids, labels=labels).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        if loss.item() < 0.01:
-            break
-    for old in list(hf_dir.glob("*.safetensors")) + list(hf_dir.glob("*.index.json")):
-        old.unlink()
-    model.save_pretrained(hf_dir)
-
-
 @pytest.fixture(scope="module")
-def model_pack(tmp_path_factory, qwen3_tokenizer_dir):
-    from moefit.pack.convert import convert
-    root = tmp_path_factory.mktemp("server-model")
-    overfit_tool_model(root / "hf", qwen3_tokenizer_dir)
-    convert(root / "hf", root / "pack", "int8", progress=False)
-    return root / "pack"
+def model_pack(tool_pack):
+    return tool_pack
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -13,14 +12,18 @@ from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
 
 from moefit.errors import DeviceUnavailable
+from moefit import __version__
+from moefit.serve import anthropic, responses
 from moefit.serve import protocol as P
 from moefit.serve.completions import ChatRun, CompletionRun
 from moefit.serve.crosssite import CrossSite
 from moefit.serve.metrics import Metrics
 
 log = logging.getLogger("moefit.serve")
+access = logging.getLogger("moefit.access")
 STATIC = Path(__file__).parent / "static"
 OPEN_PATHS = {"/health", "/", "/favicon.ico"}
 
@@ -56,35 +59,54 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.middleware("http")
     async def guard_request(request: Request, call_next):
+        t0, path = time.monotonic(), request.url.path
         cors = state.cross_site.cors_headers(request.headers.get("origin"))
         try:
             if request.method == "OPTIONS" and cors:
                 return Response(status_code=204, headers=cors)
-            state.cross_site.check(request.method, request.url.path, request.headers)
+            state.cross_site.check(request.method, path, request.headers)
             _authorize(state, request)
             if _content_length(request) > state.max_body_bytes:
                 raise P.ApiError(413, f"the request body is over {state.max_body_bytes} bytes")
             response = await call_next(request)
         except P.ApiError as e:
-            response = error_response(e)
+            response = error_response(e, path)
         response.headers.update(cors)
+        _access_log(state, request, response.status_code, time.monotonic() - t0)
         return response
 
     @app.exception_handler(P.ApiError)
     async def api_error(request: Request, e: P.ApiError):
-        return error_response(e)
+        return error_response(e, request.url.path)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, e: HTTPException):
+        what = {404: f"no route {request.url.path}", 405: f"{request.method} is not allowed on {request.url.path}"}
+        return error_response(P.ApiError(e.status_code, what.get(e.status_code, str(e.detail)),
+                                         code="not_found" if e.status_code == 404 else None), request.url.path)
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, e: Exception):
         log.exception("unexpected error on %s", request.url.path)
-        return error_response(P.ApiError(500, f"internal error ({type(e).__name__})", kind="server_error"))
+        return error_response(P.ApiError(500, f"internal error ({type(e).__name__})", kind="server_error"),
+                              request.url.path)
 
     _routes(app, state)
     return app
 
 
-def error_response(e: P.ApiError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+def error_response(e: P.ApiError, path: str = "") -> JSONResponse:
+    """OpenAI's error shape, or Anthropic's on its routes."""
+    body = anthropic.anthropic_error(e) if path.startswith("/v1/messages") else e.body()
+    return JSONResponse(body, status_code=e.status, headers=e.headers)
+
+
+def _access_log(state: ServerState, request: Request, status: int, seconds: float) -> None:
+    """One line per request; every status is also counted for /metrics."""
+    usage = getattr(request.state, "usage", None) or (0, 0)
+    access.info('%s %s %d prompt=%d completion=%d %.0fms', request.method, request.url.path, status, usage[0],
+                usage[1], seconds * 1000)
+    state.metrics.http(request.url.path, status)
 
 
 def _content_length(request: Request) -> int:
@@ -98,9 +120,9 @@ def _authorize(state: ServerState, request: Request) -> None:
     if not state.api_key or request.url.path in OPEN_PATHS or request.url.path.startswith("/static/"):
         return
     given = request.headers.get("authorization", "")
-    token = given[7:] if given.lower().startswith("bearer ") else ""
+    token = given[7:] if given.lower().startswith("bearer ") else request.headers.get("x-api-key", "")
     if not hmac.compare_digest(token.encode(), state.api_key.encode()):
-        raise P.ApiError(401, "a valid API key is required (Authorization: Bearer ...)",
+        raise P.ApiError(401, "a valid API key is required (Authorization: Bearer ..., or x-api-key)",
                          kind="authentication_error", code="invalid_api_key")
 
 
@@ -117,8 +139,25 @@ def _routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": int(state.started),
-                                            "owned_by": "moefit"}]}
+        return {"object": "list", "data": [_model_entry(state)]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id != state.model_name:
+            raise P.ApiError(404, f"model {model_id!r} does not exist; this server serves {state.model_name!r}",
+                             param="model", code="model_not_found")
+        return _model_entry(state)
+
+    @app.get("/props")
+    async def props():
+        """llama.cpp's server properties: agent clients read the context length here."""
+        _ready(state)
+        return {"n_ctx": state.engine.cfg.ctx, "model_alias": state.model_name, "build_info": f"moefit {__version__}",
+                "default_generation_settings": {"n_ctx": state.engine.cfg.ctx}, "total_slots": 1}
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__, "name": "moefit"}
 
     @app.get("/v1/status")
     async def status():
@@ -152,6 +191,20 @@ def _routes(app: FastAPI, state: ServerState) -> None:
         req = P.parse(P.CompletionRequest, await _body(state, request))
         return await _serve(state, request, CompletionRun(state, req))
 
+    @app.post("/v1/responses")
+    async def respond(request: Request):
+        return await _serve(state, request, responses.ResponsesRun(state, responses.parse(await _body(state, request))))
+
+    @app.post("/v1/messages")
+    async def messages(request: Request):
+        return await _serve(state, request, anthropic.MessagesRun(state, anthropic.parse(await _body(state, request))))
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request):
+        _ready(state)
+        req = anthropic.parse(await _body(state, request), anthropic.CountRequest)
+        return {"input_tokens": len(anthropic.MessagesRun(state, req).prompt_ids())}
+
     @app.get("/")
     async def page():
         index = STATIC / "index.html"
@@ -169,6 +222,12 @@ async def _body(state: ServerState, request: Request) -> bytes:
     if len(body) > state.max_body_bytes:
         raise P.ApiError(413, f"the request body is over {state.max_body_bytes} bytes")
     return body
+
+
+def _model_entry(state: ServerState) -> dict:
+    ctx = state.engine.cfg.ctx if state.ready else None
+    return {"id": state.model_name, "object": "model", "created": int(state.started), "owned_by": "moefit",
+            "max_model_len": ctx, "context_length": ctx}
 
 
 def _ready(state: ServerState) -> None:
@@ -190,6 +249,7 @@ async def _serve(state: ServerState, request: Request, run) -> Response:
     _ready(state)
     run.check_model()
     job = run.submit(asyncio.get_running_loop())
+    request.state.usage = (len(job.prompt), 0)
     if run.req.stream:
         return StreamingResponse(_sse(state, run, job), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -197,8 +257,8 @@ async def _serve(state: ServerState, request: Request, run) -> Response:
 
 
 async def _sse(state: ServerState, run, job):
-    """Server-sent events; comments keep the connection alive during a long prefill. A client
-    that goes away cancels the job (the engine stops within one decode step)."""
+    """Server-sent events in the run's protocol; comments keep the connection alive during a
+    long prefill. A client that goes away cancels the job (the engine stops within one step)."""
     try:
         while True:
             try:
@@ -207,9 +267,9 @@ async def _sse(state: ServerState, run, job):
                 yield ": keep-alive\n\n"
                 continue
             for chunk in run.stream_chunks(item):
-                yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+                yield run.sse(chunk)
             if item is None:
-                yield "data: [DONE]\n\n"
+                yield run.sse_end()
                 return
     finally:
         job.cancelled.set()

@@ -4,6 +4,7 @@ response (whole, or as stream chunks)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 
@@ -12,6 +13,15 @@ import jinja2
 from moefit.serve import protocol as P
 from moefit.serve.toolparse import OutputParser, split_final
 from moefit.serve.worker import Done, Job
+
+
+def context_message(ctx: int, prompt: int, wanted: int | None, field: str) -> str:
+    """OpenAI's and vLLM's wording, which agent clients parse to learn the context length."""
+    asked = prompt + (wanted or 0)
+    where = "messages" if field == "messages" else "prompt"
+    return (f"This model's maximum context length is {ctx} tokens. However, you requested {asked} tokens "
+            f"({prompt} in the {where}, {wanted or 0} in the completion). Please reduce the length of the "
+            f"{where} or completion.")
 
 
 async def _disconnect(request) -> None:
@@ -31,6 +41,7 @@ class _Run:
         self.created = int(time.time())
         self.done: Done | None = None
         self.sent_role = False
+        self.prompt_tokens = 0
 
     def check_model(self) -> None:
         if self.req.model and self.req.model != self.state.model_name:
@@ -42,14 +53,12 @@ class _Run:
 
     def submit(self, loop: asyncio.AbstractEventLoop) -> Job:
         prompt = self.prompt_ids()
+        self.prompt_tokens = len(prompt)
         ctx = self.engine.cfg.ctx
-        if len(prompt) >= ctx:
-            raise P.ApiError(400, f"the prompt has {len(prompt)} tokens; the context holds {ctx}",
-                             param=self.prompt_field, code="context_length_exceeded")
         wanted = self.max_tokens()
-        if wanted is not None and len(prompt) + wanted > ctx:
-            raise P.ApiError(400, f"max_tokens={wanted} with a {len(prompt)}-token prompt passes the context "
-                             f"of {ctx} tokens (at most {ctx - len(prompt)})", param="max_tokens",
+        if len(prompt) >= ctx or (wanted is not None and len(prompt) + wanted > ctx):
+            raise P.ApiError(400, context_message(ctx, len(prompt), wanted, self.prompt_field),
+                             param=self.prompt_field if len(prompt) >= ctx else "max_tokens",
                              code="context_length_exceeded")
         job = Job(prompt, P.sampling(self.req, wanted or ctx - len(prompt)), loop)
         try:
@@ -74,6 +83,7 @@ class _Run:
         finally:
             gone.cancel()
         self.done = next(i for i in items if isinstance(i, Done))
+        request.state.usage = (self.done.stats.prompt_tokens, len(self.done.stats.generated))
         text = "".join(i.text for i in items if not isinstance(i, Done))
         return self.response(text, self.done.finish_reason)
 
@@ -89,6 +99,13 @@ class _Run:
         if usage is not None:
             out["usage"] = usage
         return out
+
+    def sse(self, chunk: dict) -> str:
+        """One server-sent event (OpenAI: data lines, closed by [DONE])."""
+        return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+
+    def sse_end(self) -> str:
+        return "data: [DONE]\n\n"
 
     def stream_chunks(self, item) -> list[dict]:
         if isinstance(item, P.ApiError):

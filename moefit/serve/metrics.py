@@ -36,6 +36,7 @@ class Metrics:
         self.cached_tokens = 0
         self.generation_tokens = 0
         self.requests = Counter()
+        self.http_requests = Counter()         # (route, status) of every request, whatever became of it
         self.ttft = Histogram(TTFT_BUCKETS)
         self.e2e = Histogram(E2E_BUCKETS)
 
@@ -53,6 +54,11 @@ class Metrics:
         with self._lock:
             self.requests[status] += 1
 
+    def http(self, path: str, status: int) -> None:
+        route = path if path.startswith("/v1/") or path in ("/health", "/metrics", "/props") else "other"
+        with self._lock:
+            self.http_requests[(route, status)] += 1
+
     def render(self, engine, worker, guard, device_free: int | None) -> str:
         book = engine.runner.book
         gauge = lambda n, v, t="gauge": [f"# TYPE {n} {t}", f"{n} {v}"]  # noqa: E731
@@ -67,6 +73,9 @@ class Metrics:
             lines += gauge("vllm:kv_cache_usage_perc", round(len(engine.kv_tokens) / engine.cfg.ctx, 6))
             lines += ["# TYPE moefit_requests_total counter"]
             lines += [f'moefit_requests_total{{status="{s}"}} {n}' for s, n in sorted(self.requests.items())]
+            lines += ["# TYPE moefit_http_requests_total counter"]
+            lines += [f'moefit_http_requests_total{{route="{r}",status="{s}"}} {n}'
+                      for (r, s), n in sorted(self.http_requests.items())]
         lines += gauge("vllm:spec_decode_num_drafts_total", engine.spec_stats.windows, "counter")
         lines += gauge("vllm:spec_decode_num_draft_tokens_total", engine.spec_stats.drafted, "counter")
         lines += gauge("vllm:spec_decode_num_accepted_tokens_total", engine.spec_stats.accepted, "counter")

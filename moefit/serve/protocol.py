@@ -124,10 +124,11 @@ def parse(model_type, raw: bytes):
         err = e.errors()[0]
         field = ".".join(str(x) for x in err["loc"])
         raise ApiError(400, f"{field}: {err['msg']}", param=field) from None
-    if req.n != 1:
+    if getattr(req, "n", 1) != 1:
         raise ApiError(400, "n: only n=1 is supported (one engine, one sequence)", param="n")
-    for i, m in enumerate(getattr(req, "messages", None) or ()):
-        _check_parts(i, m)
+    if isinstance(req, ChatRequest):
+        for i, m in enumerate(req.messages):
+            _check_parts(i, m)
     return req
 
 

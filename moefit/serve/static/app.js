@@ -98,11 +98,18 @@ function drawChecks(status) {
   $("verdict").textContent = (status.start && status.start.verdict) || "-";
 }
 
+function lookAhead(c) {
+  if (!c.prefetch_per_layer) return "look-ahead off";
+  const recall = c.prediction_recall == null ? "-" : (100 * c.prediction_recall).toFixed(0) + " %";
+  return `look-ahead: next-layer recall ${recall}, ${c.prefetched} prefetched (${c.prefetch_hits} used in time)`;
+}
+
 function drawCache(status) {
   const c = status.expert_cache;
   $("cache-summary").textContent = `${c.slots} of ${c.total_experts} experts resident (${mib(c.used_bytes)} of a ` +
     `${mib(c.budget_bytes)} budget; planned ${c.planned_slots}), hit rate ${(100 * c.hit_rate).toFixed(1)} % ` +
-    `(${c.hits} hits, ${c.misses} misses, ${c.swaps} swaps); guard warnings ${status.guard.warnings}, resizes ${status.guard.resizes}`;
+    `(${c.hits} hits, ${c.misses} misses, ${c.swaps} swaps); ${lookAhead(c)}; ` +
+    `guard warnings ${status.guard.warnings}, resizes ${status.guard.resizes}`;
   samples.push({ t: Date.now() / 1000, hitRate: c.hit_rate, slots: c.slots });
   while (samples.length && samples[0].t < Date.now() / 1000 - 600) samples.shift();
   drawChart(status.guard.events, c.total_experts);

@@ -1,0 +1,131 @@
+"""Clients that speak OpenAI's Responses API or Anthropic's Messages, driven by their
+official SDKs against a real `moefit serve`; context discovery as agent clients probe it;
+errors in each protocol's own shape; one access-log line per request."""
+
+import json
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from moefit.memory.simcard import write_card
+
+from serving import Served
+from toolmodel import ASK, TOOLS
+
+CARD = dict(name="RTX 4070 (simulated)", total_mib=120.0)
+A_TOOLS = [{"name": "get_weather", "description": "Weather for a city",
+            "input_schema": TOOLS[0]["function"]["parameters"]}]
+GREEDY = {"temperature": 0}                    # anthropic's SDK 2.x takes no temperature argument
+R_TOOLS = [{"type": "function", "name": "get_weather", "description": "Weather for a city",
+            "parameters": TOOLS[0]["function"]["parameters"]}]
+
+
+@pytest.fixture(scope="module")
+def server(tool_pack, tmp_path_factory):
+    root = tmp_path_factory.mktemp("clients")
+    card = root / "card.json"
+    write_card(card, CARD["name"], CARD["total_mib"], [(2101, "gnome-shell", 10.0)])
+    s = Served(tool_pack, card, root / "state", "--ctx", "2048")
+    s.openai = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0)
+    s.anthropic = anthropic.Anthropic(base_url=s.url, api_key="none", max_retries=0)
+    yield s
+    s.log = s.stop()
+
+
+def test_anthropic_messages_with_thinking_and_tool_use(server):
+    r = server.anthropic.messages.create(model="tiny", max_tokens=60, messages=ASK, tools=A_TOOLS, extra_body=GREEDY)
+    kinds = [b.type for b in r.content]
+    assert r.stop_reason == "tool_use" and kinds[0] == "thinking" and kinds[-1] == "tool_use"
+    use = r.content[-1]
+    assert use.name == "get_weather" and use.input == {"city": "Paris"} and use.id.startswith("toolu_")
+    assert r.content[0].thinking == "The user wants the weather." and r.usage.output_tokens > 0
+
+
+def test_anthropic_streaming_events_rebuild_the_same_message(server):
+    with server.anthropic.messages.stream(model="tiny", max_tokens=60, messages=ASK, tools=A_TOOLS,
+                                          extra_body=GREEDY) as stream:
+        events = [e.type for e in stream]
+        final = stream.get_final_message()
+    assert events[0] == "message_start" and "content_block_delta" in events
+    assert final.stop_reason == "tool_use" and final.content[-1].input == {"city": "Paris"}
+
+
+def test_a_tool_result_goes_back_to_the_model_and_tokens_are_counted(server):
+    first = server.anthropic.messages.create(model="tiny", max_tokens=60, messages=ASK, tools=A_TOOLS, extra_body=GREEDY)
+    use = first.content[-1]
+    follow = ASK + [{"role": "assistant", "content": [b.model_dump() for b in first.content]},
+                    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "21 C"}]}]
+    r = server.anthropic.messages.create(model="tiny", max_tokens=3, messages=follow, tools=A_TOOLS, system="Be brief.")
+    assert r.usage.input_tokens > first.usage.input_tokens
+    counted = server.anthropic.messages.count_tokens(model="tiny", messages=follow, tools=A_TOOLS, system="Be brief.")
+    assert counted.input_tokens == r.usage.input_tokens
+
+
+def test_anthropic_errors_come_in_anthropic_shape_and_x_api_key_is_read(server):
+    with pytest.raises(anthropic.BadRequestError) as e:
+        server.anthropic.messages.create(model="tiny", max_tokens=5, messages=[
+            {"role": "user", "content": [{"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                                                       "data": "AA=="}}]}])
+    assert e.value.body["type"] == "error" and "text only" in e.value.body["error"]["message"]
+
+
+def test_the_responses_api_with_function_calls(server):
+    r = server.openai.responses.create(model="tiny", input=ASK[0]["content"], tools=R_TOOLS, temperature=0,
+                                       max_output_tokens=60)
+    calls = [o for o in r.output if o.type == "function_call"]
+    assert r.status == "completed" and calls and calls[0].name == "get_weather"
+    assert json.loads(calls[0].arguments) == {"city": "Paris"}
+    follow = [{"role": "user", "content": ASK[0]["content"]}, calls[0].model_dump(),
+              {"type": "function_call_output", "call_id": calls[0].call_id, "output": "21 C"}]
+    again = server.openai.responses.create(model="tiny", input=follow, tools=R_TOOLS, max_output_tokens=3,
+                                           instructions="Be brief.")
+    assert again.usage.input_tokens > r.usage.input_tokens and again.status in ("completed", "incomplete")
+
+
+def test_the_responses_stream_ends_with_the_completed_response(server):
+    events = list(server.openai.responses.create(model="tiny", input="Hello", max_output_tokens=8, stream=True,
+                                                 temperature=0))
+    kinds = [e.type for e in events]
+    assert kinds[0] == "response.created" and kinds[-1] in ("response.completed", "response.incomplete")
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert events[-1].response.output_text == text
+    assert [e.sequence_number for e in events] == list(range(1, len(events) + 1))
+
+
+def test_context_discovery_as_agent_clients_probe_it(server):
+    assert server.openai.models.retrieve("tiny").model_extra["max_model_len"] == 2048
+    assert httpx.get(server.url + "/props").json()["n_ctx"] == 2048
+    assert httpx.get(server.url + "/version").json()["name"] == "moefit"
+    with pytest.raises(openai.BadRequestError) as e:
+        server.openai.chat.completions.create(model="tiny", messages=ASK, max_tokens=65536)
+    assert e.value.message.startswith("Error code: 400 - ") and \
+        "This model's maximum context length is 2048 tokens. However, you requested" in str(e.value.body)
+
+
+def test_unknown_routes_and_methods_answer_in_openai_shape(server):
+    missing = httpx.get(server.url + "/v1/nothing")
+    assert missing.status_code == 404 and "no route /v1/nothing" in missing.json()["error"]["message"]
+    wrong = httpx.get(server.url + "/v1/chat/completions")
+    assert wrong.status_code == 405 and wrong.json()["error"]["message"]
+    with pytest.raises(openai.NotFoundError) as e:
+        server.openai.models.retrieve("gpt-9")
+    assert "does not exist" in e.value.message
+
+
+def test_every_status_is_counted_and_logged(server):
+    httpx.get(server.url + "/v1/nothing")
+    server.openai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    text = httpx.get(server.url + "/metrics").text
+    assert 'moefit_http_requests_total{route="/v1/nothing",status="404"}' in text
+    assert 'moefit_http_requests_total{route="/v1/chat/completions",status="200"}' in text
+
+
+def test_the_access_log_has_a_line_per_request(tool_pack, tmp_path):
+    card = tmp_path / "card.json"
+    write_card(card, CARD["name"], CARD["total_mib"], [])
+    s = Served(tool_pack, card, tmp_path / "state")
+    httpx.post(s.url + "/v1/completions", json={"prompt": "a", "max_tokens": 2, "ignore_eos": True})
+    log = s.stop()
+    assert "moefit: POST /v1/completions 200 prompt=1 completion=2" in log
