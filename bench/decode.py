@@ -163,6 +163,8 @@ def main() -> None:
         rows[f"moefit {quant}"] = time_moefit(pack, prompt, args.new, args.threads)
         if quant != "fp32":                    # the dense matrices and lm_head quantised too
             rows[f"moefit {quant}+dense8"] = time_moefit(pack, prompt, args.new, args.threads, "int8")
+        if quant == "int4":
+            rows[f"moefit {quant}+dense4"] = time_moefit(pack, prompt, args.new, args.threads, "int4")
     for spec in args.gguf:
         name, file = spec.split("=", 1)
         rows[f"llama.cpp {name}"] = time_llama(file, prompt, args.new, args.threads)

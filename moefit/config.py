@@ -45,8 +45,9 @@ class ServeConfig:
     spec: str = _opt("off", "speculative decoding: off, lookup, head, auto",
                      choices=("off", "lookup", "head", "auto"))
     spec_window: int = _opt(4, "draft tokens verified per speculative window")
-    dense_quant: str = _opt("off", "quantise the dense matrices (attention, dense MLP, lm_head) to int8 "
-                            "at load: off or int8", choices=("off", "int8"))
+    dense_quant: str = _opt("off", "quantise the dense matrices (attention, dense MLP, lm_head) at load: "
+                            "off, int8 (a scale per row) or int4 (a scale per 32 inputs)",
+                            choices=("off", "int8", "int4"))
     compute_dtype: str = _opt("auto", "auto (fp32 on cpu, bf16 on cuda), fp32, fp16, bf16",
                               choices=("auto", "fp32", "fp16", "bf16"))
     swap_period: int = _opt(32, "adaptive cache: decode steps between swap rounds")

@@ -152,15 +152,19 @@ def test_dump_routing_writes_every_tokens_experts(packs, tmp_path):
     assert all(len(row["experts"]) == 2 and len(row["weights"]) == 2 for row in rows)
 
 
-def test_int8_dense_weights_stay_close_and_the_ledger_still_matches_the_card(packs, card):
+@pytest.mark.parametrize("quant,tol", [("int8", 0.04), ("int4", 0.25)])
+def test_quantised_dense_weights_stay_close_and_the_ledger_still_matches_the_card(quant, tol, packs, card):
     pack = packs("qwen3_moe", "int8")
     exact = Engine.open(pack, ServeConfig(ctx=64)).prefill(PROMPT)[0]
-    engine = Engine.open(pack, sim(card(16), dense_quant="int8"))
+    engine = Engine.open(pack, sim(card(16), dense_quant=quant))
     got = engine.prefill(PROMPT)[0]
-    # int8 weights per row and, in the native kernel, int8 activations per block of 32 (llama.cpp's
-    # Q8_0 scheme) on every dense matrix: ~1 % per matrix, compounded over the tiny model's layers.
-    assert (got - exact).norm() / exact.norm() < 0.04 and got.argmax() == exact.argmax()
+    # int8 weights per row (int4: per group of 32) and, in the native kernel, int8 activations per
+    # block of 32 (llama.cpp's scheme) on every dense matrix, compounded over the tiny model's layers;
+    # int4 keeps ~8 % RMS weight error on Gaussian weights, as the experts' test says.
+    assert (got - exact).norm() / exact.norm() < tol
+    if quant == "int8":
+        assert got.argmax() == exact.argmax()
     plan = engine.loaded.plan
     assert engine.loaded.mem.charged[L.DENSE] == plan.line(L.DENSE).bytes
     full = Engine.open(pack, sim(card(16))).loaded.plan.line(L.DENSE).bytes
-    assert plan.line(L.DENSE).bytes < 0.4 * full
+    assert plan.line(L.DENSE).bytes < 0.4 * full           # (int4 keeps o_proj [64, 80] in fp32: 80 % 32 != 0)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moefit.config import ModelConfig
-from moefit.pack.layout import expert_blob_sizes
+from moefit.pack.layout import DENSE_GROUP, dense_quantizable, expert_blob_sizes
 
 COMPUTE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 KV_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 1}
@@ -89,14 +89,17 @@ def dense_shapes(m: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def dense_bytes(shapes: dict[str, tuple], cb: int, dense_quant: str) -> int:
-    """Device bytes of the dense tensors; with dense_quant int8, each matrix but the router is
-    int8 codes plus one scale per row in the compute dtype (models/layers.py, Weights)."""
+    """Device bytes of the dense tensors; with --dense-quant, each quantisable matrix is int8
+    codes plus one scale per row in the compute dtype, or int4 codes plus one fp16 scale per
+    row and group of 32 (models/layers.py, Weights; pack/layout.py, dense_quantizable)."""
     total = 0
     for name, shape in shapes.items():
-        if dense_quant == "int8" and len(shape) == 2 and not name.endswith("mlp.gate.weight"):
+        if dense_quant == "off" or not dense_quantizable(name, tuple(shape), dense_quant):
+            total += _numel(shape) * cb
+        elif dense_quant == "int8":
             total += _numel(shape) + shape[0] * cb
         else:
-            total += _numel(shape) * cb
+            total += _numel(shape) // 2 + shape[0] * (shape[1] // DENSE_GROUP) * 2
     return total
 
 

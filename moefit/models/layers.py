@@ -12,6 +12,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from moefit.pack.layout import DENSE_GROUP, dense_quantizable
 from moefit.pack.quant import qlinear, quantize
 
 
@@ -137,10 +138,11 @@ def swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.
 
 
 class QWeight:
-    """A dense matrix quantised to int8 at load (--dense-quant int8): codes + per-row scale."""
+    """A dense matrix quantised at load (--dense-quant): int8 codes + a scale per row, or int4
+    codes + an fp16 scale per row and group of 32 inputs (the expert blobs' layouts)."""
 
-    def __init__(self, codes: torch.Tensor, scale: torch.Tensor):
-        self.parts = {"w": codes, "w.scale": scale}
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, quant: str):
+        self.parts, self.quant = {"w": codes, "w.scale": scale}, quant
 
     @property
     def device(self):
@@ -150,14 +152,9 @@ class QWeight:
 def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear for a plain weight or a QWeight."""
     if isinstance(w, QWeight):
-        y = qlinear(x, w.parts, "w", "int8")
+        y = qlinear(x, w.parts, "w", w.quant)
         return y + bias if bias is not None else y
     return F.linear(x, w, bias)
-
-
-def quantizable(name: str, t: torch.Tensor) -> bool:
-    """Matrices worth int8 at load: not norms, biases or the (precision-sensitive, small) router."""
-    return t.dim() == 2 and not name.endswith("mlp.gate.weight")
 
 
 class Weights:
@@ -172,9 +169,9 @@ class Weights:
         return name in self._names
 
     def _placed(self, name: str, t: torch.Tensor):
-        if self.dense_quant == "int8" and quantizable(name, t):
-            codes, scale = quantize(t, "int8", 0)
-            return QWeight(self._place(name, codes), self._place(name + ".scale", scale))
+        if self.dense_quant != "off" and dense_quantizable(name, tuple(t.shape), self.dense_quant):
+            codes, scale = quantize(t, self.dense_quant, DENSE_GROUP)
+            return QWeight(self._place(name, codes), self._place(name + ".scale", scale, keep=True), self.dense_quant)
         return self._place(name, t)
 
     def get(self, name: str):

@@ -87,3 +87,14 @@ def expert_blob_sizes(hidden: int, expert_size: int, recipe: str, moe_layers: li
     """Bytes of one expert blob per MoE layer, for planning without a pack."""
     quants = layer_quants(recipe, moe_layers)
     return {layer: blob_nbytes(expert_layout(hidden, expert_size, q, group)) for layer, q in quants.items()}
+
+
+DENSE_GROUP = 32                # --dense-quant int4: one fp16 scale per 32 inputs, as the experts
+
+
+def dense_quantizable(name: str, shape: tuple, quant: str) -> bool:
+    """Dense matrices worth quantising at load (--dense-quant): not norms, biases or the
+    (precision-sensitive, small) router; for int4 only those whose inputs split into groups."""
+    if len(shape) != 2 or name.endswith("mlp.gate.weight"):
+        return False
+    return quant == "int8" or shape[1] % DENSE_GROUP == 0

@@ -77,7 +77,8 @@ def _place(pack: Pack, cfg: ServeConfig, mem: DeviceMemory, cdt: str, the_plan: 
            kind: str, log) -> Loaded:
     m = pack.model
     dtype = TORCH_DTYPES[cdt]
-    place = lambda name, t: mem.copy_in(L.DENSE, t, dtype if t.is_floating_point() else None)  # noqa: E731
+    place = lambda name, t, keep=False: mem.copy_in(  # noqa: E731  (int4 scales stay fp16: the kernel reads them)
+        L.DENSE, t, dtype if t.is_floating_point() and not keep else None)
     weights = Weights(device_dense_names(m, pack.dense_names), pack.dense, place, cfg.dense_quant)
     rope = _rope(m, cfg.ctx, mem, dtype)
     model = FAMILY[m.family](m, weights, rope)
