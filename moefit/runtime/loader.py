@@ -53,9 +53,7 @@ def load(pack: Pack, cfg: ServeConfig, log=lambda msg: None) -> Loaded:
     mem = DeviceMemory(device)
     if device.kind == "cuda":
         torch.zeros(1, device=mem.torch_device)          # create the context before the snapshot
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-        kernels.set_threads(cfg.threads)
+    set_threads(cfg)
     cdt = compute_dtype_for(cfg, device.kind)
     m = pack.model
     profile = Profile.load(pack.profile_path, m.num_layers, m.num_experts)
@@ -94,6 +92,17 @@ def _place(pack: Pack, cfg: ServeConfig, mem: DeviceMemory, cdt: str, the_plan: 
         if cfg.prefetch_per_layer > 0:            # a device with an expert cache: look ahead
             runner.ahead = LookAhead(m.num_layers, cfg.prefetch_per_layer)
     return Loaded(pack, mem, the_plan, model, kv, runner, cdt, notes)
+
+
+def set_threads(cfg: ServeConfig) -> None:
+    """The native pool gets --threads (default: the physical cores). torch keeps one thread when
+    the dense matrices run in the pool too (--dense-quant): measured on 2 cores (big shape of
+    bench/decode.py, int4 + dense int4), torch's OpenMP threads spinning after each op slowed
+    the pool's dense matrices from 15.0 to 20.8 ms a token (24.5 against 21.4 tok/s). With the
+    dense path in torch, torch gets the threads: its prefill GEMMs use them."""
+    n = cfg.threads or kernels.default_threads()
+    kernels.set_threads(n)
+    torch.set_num_threads(1 if cfg.dense_quant != "off" and kernels.library() is not None else n)
 
 
 def _plan(pack: Pack, cfg: ServeConfig, mem: DeviceMemory, cdt: str, profile: Profile) -> Plan:
