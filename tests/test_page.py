@@ -181,3 +181,33 @@ def test_with_an_api_key_the_page_asks_once_then_works(pack, tmp_path, browser):
     finally:
         browser.execute_script("sessionStorage.clear()")
         s.stop()
+
+
+def test_the_chart_is_filled_when_the_page_opens_and_everything_is_labelled(server, browser):
+    for _ in range(2):
+        httpx.post(server.url + "/v1/completions", json={"prompt": "the lantern", "max_tokens": 4}, timeout=30)
+    wait_for(lambda: len(httpx.get(server.url + "/v1/status").json()["cache_samples"]) >= 2, what="server samples")
+    kept = len(httpx.get(server.url + "/v1/status").json()["cache_samples"])
+    browser.get(server.url + "/")
+    wait_for(lambda: browser.execute_script("return document.body.dataset.refreshed") == "1", what="the first refresh")
+    chart = browser.execute_script("return document.getElementById('hit-chart').dataset")
+    assert int(chart["points"]) > kept and chart["axes"] == "hit rate,slots,time"
+    labels = browser.execute_script("return [...document.querySelectorAll('#layer-bars div span')].map(s => s.textContent)")
+    assert [x.split()[0] for x in labels] == ["L0", "L1", "L2"] and all(x.endswith("%") for x in labels)
+
+
+def test_the_history_reads_in_mib_and_no_word_is_said_twice(server, browser):
+    browser.get(server.url + "/")
+    wait_for(lambda: browser.find_elements("css selector", "#history tbody tr"), what="the history")
+    cache_cell = browser.find_element("css selector", "#history tbody tr td:nth-child(4)").text
+    assert re.fullmatch(r"\d+ / [\d.,]+ MiB", cache_cell), cache_cell
+    zero, spec = browser.find_element("id", "zero-check").text, browser.find_element("id", "speculative").text
+    verdict = zero.split()[0]
+    assert zero.count(verdict) == 1 and not re.search(r"\b(\w+)\)?: \1:", spec), (zero, spec)
+
+
+def test_the_page_has_a_favicon(server, browser):
+    r = httpx.get(server.url + "/favicon.ico")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("image/svg+xml") and b"<svg" in r.content
+    browser.get(server.url + "/")
+    assert browser.execute_script("return document.querySelector('link[rel=icon]').href").endswith("/favicon.ico")

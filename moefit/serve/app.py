@@ -7,6 +7,7 @@ import asyncio
 import hmac
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,6 +42,7 @@ class ServerState:
     metrics: Metrics = field(default_factory=Metrics)
     started: float = field(default_factory=time.time)
     load_error: str | None = None
+    samples: deque = field(default_factory=lambda: deque(maxlen=400))   # the page's chart, kept by the server
     cross_site: CrossSite = field(default_factory=lambda: CrossSite(loopback_bind=True))
 
     @property
@@ -205,6 +207,10 @@ def _routes(app: FastAPI, state: ServerState) -> None:
         req = anthropic.parse(await _body(state, request), anthropic.CountRequest)
         return {"input_tokens": len(anthropic.MessagesRun(state, req).prompt_ids())}
 
+    @app.get("/favicon.ico")
+    async def favicon():
+        return FileResponse(STATIC / "favicon.svg", media_type="image/svg+xml")
+
     @app.get("/")
     async def page():
         index = STATIC / "index.html"
@@ -222,6 +228,12 @@ async def _body(state: ServerState, request: Request) -> bytes:
     if len(body) > state.max_body_bytes:
         raise P.ApiError(413, f"the request body is over {state.max_body_bytes} bytes")
     return body
+
+
+def sample_cache(state: ServerState) -> None:
+    """One point of the page's hit-rate chart (the server keeps the last 400)."""
+    book = state.engine.runner.book
+    state.samples.append({"time": time.time(), "hit_rate": book.hit_rate(), "slots": len(state.engine.runner.slots)})
 
 
 def _model_entry(state: ServerState) -> dict:
@@ -292,5 +304,6 @@ def _status(state: ServerState) -> dict:
                     "max": state.worker.max_queue}
     out["recent_requests"] = [r.__dict__ for r in list(state.worker.recent)[-50:]]
     out["kv_cache"] = {"tokens": len(state.engine.kv_tokens), "ctx": state.engine.cfg.ctx}
+    out["cache_samples"] = list(state.samples)
     out["start"] = state.start.summary() if state.start else None
     return out

@@ -84,12 +84,12 @@ function drawChecks(status) {
   const sc = status.serve_check;
   $("serve-check").innerHTML = `<span class="${sc.status === "OK" ? "ok" : "low"}">${sc.status}</span> `;
   $("serve-check").append(sc.message);
-  const sp = status.speculative;
-  $("speculative").textContent = `${sp.enabled ? "on (" + sp.mode + ")" : "off"}: ${sp.reason}` +
+  const sp = status.speculative;           // the reason already starts with the mode ("lookup: window 4 ...")
+  $("speculative").textContent = `${sp.enabled ? "on" : "off"}: ${sp.reason}` +
     (sp.windows ? `; ${sp.accepted}/${sp.drafted} drafts accepted in ${sp.windows} windows` : "");
   const zero = status.start && status.start.zero_check;
   $("zero-check").innerHTML = zero ? `<span class="${zero.verdict === "DIRTY" ? "dirty" : "ok"}">${zero.verdict}</span> ` : "";
-  $("zero-check").append(zero ? zero.message : "cpu device: no card to check");
+  $("zero-check").append(zero ? zero.message.replace(zero.verdict + ": ", "") : "cpu device: no card to check");
   $("culprits").replaceChildren(...(zero ? zero.culprits : []).map((c) => {
     const li = document.createElement("li");
     li.textContent = `${c.pid} ${c.name}: ${mib(c.bytes_over)} over (${c.why})`;
@@ -110,6 +110,7 @@ function drawCache(status) {
     `${mib(c.budget_bytes)} budget; planned ${c.planned_slots}), hit rate ${(100 * c.hit_rate).toFixed(1)} % ` +
     `(${c.hits} hits, ${c.misses} misses, ${c.swaps} swaps); ${lookAhead(c)}; ` +
     `guard warnings ${status.guard.warnings}, resizes ${status.guard.resizes}`;
+  if (!samples.length) (status.cache_samples || []).forEach((s) => samples.push({ t: s.time, hitRate: s.hit_rate, slots: s.slots }));
   samples.push({ t: Date.now() / 1000, hitRate: c.hit_rate, slots: c.slots });
   while (samples.length && samples[0].t < Date.now() / 1000 - 600) samples.shift();
   drawChart(status.guard.events, c.total_experts);
@@ -119,6 +120,9 @@ function drawCache(status) {
     div.style.height = Math.max(1, 100 * r) + "%";
     div.title = `layer ${i}: ${(100 * r).toFixed(1)} % hits`;
     div.dataset.layer = i;
+    const label = document.createElement("span");
+    label.textContent = `L${i} ${(100 * r).toFixed(0)}%`;
+    div.appendChild(label);
     return div;
   }));
 }
@@ -138,6 +142,7 @@ function drawChart(events, totalExperts) {
   };
   line("hitRate", 1, css.getPropertyValue("--cache"));
   line("slots", Math.max(1, totalExperts), css.getPropertyValue("--accent"));
+  drawAxes(g, css, w, h, pad, t1 - t0, totalExperts);
   canvas.dataset.points = samples.length;
   let marks = 0;
   for (const e of events.filter((e) => e.time >= t0)) {
@@ -151,6 +156,20 @@ function drawChart(events, totalExperts) {
   }
   canvas.dataset.marks = marks;
   canvas.dataset.warnings = events.filter((e) => e.kind === "warning").length;
+}
+
+function drawAxes(g, css, w, h, pad, span, totalExperts) {
+  g.fillStyle = css.getPropertyValue("--muted") || "#888";
+  g.font = "11px sans-serif";
+  g.textAlign = "left";
+  g.fillText("hit rate 100 %", 2, pad - 12 > 8 ? pad - 12 : 10);
+  g.fillText("0 %", 2, h - pad + 4);
+  g.textAlign = "right";
+  g.fillText(`${totalExperts} slots`, w - 2, pad - 12 > 8 ? pad - 12 : 10);
+  g.fillText("0", w - 2, h - pad + 4);
+  g.textAlign = "center";
+  g.fillText(`time: the last ${Math.round(span)} s`, w / 2, h - 4);
+  $("hit-chart").dataset.axes = "hit rate,slots,time";
 }
 
 function cell(text) { const td = document.createElement("td"); td.textContent = text; return td; }
@@ -170,7 +189,7 @@ async function drawHistory() {
     const tr = document.createElement("tr");
     tr.append(cell(r.id), cell(new Date(r.time * 1000).toLocaleString()),
       cell(`${r.zero_check || "?"}: ${mib(r.free_bytes_at_start || 0)} free`),
-      cell(r.slots == null ? "-" : `${r.slots} / ${((r.cache_bytes || 0) / 1073741824).toFixed(2)} GiB`),
+      cell(r.slots == null ? "-" : `${r.slots} / ${mib(r.cache_bytes || 0)}`),
       cell(r.outcome), cell(r.hit_rate == null ? "-" : (100 * r.hit_rate).toFixed(0) + " %"),
       cell(r.decode_tokens_per_s ? r.decode_tokens_per_s.toFixed(1) : "-"), cell(r.verdict || r.message || ""));
     return tr;
