@@ -129,3 +129,27 @@ def test_the_access_log_has_a_line_per_request(tool_pack, tmp_path):
     httpx.post(s.url + "/v1/completions", json={"prompt": "a", "max_tokens": 2, "ignore_eos": True})
     log = s.stop()
     assert "moefit: POST /v1/completions 200 prompt=1 completion=2" in log
+
+
+def test_chat_logprobs_are_the_models_own(server):
+    r = server.openai.chat.completions.create(model="tiny", messages=ASK, max_tokens=6, temperature=0, logprobs=True,
+                                              top_logprobs=3, extra_body={"ignore_eos": True})
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    for entry in content:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 3
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob, abs=1e-5)   # greedy: the best one
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob >= entry.top_logprobs[2].logprob
+    stream = server.openai.chat.completions.create(model="tiny", messages=ASK, max_tokens=6, temperature=0,
+                                                   logprobs=True, stream=True, extra_body={"ignore_eos": True})
+    streamed = [e.logprob for c in stream if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert streamed == pytest.approx([e.logprob for e in content], abs=1e-5)
+
+
+def test_completion_logprobs_in_the_legacy_shape(server):
+    r = server.openai.completions.create(model="tiny", prompt="The lantern", max_tokens=4, temperature=0, logprobs=2,
+                                         extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+    assert "".join(lp.tokens) == r.choices[0].text and lp.text_offset[0] == 0
+    assert all(len(t) <= 2 for t in lp.top_logprobs) and all(v <= 0 for v in lp.token_logprobs)

@@ -17,11 +17,12 @@ from moefit.runtime.sampler import Sampler
 from moefit.runtime.speculative import NgramIndex
 
 
-def token_stream(engine, prompt: list[int], sampler: Sampler, budget: int) -> Iterator[int]:
-    """Yield generated tokens; at most `budget`. The caller stops early by closing it."""
+def token_stream(engine, prompt: list[int], sampler: Sampler, budget: int) -> Iterator[tuple[int, torch.Tensor]]:
+    """Yield (token, the logits [V] it was drawn from); at most `budget` tokens. The caller
+    stops early by closing it."""
     logits, engine.last.cached_tokens = engine.prefill(prompt)
     token = _take(sampler, sampler.probs(logits))
-    yield token
+    yield token, logits
     produced, pos = 1, len(prompt)
     lookup = NgramIndex() if engine.spec_mode == "lookup" else None
     while produced < budget:
@@ -33,11 +34,10 @@ def token_stream(engine, prompt: list[int], sampler: Sampler, budget: int) -> It
         else:
             t0 = time.perf_counter()
             logits = engine.decode_step(token, pos)
-            new = [_take(sampler, sampler.probs(logits))]
+            new = [(_take(sampler, sampler.probs(logits)), logits)]
             engine.window.record_plain(time.perf_counter() - t0)
-        for t in new:
-            yield t
-        produced, pos, token = produced + len(new), pos + len(new), new[-1]
+        yield from new
+        produced, pos, token = produced + len(new), pos + len(new), new[-1][0]
 
 
 def _take(sampler: Sampler, probs: torch.Tensor) -> int:
@@ -54,9 +54,10 @@ def _drafts(engine, lookup, token, k) -> list[int]:
     return engine.draft_head.propose(engine, token, k)
 
 
-def verify(engine, token: int, pos: int, drafts: list[int], sampler: Sampler) -> list[int]:
+def verify(engine, token: int, pos: int, drafts: list[int], sampler: Sampler) -> list[tuple[int, torch.Tensor]]:
     """Run [token, d1..dk] at pos..pos+k in one forward; keep the drafts the target agrees
-    with, then one token of its own (the correction, or a bonus when all were kept)."""
+    with, then one token of its own (the correction, or a bonus when all were kept).
+    Returns (token, its logits) pairs."""
     book = engine.runner.book
     hits0, misses0 = int(book.hits.sum()), int(book.misses.sum())
     t0 = time.perf_counter()
@@ -64,11 +65,11 @@ def verify(engine, token: int, pos: int, drafts: list[int], sampler: Sampler) ->
     out = []
     for i, d in enumerate(drafts):
         t = _take(sampler, sampler.probs(logits[i]))
-        out.append(t)
+        out.append((t, logits[i]))
         if t != d:
             break
     else:
-        out.append(_take(sampler, sampler.probs(logits[len(drafts)])))
+        out.append((_take(sampler, sampler.probs(logits[len(drafts)])), logits[len(drafts)]))
     accepted = len(out) - 1
     engine.last_hidden = engine.hidden[accepted]
     engine.kv_tokens = engine.kv_tokens[:pos] + [token] + drafts[:accepted]

@@ -29,10 +29,18 @@ from moefit.runtime.text import Detokenizer, StopMatcher, TextCodec
 
 
 @dataclass
+class TokenLogprob:
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]           # the most likely tokens at this position, best first
+
+
+@dataclass
 class Event:
     token: int | None
     text: str
     finish_reason: str | None = None       # stop | length | cancelled
+    logprob: TokenLogprob | None = None    # when the request asked for logprobs
 
 
 @dataclass
@@ -171,7 +179,8 @@ class Engine:
         t0 = time.perf_counter()
         tokens = token_stream(self, prompt, sampler, budget)
         try:
-            for token in tokens:
+            for token, logits in tokens:
+                lp = _logprob(token, logits, params.logprobs)
                 stats.generated.append(token)
                 if len(stats.generated) == 1:
                     stats.first_token_s = stats.prefill_s = time.perf_counter() - t0
@@ -181,9 +190,9 @@ class Engine:
                     stats.decode_s = time.perf_counter() - t0 - stats.prefill_s
                     self.decode_rate = stats.decode_tokens_per_s or self.decode_rate
                     tail = "" if stopped else stops.flush()
-                    yield Event(token, text + tail, "stop" if stopped else reason or "cancelled")
+                    yield Event(token, text + tail, "stop" if stopped else reason or "cancelled", lp)
                     return
-                yield Event(token, text)
+                yield Event(token, text, logprob=lp)
         finally:
             tokens.close()
 
@@ -216,6 +225,16 @@ class Engine:
 
     def save_profile(self) -> None:
         self.runner.profile.save(self.pack.profile_path)
+
+
+def _logprob(token: int, logits: torch.Tensor, top: int | None) -> TokenLogprob | None:
+    """The model's log-probability of the token (its raw distribution) and the top alternatives."""
+    if top is None:
+        return None
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    best = torch.topk(lp, top) if top else None
+    pairs = list(zip(best.indices.tolist(), best.values.tolist())) if best is not None else []
+    return TokenLogprob(token, float(lp[token]), pairs)
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

@@ -29,6 +29,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None           # None: none; N: the chosen token's and the top N
 
     @property
     def greedy(self) -> bool:

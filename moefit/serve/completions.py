@@ -42,6 +42,7 @@ class _Run:
         self.done: Done | None = None
         self.sent_role = False
         self.prompt_tokens = 0
+        self.logprobs: list = []                   # TokenLogprob of each generated token, when asked
 
     def check_model(self) -> None:
         if self.req.model and self.req.model != self.state.model_name:
@@ -84,8 +85,9 @@ class _Run:
             gone.cancel()
         self.done = next(i for i in items if isinstance(i, Done))
         request.state.usage = (self.done.stats.prompt_tokens, len(self.done.stats.generated))
-        text = "".join(i.text for i in items if not isinstance(i, Done))
-        return self.response(text, self.done.finish_reason)
+        events = [i for i in items if not isinstance(i, Done)]
+        self.logprobs = [e.logprob for e in events if e.logprob is not None]
+        return self.response("".join(e.text for e in events), self.done.finish_reason)
 
     def usage(self) -> dict:
         s = self.done.stats
@@ -146,8 +148,17 @@ class ChatRun(_Run):
         if calls:
             message["tool_calls"] = calls
             finish = "tool_calls" if finish == "stop" else finish
+        choice = {"index": 0, "message": message, "finish_reason": finish}
+        if self.req.logprobs:
+            choice["logprobs"] = {"content": [self.chat_logprob(lp) for lp in self.logprobs]}
         return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.state.model_name,
-                "choices": [{"index": 0, "message": message, "finish_reason": finish}], "usage": self.usage()}
+                "choices": [choice], "usage": self.usage()}
+
+    def chat_logprob(self, lp) -> dict:
+        """OpenAI chat's entry for one token: text, bytes, logprob and the top alternatives."""
+        entry = lambda tok, value: {"token": (t := self.engine.codec.decode([tok])), "logprob": value,  # noqa: E731
+                                    "bytes": list(t.encode("utf-8"))}
+        return {**entry(lp.token, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
 
     def event_chunks(self, event) -> list[dict]:
         items = self.parser.feed(event.text) + (self.parser.finish() if event.finish_reason else [])
@@ -158,6 +169,10 @@ class ChatRun(_Run):
                                        "finish_reason": None}]))
         for kind, value in items:
             chunks.append(self.chunk([{"index": 0, "delta": self._delta(kind, value), "finish_reason": None}]))
+        if event.logprob is not None:               # on this event's last delta, or an empty delta
+            if not items:
+                chunks.append(self.chunk([{"index": 0, "delta": {}, "finish_reason": None}]))
+            chunks[-1]["choices"][0]["logprobs"] = {"content": [self.chat_logprob(event.logprob)]}
         if event.finish_reason:
             finish = "tool_calls" if self.parser.calls and event.finish_reason == "stop" else event.finish_reason
             chunks.append(self.chunk([{"index": 0, "delta": {}, "finish_reason": finish}]))
@@ -191,9 +206,26 @@ class CompletionRun(_Run):
         if self.req.echo and isinstance(self.req.prompt, str):
             text = self.req.prompt + text
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.state.model_name,
-                "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}],
+                "choices": [{"index": 0, "text": text, "finish_reason": finish,
+                             "logprobs": self.completion_logprobs(self.logprobs, len(text) - len(self._generated(text)))}],
                 "usage": self.usage()}
 
+    def _generated(self, text: str) -> str:
+        return text[len(self.req.prompt):] if self.req.echo and isinstance(self.req.prompt, str) else text
+
+    def completion_logprobs(self, lps: list, offset: int = 0) -> dict | None:
+        """The legacy completions shape: tokens, token_logprobs, top_logprobs, text_offset."""
+        if self.req.logprobs is None:
+            return None
+        tokens = [self.engine.codec.decode([lp.token]) for lp in lps]
+        offsets, at = [], offset
+        for t in tokens:
+            offsets.append(at)
+            at += len(t)
+        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps], "text_offset": offsets,
+                "top_logprobs": [{self.engine.codec.decode([t]): v for t, v in lp.top} for lp in lps]}
+
     def event_chunks(self, event) -> list[dict]:
+        lps = [event.logprob] if event.logprob is not None else []
         return [self.chunk([{"index": 0, "text": event.text, "finish_reason": event.finish_reason,
-                             "logprobs": None}])]
+                             "logprobs": self.completion_logprobs(lps)}])]

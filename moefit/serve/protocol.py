@@ -67,11 +67,20 @@ class ChatRequest(_Sampling):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+
+    def logprob_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int]
     echo: bool = False
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+
+    def logprob_count(self) -> int | None:
+        return self.logprobs
 
 
 def _no_constant(name: str):
@@ -151,7 +160,8 @@ def sampling(req: _Sampling, max_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                           min_p=req.min_p, repetition_penalty=req.repetition_penalty,
                           presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-                          seed=req.seed, stop=req.stops(), ignore_eos=req.ignore_eos)
+                          seed=req.seed, stop=req.stops(), ignore_eos=req.ignore_eos,
+                          logprobs=req.logprob_count() if hasattr(req, "logprob_count") else None)
 
 
 def message_dicts(messages: list[Message]) -> list[dict[str, Any]]:
