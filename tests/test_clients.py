@@ -153,3 +153,18 @@ def test_completion_logprobs_in_the_legacy_shape(server):
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
     assert "".join(lp.tokens) == r.choices[0].text and lp.text_offset[0] == 0
     assert all(len(t) <= 2 for t in lp.top_logprobs) and all(v <= 0 for v in lp.token_logprobs)
+
+
+def test_several_prompts_give_one_choice_each(server):
+    r = server.openai.completions.create(model="tiny", prompt=["The lantern", "A river"], max_tokens=3, temperature=0,
+                                         extra_body={"ignore_eos": True})
+    assert [c.index for c in r.choices] == [0, 1] and r.usage.completion_tokens == 6
+    one = server.openai.completions.create(model="tiny", prompt="A river", max_tokens=3, temperature=0,
+                                           extra_body={"ignore_eos": True})
+    assert r.choices[1].text == one.choices[0].text
+    tokens = server.openai.completions.create(model="tiny", prompt=[[1, 2], [3]], max_tokens=1)
+    assert len(tokens.choices) == 2 and tokens.usage.prompt_tokens == 3
+    with pytest.raises(openai.BadRequestError):
+        server.openai.completions.create(model="tiny", prompt=["a", "b"], max_tokens=2, stream=True)
+    with pytest.raises(openai.BadRequestError):
+        server.openai.completions.create(model="tiny", prompt=[], max_tokens=2)

@@ -191,7 +191,13 @@ def _routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/completions")
     async def completions(request: Request):
         req = P.parse(P.CompletionRequest, await _body(state, request))
-        return await _serve(state, request, CompletionRun(state, req))
+        prompts = req.prompts()
+        if len(prompts) == 1:
+            return await _serve(state, request, CompletionRun(state, req.one(prompts[0])))
+        if req.stream:
+            raise P.ApiError(400, "prompt: several prompts cannot be streamed; send them one at a time",
+                             param="prompt")
+        return merge_choices([await _serve(state, request, CompletionRun(state, req.one(p))) for p in prompts])
 
     @app.post("/v1/responses")
     async def respond(request: Request):
@@ -228,6 +234,15 @@ async def _body(state: ServerState, request: Request) -> bytes:
     if len(body) > state.max_body_bytes:
         raise P.ApiError(413, f"the request body is over {state.max_body_bytes} bytes")
     return body
+
+
+def merge_choices(answers: list[dict]) -> dict:
+    """One completions answer from several prompts' answers: choice i is prompt i's."""
+    out = dict(answers[0])
+    out["choices"] = [{**a["choices"][0], "index": i} for i, a in enumerate(answers)]
+    keys = ("prompt_tokens", "completion_tokens", "total_tokens")
+    out["usage"] = {k: sum(a["usage"][k] for a in answers) for k in keys}
+    return out
 
 
 def sample_cache(state: ServerState) -> None:

@@ -193,13 +193,13 @@ class CompletionRun(_Run):
 
     def prompt_ids(self) -> list[int]:
         prompt = self.req.prompt
+        if not prompt:
+            raise P.ApiError(400, "prompt: must not be empty", param="prompt")
         if isinstance(prompt, list):
             vocab = self.engine.pack.model.vocab_size
             if any(not 0 <= t < vocab for t in prompt):
                 raise P.ApiError(400, f"prompt: token ids must be in [0, {vocab})", param="prompt")
             return list(prompt)
-        if not prompt:
-            raise P.ApiError(400, "prompt: must not be empty", param="prompt")
         return self.engine.codec.encode(prompt)
 
     def response(self, text: str, finish: str) -> dict:

@@ -75,12 +75,22 @@ class ChatRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[int]
+    prompt: str | list[int] | list[str] | list[list[int]]
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=20)
 
     def logprob_count(self) -> int | None:
         return self.logprobs
+
+    def prompts(self) -> list:
+        """Each prompt of the request: a string or a list of token ids (one choice each)."""
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            return list(p)
+        return [p]
+
+    def one(self, prompt) -> "CompletionRequest":
+        return self.model_copy(update={"prompt": prompt})
 
 
 def _no_constant(name: str):
