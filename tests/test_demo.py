@@ -53,3 +53,17 @@ def test_the_model_card_gives_its_figures():
     card = (MODEL / "MODEL_CARD.md").read_text()
     for needle in ("WordNet", "licence", "tokens seen", "perplexity", "unigram", "top quarter"):
         assert needle in card
+
+
+def test_the_demo_template_renders_tools_and_keeps_the_trained_turns():
+    from moefit.runtime.text import TextCodec
+    codec = TextCodec.load(MODEL)
+    plain = codec.render_chat([{"role": "user", "content": "Define: lantern"}])
+    assert plain == "<|im_start|>user\nDefine: lantern<|im_end|>\n<|im_start|>assistant\n"
+    tools = [{"type": "function", "function": {"name": "lookup_word", "parameters": {"type": "object"}}}]
+    call = {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "lookup_word", "arguments": {"word": "lantern"}}}]}
+    text = codec.render_chat([{"role": "user", "content": "Define: lantern"}, call,
+                              {"role": "tool", "tool_call_id": "c1", "content": "a lamp"}], tools=tools)
+    assert "<tools>" in text and '"name": "lookup_word"' in text and "<tool_call>" in text
+    assert "<tool_response>\na lamp\n</tool_response>" in text

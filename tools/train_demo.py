@@ -24,6 +24,8 @@ import torch
 WORDNET = Path("/usr/share/wordnet")
 POS = {"noun": "noun", "verb": "verb", "adj": "adjective", "adv": "adverb"}
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# The format the chat documents are trained in; the shipped model/chat_template.jinja is Qwen3's
+# template (Apache-2.0), which renders these turns identically and adds tools and tool calls.
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
