@@ -168,3 +168,46 @@ def test_several_prompts_give_one_choice_each(server):
         server.openai.completions.create(model="tiny", prompt=["a", "b"], max_tokens=2, stream=True)
     with pytest.raises(openai.BadRequestError):
         server.openai.completions.create(model="tiny", prompt=[], max_tokens=2)
+
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 150}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("spec", [False, True])
+def test_a_json_schema_is_enforced_on_a_random_model(server, spec):
+    """The tiny model was never trained to write JSON: only the grammar can make this valid."""
+    import jsonschema
+    for seed in range(3):
+        r = server.openai.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "Who?"}], max_tokens=60, seed=seed,
+            response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON,
+                                                                    "strict": True}})
+        assert r.choices[0].finish_reason == "stop", r.choices[0].message.content
+        jsonschema.validate(json.loads(r.choices[0].message.content), PERSON)
+    obj = server.openai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
+                                                max_tokens=40, response_format={"type": "json_object"}, seed=4)
+    text = obj.choices[0].message.content
+    assert obj.choices[0].finish_reason == "length" or isinstance(json.loads(text), dict)
+
+
+def test_a_forced_tool_call_has_arguments_valid_for_its_schema(server):
+    import jsonschema
+    tools = TOOLS + [{"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}}, "required": ["zone"]}}}]
+    hi = [{"role": "user", "content": "Hi"}]
+    r = server.openai.chat.completions.create(model="tiny", messages=hi, tools=tools, max_tokens=60, seed=1,
+                                              tool_choice={"type": "function", "function": {"name": "get_time"}})
+    call = r.choices[0].message.tool_calls[0]
+    assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "get_time"
+    jsonschema.validate(json.loads(call.function.arguments), tools[1]["function"]["parameters"])
+    r = server.openai.chat.completions.create(model="tiny", messages=hi, tools=tools, max_tokens=60, seed=2,
+                                              tool_choice="required")
+    assert r.choices[0].message.tool_calls and r.choices[0].finish_reason == "tool_calls"
+    a = server.anthropic.messages.create(model="tiny", max_tokens=60, messages=hi, tool_choice={"type": "any"},
+                                         tools=A_TOOLS)
+    assert a.stop_reason == "tool_use" and isinstance(a.content[-1].input.get("city"), str)
+    with pytest.raises(openai.BadRequestError):
+        server.openai.chat.completions.create(model="tiny", messages=hi, tools=tools, max_tokens=5,
+                                              tool_choice={"type": "function", "function": {"name": "nope"}})

@@ -17,7 +17,8 @@ ANSWER = ('<think>\nThe user wants the weather.\n</think>\n\n<tool_call>\n{"name
 def overfit_tool_model(hf_dir, tokenizer_dir):
     """Train the tiny model until it answers ASK (with TOOLS) with ANSWER, greedily."""
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
-    tiny.build_checkpoint("qwen3_moe", hf_dir, tokenizer_dir=tokenizer_dir, tie_word_embeddings=True)
+    tiny.build_checkpoint("qwen3_moe", hf_dir, tokenizer_dir=tokenizer_dir, tie_word_embeddings=True,
+                          eos_token_id=151645)          # <|im_end|>: the tiny default (1) is a quote in Qwen's vocabulary
     tok = PreTrainedTokenizerFast.from_pretrained(tokenizer_dir)
     prompt = tok.apply_chat_template(ASK, tools=TOOLS, tokenize=False, add_generation_prompt=True)
     p_ids = tok(prompt, add_special_tokens=False)["input_ids"]

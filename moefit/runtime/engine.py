@@ -23,6 +23,7 @@ from moefit.pack.reader import Pack
 from moefit.runtime.loader import Loaded, load
 from moefit.runtime.decoding import token_stream
 from moefit.runtime.draft_head import load_draft_head
+from moefit.runtime.grammar import Constraint, GrammarTokenizer
 from moefit.runtime.sampler import Sampler, SamplingParams
 from moefit.runtime.speculative import Window
 from moefit.runtime.text import Detokenizer, StopMatcher, TextCodec
@@ -95,6 +96,7 @@ class Engine:
         self.window = Window(cfg.spec_window)
         self.draft_head = load_draft_head(self.pack, loaded) if self.spec_mode == "head" else None
         self.steps = 0
+        self._grammar_tokenizer = None              # llguidance's tokenizer, built on first use
         self.forwards = 0                           # forwards run: the watchdog's sign of progress
         self.decode_rate = 0.0                      # tokens/s of the last request that decoded
 
@@ -173,7 +175,8 @@ class Engine:
         """Generate from prompt token ids; yields text deltas, the last one with its finish reason."""
         self.check_request(prompt, params)
         stats = self.last = RequestStats(prompt_tokens=len(prompt))
-        sampler = Sampler(params, prompt, self.pack.model.vocab_size)
+        constraint = Constraint(GrammarTokenizer.of(self), params.grammar) if params.grammar else None
+        sampler = Sampler(params, prompt, self.pack.model.vocab_size, constraint)
         detok, stops = Detokenizer(self.codec), StopMatcher(params.stop)
         budget = min(params.max_tokens, self.cfg.ctx - len(prompt))
         t0 = time.perf_counter()

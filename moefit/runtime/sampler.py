@@ -30,6 +30,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None           # None: none; N: the chosen token's and the top N
+    grammar: str | None = None            # an llguidance grammar the output must follow (runtime/grammar.py)
 
     @property
     def greedy(self) -> bool:
@@ -50,8 +51,9 @@ class SamplingParams:
 class Sampler:
     """Usage: s = Sampler(params, prompt_ids); tok = s.next(logits); s.accept(tok)"""
 
-    def __init__(self, params: SamplingParams, prompt_ids: list[int], vocab_size: int):
+    def __init__(self, params: SamplingParams, prompt_ids: list[int], vocab_size: int, constraint=None):
         self.p = params
+        self.constraint = constraint            # a grammar.Constraint, or None
         self.seed = (params.seed if params.seed is not None else torch.seed()) % (1 << 64)
         self.index = 0                               # tokens accepted so far: which uniform is next
         self.seen = torch.zeros(vocab_size, dtype=torch.bool)
@@ -59,13 +61,18 @@ class Sampler:
         self.counts = torch.zeros(vocab_size, dtype=torch.float32)
 
     def accept(self, token: int) -> None:
+        if self.constraint is not None:
+            self.constraint.accept(token)
         self.index += 1
         self.seen[token] = True
         self.counts[token] += 1
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """The distribution the next token is drawn from, [V] on the host (one-hot when greedy)."""
-        logits = self._penalised(logits.float().cpu())
+        logits = logits.float().cpu()
+        if self.constraint is not None:                 # the grammar first: forbidden tokens never come back
+            logits = self.constraint.mask(logits)
+        logits = self._penalised(logits)
         if self.p.greedy:
             return torch.nn.functional.one_hot(logits.argmax(), logits.shape[-1]).float()
         logits = logits / self.p.temperature

@@ -49,10 +49,19 @@ def parse(raw: bytes, kind=MessagesRequest) -> P.ChatRequest:
     messages = _system(req.system) + [m for i, msg in enumerate(req.messages) for m in _messages(i, msg)]
     tools = [{"type": "function", "function": {"name": t["name"], "description": t.get("description", ""),
                                                "parameters": t.get("input_schema", {})}} for t in req.tools or ()]
-    choice = (req.tool_choice or {}).get("type")
     return P.ChatRequest(model=req.model, messages=messages, max_tokens=req.max_tokens, temperature=req.temperature,
                          top_p=req.top_p, top_k=req.top_k, stop=req.stop_sequences, stream=req.stream,
-                         tools=tools or None, tool_choice="none" if choice == "none" else None)
+                         tools=tools or None, tool_choice=_tool_choice(req.tool_choice))
+
+
+def _tool_choice(choice: dict | None):
+    """Anthropic's tool_choice in OpenAI's terms: any -> required, tool -> that function."""
+    kind = (choice or {}).get("type")
+    if kind == "any":
+        return "required"
+    if kind == "tool":
+        return {"type": "function", "function": {"name": choice.get("name")}}
+    return "none" if kind == "none" else None
 
 
 def _system(system) -> list[dict]:

@@ -52,6 +52,10 @@ class _Run:
     def max_tokens(self) -> int | None:
         return self.req.max_tokens
 
+    def grammar(self) -> str | None:
+        """The grammar the output must follow (constrained decoding), or None."""
+        return None
+
     def submit(self, loop: asyncio.AbstractEventLoop) -> Job:
         prompt = self.prompt_ids()
         self.prompt_tokens = len(prompt)
@@ -61,7 +65,7 @@ class _Run:
             raise P.ApiError(400, context_message(ctx, len(prompt), wanted, self.prompt_field),
                              param=self.prompt_field if len(prompt) >= ctx else "max_tokens",
                              code="context_length_exceeded")
-        job = Job(prompt, P.sampling(self.req, wanted or ctx - len(prompt)), loop)
+        job = Job(prompt, P.sampling(self.req, wanted or ctx - len(prompt), self.grammar()), loop)
         try:
             self.state.worker.submit(job)
         except P.ApiError as e:
@@ -131,6 +135,10 @@ class ChatRun(_Run):
 
     def max_tokens(self) -> int | None:
         return self.req.max_completion_tokens or self.req.max_tokens
+
+    def grammar(self) -> str | None:
+        from moefit.serve import constrain
+        return constrain.chat_grammar(self.req, self.engine.codec)
 
     def prompt_ids(self) -> list[int]:
         tools = None if self.req.tool_choice == "none" else self.req.tools

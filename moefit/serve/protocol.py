@@ -69,6 +69,7 @@ class ChatRequest(_Sampling):
     tool_choice: str | dict | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    response_format: dict | None = None
 
     def logprob_count(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -166,12 +167,12 @@ def _check_parts(i: int, m: Message) -> None:
             raise ApiError(400, f"{where}: {what} is not supported: this model reads text only", param=where)
 
 
-def sampling(req: _Sampling, max_tokens: int) -> SamplingParams:
+def sampling(req: _Sampling, max_tokens: int, grammar: str | None = None) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                           min_p=req.min_p, repetition_penalty=req.repetition_penalty,
                           presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                           seed=req.seed, stop=req.stops(), ignore_eos=req.ignore_eos,
-                          logprobs=req.logprob_count() if hasattr(req, "logprob_count") else None)
+                          logprobs=req.logprob_count() if hasattr(req, "logprob_count") else None, grammar=grammar)
 
 
 def message_dicts(messages: list[Message]) -> list[dict[str, Any]]:

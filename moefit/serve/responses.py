@@ -29,6 +29,7 @@ class ResponsesRequest(BaseModel):
     stream: bool = False
     store: bool | None = None
     previous_response_id: str | None = None
+    text: dict | None = None
     seed: int | None = Field(default=None, ge=P.SEED_RANGE[0], le=P.SEED_RANGE[1])
 
 
@@ -41,7 +42,22 @@ def parse(raw: bytes) -> P.ChatRequest:
     tools = [_tool(i, t) for i, t in enumerate(req.tools or ())]
     return P.ChatRequest(model=req.model, messages=messages, max_tokens=req.max_output_tokens,
                          temperature=req.temperature, top_p=req.top_p, stream=req.stream, seed=req.seed,
-                         tools=tools or None, tool_choice="none" if req.tool_choice == "none" else None)
+                         tools=tools or None, tool_choice=_tool_choice(req.tool_choice),
+                         response_format=_format((req.text or {}).get("format")))
+
+
+def _tool_choice(choice):
+    """The Responses tool_choice in chat's terms ({"type": "function", "name": X} is flat here)."""
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        return {"type": "function", "function": {"name": choice.get("name")}}
+    return choice if choice in ("none", "required") else None
+
+
+def _format(fmt: dict | None) -> dict | None:
+    """text.format in chat's response_format terms."""
+    if not fmt or fmt.get("type") != "json_schema":
+        return fmt
+    return {"type": "json_schema", "json_schema": {"name": fmt.get("name"), "schema": fmt.get("schema")}}
 
 
 def _tool(i: int, t: dict) -> dict:
