@@ -1,4 +1,4 @@
-# make run   -> the main job: pack the demo model and serve it
+# make run   -> the main job: pack the demo model and serve it (make run ARGS="--port 8081")
 # make test  -> create the environment from nothing and run the test suite
 PY      ?= python3
 VENV    ?= .venv
@@ -18,7 +18,7 @@ test: env
 	$(BIN)/python -m pytest
 
 run: env
-	$(BIN)/python -m moefit.demo
+	$(BIN)/python -m moefit.demo $(ARGS)
 
 clean:
 	rm -rf $(VENV) .cache

@@ -27,6 +27,7 @@ log = logging.getLogger("moefit.serve")
 access = logging.getLogger("moefit.access")
 STATIC = Path(__file__).parent / "static"
 OPEN_PATHS = {"/health", "/", "/favicon.ico"}
+POLLED = {"/health", "/v1/status", "/v1/history", "/metrics", "/", "/favicon.ico"}   # logged at debug level
 
 
 @dataclass
@@ -106,8 +107,10 @@ def error_response(e: P.ApiError, path: str = "") -> JSONResponse:
 def _access_log(state: ServerState, request: Request, status: int, seconds: float) -> None:
     """One line per request; every status is also counted for /metrics."""
     usage = getattr(request.state, "usage", None) or (0, 0)
-    access.info('%s %s %d prompt=%d completion=%d %.0fms', request.method, request.url.path, status, usage[0],
-                usage[1], seconds * 1000)
+    polled = request.method == "GET" and status < 400 and (request.url.path in POLLED or
+                                                            request.url.path.startswith("/static/"))
+    (access.debug if polled else access.info)('%s %s %d prompt=%d completion=%d %.0fms', request.method,
+                                               request.url.path, status, usage[0], usage[1], seconds * 1000)
     state.metrics.http(request.url.path, status)
 
 

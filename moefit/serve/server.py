@@ -173,7 +173,7 @@ moefit is serving {model} at {url}  (page: {url}/, status: {url}/v1/status, metr
   curl -s {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\
     -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "Define: lantern"}}], "max_tokens": 40}}'
 
-  python -c "from openai import OpenAI; import os; c = OpenAI(base_url='{url}/v1', api_key={key}); \\
+  {sys.executable} -c "from openai import OpenAI; import os; c = OpenAI(base_url='{url}/v1', api_key={key}); \\
 print(c.chat.completions.create(model='{model}', messages=[{{'role': 'user', 'content': 'Define: lantern'}}], \\
 max_tokens=40).choices[0].message.content)"
 
