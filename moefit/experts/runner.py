@@ -59,6 +59,8 @@ class ExpertRunner:
         self.host_dtype = host_dtype
         self.slots: dict[Key, tuple[torch.Tensor, dict]] = {}
         self._host_parts: dict[Key, dict] = {}
+        self._addresses: dict[Key, list[int]] = {}  # the kernel's four part addresses, where the expert is now
+        self._shapes: dict[str, tuple[int, int]] = {}
         self.dump = None                       # an open file: every token's routing as JSON lines
         self.ahead: LookAhead | None = None    # set by the loader when look-ahead is on
 
@@ -99,11 +101,13 @@ class ExpertRunner:
 
     # -- placement ---------------------------------------------------------------
     def load(self, key: Key) -> None:
+        self._addresses.pop(key, None)
         blob = self.mem.copy_in(LINE, self.pack.blob(*key))
         self.slots[key] = (blob, blob_views(blob, self.pack.layouts[self.pack.blobs[key].quant]))
         self.book.admit(key)
 
     def unload(self, key: Key) -> None:
+        self._addresses.pop(key, None)
         blob, _ = self.slots.pop(key)
         self.mem.free(LINE, blob)
         self.book.evict(key)
@@ -144,17 +148,22 @@ class ExpertRunner:
 
     def _shape(self, quant: str) -> tuple[int, int]:
         """(intermediate size, int4 group size or 0) of this quant's blobs, from the layout."""
-        parts = {p.name: p for p in self.pack.layouts[quant]}
-        inter = parts["gate_up"].shape[0] // 2
-        return inter, (self.pack.model.hidden_size // parts["gate_up.scale"].shape[1] if quant == "int4" else 0)
+        if quant not in self._shapes:
+            parts = {p.name: p for p in self.pack.layouts[quant]}
+            group = self.pack.model.hidden_size // parts["gate_up.scale"].shape[1] if quant == "int4" else 0
+            self._shapes[quant] = (parts["gate_up"].shape[0] // 2, group)
+        return self._shapes[quant]
 
     def _pointers(self, layer: int, experts: list[int]) -> list[int]:
         """The four part addresses of each expert, from its slot or from the pack's map
         (both host memory here), flat in expert order."""
         out = []
         for e in experts:
-            slot = self.slots.get((layer, e))
-            out += kernels.addresses(slot[1] if slot is not None else self._host(layer, e))
+            key = (layer, e)
+            if key not in self._addresses:
+                slot = self.slots.get(key)
+                self._addresses[key] = kernels.addresses(slot[1] if slot is not None else self._host(layer, e))
+            out += self._addresses[key]
         return out
 
     def _one(self, layer: int, e: int, x, ids, weights) -> tuple[torch.Tensor, torch.Tensor]:
