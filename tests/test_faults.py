@@ -101,6 +101,7 @@ def test_a_non_streaming_client_that_hangs_up_cancels_its_job(server):
 ODD_TEXT = st.one_of(st.text(max_size=12), st.sampled_from(["\ud800", "a\udfff", "\x00", "💡", "<|im_end|>", ""]))
 JSON_ANY = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | ODD_TEXT,
                         lambda c: st.lists(c, max_size=3) | st.dictionaries(ODD_TEXT, c, max_size=3), max_leaves=8)
+LIMIT = st.one_of(st.integers(-2, 6), JSON_ANY.filter(lambda v: v is not None))   # never "no limit": bounded runs
 MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "tool", "robot"]),
                                  "content": st.one_of(ODD_TEXT, JSON_ANY)})
 FIELDS = {"temperature": st.one_of(st.floats(-1, 3), JSON_ANY), "top_p": st.one_of(st.floats(-1, 2), JSON_ANY),
@@ -110,11 +111,29 @@ FIELDS = {"temperature": st.one_of(st.floats(-1, 3), JSON_ANY), "top_p": st.one_
           "presence_penalty": st.floats(-3, 3), "repetition_penalty": st.floats(-1, 11), "model": ODD_TEXT,
           "stream_options": JSON_ANY, "logprobs": JSON_ANY, "response_format": JSON_ANY}
 CHAT = st.fixed_dictionaries({"messages": st.one_of(st.lists(MESSAGE, min_size=1, max_size=3), JSON_ANY),
-                              "max_tokens": st.one_of(st.integers(-2, 6), JSON_ANY)},
+                              "max_tokens": LIMIT},
                              optional=FIELDS)
 COMPLETION = st.fixed_dictionaries({"prompt": st.one_of(ODD_TEXT, st.lists(st.integers(-5, 400), max_size=5), JSON_ANY),
-                                    "max_tokens": st.one_of(st.integers(-2, 6), JSON_ANY)},
+                                    "max_tokens": LIMIT},
                                    optional={**FIELDS, "echo": JSON_ANY})
+A_BLOCK = st.fixed_dictionaries({"type": st.sampled_from(["text", "tool_use", "tool_result", "thinking", "image"])},
+                                optional={"text": ODD_TEXT, "id": ODD_TEXT, "name": ODD_TEXT, "input": JSON_ANY,
+                                          "tool_use_id": ODD_TEXT, "content": JSON_ANY, "thinking": ODD_TEXT})
+MESSAGES = st.fixed_dictionaries(
+    {"max_tokens": LIMIT,
+     "messages": st.one_of(st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system"]),
+                                                           "content": st.one_of(ODD_TEXT, st.lists(A_BLOCK, max_size=3))}),
+                                    min_size=1, max_size=3), JSON_ANY)},
+    optional={"system": st.one_of(ODD_TEXT, JSON_ANY), "tools": JSON_ANY, "tool_choice": JSON_ANY,
+              "stream": st.booleans(), "temperature": st.one_of(st.floats(-1, 2), JSON_ANY),
+              "stop_sequences": JSON_ANY})
+RESPONSES = st.fixed_dictionaries(
+    {"max_output_tokens": LIMIT,
+     "input": st.one_of(ODD_TEXT, st.lists(st.one_of(JSON_ANY, MESSAGE, st.fixed_dictionaries(
+         {"type": st.sampled_from(["function_call", "function_call_output", "reasoning", "message", "web"]),
+          "call_id": ODD_TEXT, "name": ODD_TEXT, "arguments": ODD_TEXT, "output": JSON_ANY})), max_size=3))},
+    optional={"instructions": JSON_ANY, "tools": JSON_ANY, "tool_choice": JSON_ANY, "text": JSON_ANY,
+              "stream": st.booleans(), "previous_response_id": JSON_ANY})
 FUZZ = settings(max_examples=60, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 
@@ -146,6 +165,18 @@ def test_fuzzed_completion_bodies_never_give_a_5xx(server, body):
 @given(raw=st.binary(max_size=64))
 def test_fuzzed_bytes_never_give_a_5xx(server, raw):
     answered(server, "/v1/chat/completions", raw)
+
+
+@FUZZ
+@given(body=MESSAGES)
+def test_fuzzed_anthropic_bodies_never_give_a_5xx(server, body):
+    answered(server, "/v1/messages", body)
+
+
+@FUZZ
+@given(body=RESPONSES)
+def test_fuzzed_responses_bodies_never_give_a_5xx(server, body):
+    answered(server, "/v1/responses", body)
 
 
 def test_the_server_serves_after_the_fuzzing(server):

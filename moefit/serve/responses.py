@@ -38,7 +38,10 @@ def parse(raw: bytes) -> P.ChatRequest:
     if req.previous_response_id:
         raise P.ApiError(400, "previous_response_id: this server keeps no responses (stateless); send the whole "
                          "conversation as input", param="previous_response_id")
-    messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + _items(req.input)
+    items = _items(req.input)
+    if not items:
+        raise P.ApiError(400, "input: must not be empty", param="input")
+    messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + items
     tools = [_tool(i, t) for i, t in enumerate(req.tools or ())]
     return P.ChatRequest(model=req.model, messages=messages, max_tokens=req.max_output_tokens,
                          temperature=req.temperature, top_p=req.top_p, stream=req.stream, seed=req.seed,
