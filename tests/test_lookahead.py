@@ -92,3 +92,14 @@ def test_the_demo_pack_carries_the_shipped_profile():
     counts = json.loads(PROFILE.read_text())["counts"]
     assert sum(map(sum, counts)) > 0
     assert Pack.open(demo_pack(), checksums=False).profile_path.exists()
+
+
+def test_handoffs_are_one_host_call_per_moe_layer_per_forward(packs, card):
+    engine = Engine.open(packs("mixtral", "int8"), sim(card(64), expert_cache="3"))
+    engine.generate(PROMPT, GREEDY)
+    c = cache_json(engine)
+    forwards = engine.forwards
+    layers = len(engine.pack.model.moe_layers)
+    assert engine.runner.handoffs == forwards * layers
+    assert c["handoffs_per_token"] == pytest.approx(forwards * layers / engine.runner.tokens)
+    assert 0 < c["handoffs_per_moe_layer_token"] <= 1

@@ -63,6 +63,8 @@ class ExpertRunner:
         self._shapes: dict[str, tuple[int, int]] = {}
         self.dump = None                       # an open file: every token's routing as JSON lines
         self.ahead: LookAhead | None = None    # set by the loader when look-ahead is on
+        self.handoffs = 0                      # device <-> host synchronisations (DESIGN: handoffs_per_token)
+        self.tokens = 0                        # token positions run through the MoE layers (engine.forward)
 
     @property
     def look_ahead(self) -> bool:
@@ -131,6 +133,9 @@ class ExpertRunner:
         resident = [(layer, e) in self.slots for e in experts]
         self.book.record(layer, experts, resident)
         quant = self.pack.blobs[(layer, experts[0])].quant
+        # host memory: one native call per layer; a GPU: the routing comes to the host, and each
+        # miss goes down and back (issue 12 replaces that with one hand-off per layer)
+        self.handoffs += 1 if x.device.type == "cpu" else 1 + 2 * (len(resident) - sum(resident))
         if x.device.type == "cpu" and kernels.usable(x, quant):
             out = kernels.moe_call(x, quant, self._shape(quant), self._pointers(layer, experts), groups.start,
                                    groups.rows, groups.weights)

@@ -138,6 +138,7 @@ class Engine:
         A device out of memory (CUDA, or an overfilled simulated card) is DeviceOutOfMemory."""
         self.loaded.mem.check_fits()
         self.forwards += 1
+        self.runner.tokens += len(tokens)
         ids = torch.tensor(tokens, dtype=torch.long)
         try:
             h = self.model.forward(ids, start, self.loaded.kv, self.runner)
