@@ -127,8 +127,12 @@ def test_the_access_log_has_a_line_per_request(tool_pack, tmp_path):
     write_card(card, CARD["name"], CARD["total_mib"], [])
     s = Served(tool_pack, card, tmp_path / "state")
     httpx.post(s.url + "/v1/completions", json={"prompt": "a", "max_tokens": 2, "ignore_eos": True})
+    with httpx.stream("POST", s.url + "/v1/completions", json={"prompt": "a", "max_tokens": 3, "ignore_eos": True,
+                                                               "stream": True}) as r:
+        list(r.iter_lines())
     log = s.stop()
     assert "moefit: POST /v1/completions 200 prompt=1 completion=2" in log
+    assert "moefit: POST /v1/completions 200 prompt=1 completion=3" in log          # the stream, at its end
 
 
 def test_chat_logprobs_are_the_models_own(server):

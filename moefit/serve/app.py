@@ -75,7 +75,9 @@ def create_app(state: ServerState) -> FastAPI:
         except P.ApiError as e:
             response = error_response(e, path)
         response.headers.update(cors)
-        _access_log(state, request, response.status_code, time.monotonic() - t0)
+        request.state.t0 = t0
+        if not getattr(request.state, "streaming", False):       # a stream logs itself when it ends
+            _access_log(state, request, response.status_code, time.monotonic() - t0)
         return response
 
     @app.exception_handler(P.ApiError)
@@ -281,14 +283,16 @@ async def _serve(state: ServerState, request: Request, run) -> Response:
     job = run.submit(asyncio.get_running_loop())
     request.state.usage = (len(job.prompt), 0)
     if run.req.stream:
-        return StreamingResponse(_sse(state, run, job), media_type="text/event-stream",
+        request.state.streaming = True
+        return StreamingResponse(_sse(state, run, job, request), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     return await run.collect(job, request)
 
 
-async def _sse(state: ServerState, run, job):
+async def _sse(state: ServerState, run, job, request: Request):
     """Server-sent events in the run's protocol; comments keep the connection alive during a
-    long prefill. A client that goes away cancels the job (the engine stops within one step)."""
+    long prefill. A client that goes away cancels the job (the engine stops within one step).
+    The access-log line is written when the stream ends, with its token counts."""
     try:
         while True:
             try:
@@ -303,6 +307,9 @@ async def _sse(state: ServerState, run, job):
                 return
     finally:
         job.cancelled.set()
+        made = len(run.done.stats.generated) if run.done else 0
+        request.state.usage = (len(job.prompt), made)
+        _access_log(state, request, 200, time.monotonic() - getattr(request.state, "t0", time.monotonic()))
 
 
 def _status(state: ServerState) -> dict:
