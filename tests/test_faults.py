@@ -149,34 +149,19 @@ def answered(server, path: str, body) -> int:
     return r.status_code
 
 
+@pytest.mark.parametrize("path,bodies", [("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION),
+                                         ("/v1/messages", MESSAGES), ("/v1/responses", RESPONSES)],
+                         ids=["chat", "completions", "anthropic", "responses"])
 @FUZZ
-@given(body=CHAT)
-def test_fuzzed_chat_bodies_never_give_a_5xx(server, body):
-    answered(server, "/v1/chat/completions", body)
-
-
-@FUZZ
-@given(body=COMPLETION)
-def test_fuzzed_completion_bodies_never_give_a_5xx(server, body):
-    answered(server, "/v1/completions", body)
+@given(data=st.data())
+def test_fuzzed_bodies_never_give_a_5xx(server, path, bodies, data):
+    answered(server, path, data.draw(bodies))
 
 
 @FUZZ
 @given(raw=st.binary(max_size=64))
 def test_fuzzed_bytes_never_give_a_5xx(server, raw):
     answered(server, "/v1/chat/completions", raw)
-
-
-@FUZZ
-@given(body=MESSAGES)
-def test_fuzzed_anthropic_bodies_never_give_a_5xx(server, body):
-    answered(server, "/v1/messages", body)
-
-
-@FUZZ
-@given(body=RESPONSES)
-def test_fuzzed_responses_bodies_never_give_a_5xx(server, body):
-    answered(server, "/v1/responses", body)
 
 
 def test_the_server_serves_after_the_fuzzing(server):
