@@ -13,8 +13,8 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 
-FAMILIES = ("qwen3_moe", "mixtral", "olmoe")
-KV_DTYPES = ("fp32", "fp16", "bf16", "int8")
+from moefit.families import SPECS, family_name, family_spec
+from moefit.families.state import KV_DTYPES
 
 
 def _opt(default, help: str, **extra):
@@ -27,7 +27,8 @@ class ServeConfig:
 
     device: str = _opt("cpu", "cpu, cuda, cuda:N or sim:CARD.json (a simulated card)")
     ctx: int = _opt(4096, "context length in tokens (the KV cache holds this many)")
-    kv_dtype: str = _opt("auto", "KV cache dtype: auto (the compute dtype), fp32, fp16, bf16, int8",
+    kv_dtype: str = _opt("auto", "KV cache dtype: auto (the compute dtype), fp32, fp16, bf16, int8, "
+                         "q4 (4-bit, Hadamard-rotated) or k8v4 (int8 keys, q4 values)",
                          choices=("auto",) + KV_DTYPES)
     sessions: int = _opt(1, "KV cache sessions held at once")
     expert_cache: str = _opt("auto", "VRAM expert cache: auto (what is left) or N = a budget of "
@@ -117,14 +118,25 @@ class ModelConfig:
         except (ValueError, TypeError) as e:
             raise MoefitError(f"{path}: {e}") from None
 
+    @property
+    def spec(self):
+        """The family's declaration (families/): layer states, dense weight names."""
+        return family_spec(self.family)
+
+    def layer_states(self) -> list:
+        return self.spec.layer_states(self)
+
     @staticmethod
     def from_hf(cfg: dict) -> "ModelConfig":
-        family = cfg.get("model_type")
-        if family not in FAMILIES:
-            raise ValueError(f"model_type {family!r} is not supported (supported: {', '.join(FAMILIES)})")
+        if "num_hidden_layers" not in cfg and isinstance(cfg.get("text_config"), dict):
+            cfg = cfg["text_config"]                # a multimodal wrapper (Qwen3.5 / 3.6)
+        family = family_name(cfg.get("model_type"))
+        if family not in SPECS:
+            raise ValueError(f"model_type {cfg.get('model_type')!r} is not supported "
+                             f"(supported: {', '.join(SPECS)})")
         layers = cfg["num_hidden_layers"]
         heads = cfg["num_attention_heads"]
-        experts = cfg.get("num_local_experts") or cfg.get("num_experts")
+        experts = cfg.get("num_local_experts") or cfg.get("num_experts") or cfg.get("n_routed_experts")
         return ModelConfig(
             family=family,
             vocab_size=cfg["vocab_size"],
@@ -132,12 +144,12 @@ class ModelConfig:
             num_layers=layers,
             num_heads=heads,
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            head_dim=_head_dim(cfg, family, heads),
             num_experts=experts,
             top_k=cfg["num_experts_per_tok"],
             expert_size=cfg.get("moe_intermediate_size") or cfg["intermediate_size"],
             dense_mlp_size=cfg.get("intermediate_size", 0),
-            moe_layers=_moe_layers(cfg, family, layers, experts),
+            moe_layers=family_spec(family).moe_layers(cfg, layers) if experts else (),
             norm_topk_prob=_norm_topk(cfg, family),
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope=_rope(cfg),
@@ -157,18 +169,16 @@ def _as_tuple(v) -> tuple[int, ...]:
     return tuple(v) if isinstance(v, (list, tuple)) else (v,)
 
 
-def _moe_layers(cfg: dict, family: str, layers: int, experts: int) -> tuple[int, ...]:
-    if family != "qwen3_moe":
-        return tuple(range(layers))
-    step = cfg.get("decoder_sparse_step", 1) or 1
-    dense = set(cfg.get("mlp_only_layers") or [])
-    return tuple(i for i in range(layers) if i not in dense and experts > 0 and (i + 1) % step == 0)
+def _head_dim(cfg: dict, family: str, heads: int) -> int:
+    if family == "deepseek_v3":                      # MLA: a query / key head is nope + rope
+        return cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"]
+    return cfg.get("head_dim") or cfg["hidden_size"] // heads
 
 
 def _norm_topk(cfg: dict, family: str) -> bool:
     if family == "mixtral":
         return True                       # Mixtral always renormalises its top-k
-    return bool(cfg.get("norm_topk_prob", family == "qwen3_moe"))
+    return bool(cfg.get("norm_topk_prob", family in ("qwen3_moe", "qwen3_next", "qwen3_5_moe", "gpt_oss")))
 
 
 def _rope(cfg: dict) -> dict:

@@ -209,7 +209,7 @@ def test_a_forced_tool_call_has_arguments_valid_for_its_schema(server):
                                               tool_choice="required")
     assert r.choices[0].message.tool_calls and r.choices[0].finish_reason == "tool_calls"
     a = server.anthropic.messages.create(model="tiny", max_tokens=60, messages=hi, tool_choice={"type": "any"},
-                                         tools=A_TOOLS)
+                                         tools=A_TOOLS, extra_body=GREEDY)
     assert a.stop_reason == "tool_use" and isinstance(a.content[-1].input.get("city"), str)
     with pytest.raises(openai.BadRequestError):
         server.openai.chat.completions.create(model="tiny", messages=hi, tools=tools, max_tokens=5,

@@ -17,7 +17,7 @@ from moefit.pack.format import read_header
 
 from conftest import FAMILIES
 
-CONFIGS = Path(__file__).parent / "data"          # Qwen3-30B-A3B's published config.json
+CONFIGS = Path(__file__).parents[1] / "configs"  # published config.json files
 MIB = L.MIB
 QWEN = json.loads((CONFIGS / "qwen3-30b-a3b.json").read_text())
 

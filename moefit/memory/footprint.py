@@ -10,10 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moefit.config import ModelConfig
+from moefit.families import expert_bias_bytes
+from moefit.families.common import rotary_dim
+from moefit.families.state import layer_bytes
 from moefit.pack.layout import DENSE_GROUP, dense_quantizable, expert_blob_sizes
 
 COMPUTE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
-KV_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 1}
 Key = tuple[int, int]
 
 
@@ -38,13 +40,33 @@ class Footprint:
         """One token's worth: every MoE layer's top-k."""
         return len(self.model.moe_layers) * self.model.top_k
 
-    def rope_bytes(self, ctx: int) -> int:
-        return 2 * ctx * self.model.head_dim * self.cb
+    @property
+    def states(self) -> list:
+        """Each layer's sequence-state declaration (families/state.py)."""
+        return self.model.layer_states()
 
-    def kv_bytes_per_token(self, kv_dtype: str) -> int:
+    def rope_bytes(self, ctx: int) -> int:
         m = self.model
-        per_head = m.head_dim * KV_BYTES[kv_dtype] + (4 if kv_dtype == "int8" else 0)
-        return m.num_layers * 2 * m.num_kv_heads * per_head
+        dim = m.raw["qk_rope_head_dim"] if m.family == "deepseek_v3" else rotary_dim(m.raw, m.head_dim)
+        return 2 * ctx * dim * self.cb
+
+    def state_bytes(self, ctx: int, kv_dtype: str, chunk: int, resident: int | None = None) -> int:
+        """Device bytes of one session's sequence state: KV (or MLA latent) per token held, plus
+        constant recurrent state; with `resident`, streaming layers keep that many tokens."""
+        return sum(layer_bytes(s, ctx, kv_dtype, self.cb, chunk, resident) for s in self.states)
+
+    def host_state_bytes(self, ctx: int, kv_dtype: str, resident: int | None) -> int:
+        """Host bytes of one session under KV streaming: every streaming layer's whole context
+        (written through, so the older part is there when the card's window moves on)."""
+        if resident is None:
+            return 0
+        return sum(ctx * s.bytes_per_token(kv_dtype) for s in self.states if s.streams)
+
+    def kv_bytes_per_token(self, kv_dtype: str, resident: bool = False) -> int:
+        """What one more token of context costs on the card (layers whose state grows with it;
+        none of a streaming layer's once a resident window is set)."""
+        return sum(s.bytes_per_token(kv_dtype) for s in self.states
+                   if s.window is None and not (resident and s.streams))
 
     def activation_bytes_per_token(self) -> int:
         """Live activations of one token through a layer (the largest layer)."""
@@ -53,9 +75,14 @@ class Footprint:
                  + m.top_k * (3 * m.expert_size + m.hidden_size))
         return width * self.cb + 4 * m.num_experts
 
-    def prompt_path_bytes(self, chunk: int, ctx: int, kv_dtype: str) -> int:
+    def prompt_path_bytes(self, chunk: int, ctx: int, kv_dtype: str, resident: int | None = None) -> int:
+        """A prefill chunk's activations, its logits row, and one layer's state read back in the
+        compute dtype when it is stored in another (the largest layer; within the window)."""
         m = self.model
-        dequant = 2 * m.num_kv_heads * ctx * m.head_dim * self.cb if kv_dtype != self.compute_dtype else 0
+        dequant = 0
+        if kv_dtype != self.compute_dtype:
+            dequant = max((layer_bytes(s, ctx, "fp32", 1, chunk, resident) // 4 * self.cb
+                           for s in self.states if s.kind != "recurrent"), default=0)
         return chunk * self.activation_bytes_per_token() + 4 * m.vocab_size + dequant
 
     def verify_arena_bytes(self, window: int) -> int:
@@ -63,29 +90,10 @@ class Footprint:
 
 
 def dense_shapes(m: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every dense tensor the device holds, by canonical name (as a pack names them)."""
-    e, hd = m.hidden_size, m.head_dim
-    shapes = {"model.norm.weight": (e,), "lm_head.weight": (m.vocab_size, e)}
-    if m.tie_word_embeddings:
-        shapes = {"model.norm.weight": (e,), "model.embed_tokens.weight": (m.vocab_size, e)}
-    qk_norm = {"qwen3_moe": (hd, hd), "olmoe": (m.num_heads * hd, m.num_kv_heads * hd)}.get(m.family)
-    for i in range(m.num_layers):
-        p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
-        shapes.update({p + "input_layernorm.weight": (e,), p + "post_attention_layernorm.weight": (e,),
-                       a + "q_proj.weight": (m.num_heads * hd, e), a + "k_proj.weight": (m.num_kv_heads * hd, e),
-                       a + "v_proj.weight": (m.num_kv_heads * hd, e), a + "o_proj.weight": (e, m.num_heads * hd)})
-        if m.raw.get("attention_bias"):
-            shapes.update({a + "q_proj.bias": (m.num_heads * hd,), a + "k_proj.bias": (m.num_kv_heads * hd,),
-                           a + "v_proj.bias": (m.num_kv_heads * hd,)})
-        if qk_norm:
-            shapes.update({a + "q_norm.weight": (qk_norm[0],), a + "k_norm.weight": (qk_norm[1],)})
-        if i in m.moe_layers:
-            shapes[p + "mlp.gate.weight"] = (m.num_experts, e)
-        else:
-            shapes.update({p + "mlp.gate_proj.weight": (m.dense_mlp_size, e),
-                           p + "mlp.up_proj.weight": (m.dense_mlp_size, e),
-                           p + "mlp.down_proj.weight": (e, m.dense_mlp_size)})
-    return shapes
+    """Every dense tensor the device holds, by canonical name (as a pack names them): the
+    family's weight-name table (families/), less the host-kept embedding table."""
+    shapes = m.spec.dense_shapes(m)
+    return {n: shapes[n] for n in device_dense_names(m, shapes)}
 
 
 def dense_bytes(shapes: dict[str, tuple], cb: int, dense_quant: str) -> int:
@@ -119,7 +127,8 @@ def device_dense_names(m: ModelConfig, names) -> list[str]:
 def from_config(m: ModelConfig, recipe: str, compute_dtype: str, group_size: int = 32,
                 dense_quant: str = "off") -> Footprint:
     sizes = expert_blob_sizes(m.hidden_size, m.expert_size, recipe, list(m.moe_layers), group_size)
-    blobs = {(layer, e): sizes[layer] for layer in m.moe_layers for e in range(m.num_experts)}
+    bias = expert_bias_bytes(m)
+    blobs = {(layer, e): sizes[layer] + bias for layer in m.moe_layers for e in range(m.num_experts)}
     dense = dense_bytes(dense_shapes(m), COMPUTE_BYTES[compute_dtype], dense_quant)
     return Footprint(m, compute_dtype, dense, blobs)
 

@@ -4,7 +4,7 @@ table with MiB and share of the card. No torch.
     total VRAM
       - other processes
       - dense weights
-      - KV cache
+      - sequence state     (KV / MLA latent per token, recurrent state per layer)
       - reserve            (prompt path, verify arena, draft head, headroom)
       - expert cache
       = free after start
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 MIB = 1 << 20
 
 OTHER, DENSE, KV, RESERVE, CACHE, FREE = (
-    "other processes", "dense weights", "KV cache", "reserve", "expert cache", "free after start")
+    "other processes", "dense weights", "sequence state", "reserve", "expert cache", "free after start")
 PROMPT, VERIFY, DRAFT, HEADROOM = "prompt path", "verify arena", "draft head", "headroom"
 
 

@@ -138,7 +138,7 @@ def plan(fp: Footprint, cfg: ServeConfig, snap: DeviceSnapshot, order: list[Key]
     spec_on, spec_reason = speculative(fp, cfg, kv_dtype)
     reserve = plan_reserve(fp, cfg, kv_dtype, spec_on)
     dense = fp.dense_bytes + fp.rope_bytes(cfg.ctx)
-    kv = fp.kv_bytes_per_token(kv_dtype) * cfg.ctx * cfg.sessions
+    kv = fp.state_bytes(cfg.ctx, kv_dtype, cfg.prefill_chunk) * cfg.sessions
     other = snap.total_bytes - snap.free_bytes
     available = snap.free_bytes - dense - kv - reserve.total
     budget = _cache_budget(cfg, fp, available)
@@ -166,9 +166,15 @@ def _reserve_line(r: Reserve) -> L.Line:
     return L.Line(L.RESERVE, r.total, parts, note)
 
 
+def _smaller_kv_dtypes(kv_dtype: str) -> list[str]:
+    """The KV dtypes that store less than kv_dtype, largest first (int8, k8v4, q4)."""
+    order = ["int8", "k8v4", "q4"]
+    return order[order.index(kv_dtype) + 1:] if kv_dtype in order else order[:1]
+
+
 def _serve_check(fp, cfg, snap, reserve, budget, available, slots, min_slots, kv_dtype):
     if available < 0:
-        why = (f"the dense weights, KV cache and reserve need {L.mib(-available):.0f} MiB more than the card "
+        why = (f"the dense weights, sequence state and reserve need {L.mib(-available):.0f} MiB more than the card "
                f"has free ({L.mib(snap.free_bytes):.0f} MiB)")
         return "REFUSED", why, refusal_fixes(fp, cfg, snap, reserve, min_slots, kv_dtype, available)
     if available < budget and cfg.expert_cache != "auto":
@@ -194,12 +200,13 @@ def refusal_fixes(fp, cfg, snap, reserve, min_slots, kv_dtype, available) -> lis
     fixes = [f"close pid {p.pid} ({p.name}) holding {L.mib(p.bytes):.0f} MiB"
              for p in sorted(snap.processes, key=lambda p: -p.bytes)[:3] if p.bytes >= short]
     kv_tok = fp.kv_bytes_per_token(kv_dtype) * cfg.sessions
-    ctx_fit = (cfg.ctx * kv_tok - short) // kv_tok if kv_tok else 0
+    ctx_fit = cfg.ctx - -(-short // kv_tok) if kv_tok else 0
     if ctx_fit >= 256:
         fixes.append(f"--ctx {int(ctx_fit) // 256 * 256} fits")
-    if kv_dtype != "int8":
-        saved = (fp.kv_bytes_per_token(kv_dtype) - fp.kv_bytes_per_token("int8")) * cfg.ctx * cfg.sessions
-        fixes.append(f"--kv-dtype int8 saves {L.mib(saved):.0f} MiB" + (" (enough)" if saved >= short else ""))
+    for smaller in _smaller_kv_dtypes(kv_dtype):
+        saved = (fp.state_bytes(cfg.ctx, kv_dtype, cfg.prefill_chunk)
+                 - fp.state_bytes(cfg.ctx, smaller, cfg.prefill_chunk)) * cfg.sessions
+        fixes.append(f"--kv-dtype {smaller} saves {L.mib(saved):.0f} MiB" + (" (enough)" if saved >= short else ""))
     if reserve.total - short >= reserve.prompt:
         fixes.append(f"--vram-reserve-mib {int(L.mib(reserve.total - short))} fits (the serve check may say LOW)")
     if cfg.expert_cache != "auto" and available > 0 and fp.largest_blob:

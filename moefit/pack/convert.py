@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from moefit import __version__
 from moefit.config import ModelConfig
+from moefit.families import RUNNABLE
 from moefit.errors import MoefitError, PackError
 from moefit.pack import format as fmt
 from moefit.pack.layout import FLOAT_QUANTS, RECIPES, check_group, expert_layout, layer_quants
@@ -89,9 +90,12 @@ def _read_config(hf_dir: Path) -> dict:
     if not f.exists():
         raise PackError(f"{f}: missing (is {hf_dir} a Hugging Face checkpoint directory?)")
     try:
-        ModelConfig.from_hf_file(f)
+        model = ModelConfig.from_hf_file(f)
     except MoefitError as e:
         raise PackError(str(e)) from None
+    if not model.spec.RUNS:
+        raise PackError(f"{f}: moefit plans {model.family} (`moefit plan --model-config {f}`) but does not "
+                        f"run it yet; it runs {', '.join(RUNNABLE)}")
     return json.loads(f.read_text())
 
 

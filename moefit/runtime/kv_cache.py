@@ -13,7 +13,7 @@ from moefit.config import ModelConfig
 from moefit.runtime.placement import DeviceMemory
 
 KV_TORCH = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "int8": torch.int8}
-LINE = "KV cache"
+LINE = "sequence state"
 
 
 def kv_bytes_per_token(model: ModelConfig, kv_dtype: str) -> int:

@@ -4,7 +4,7 @@
 
 const $ = (id) => document.getElementById(id);
 const MIB = 1048576;
-const COLORS = { "other processes": "--other", "dense weights": "--dense", "KV cache": "--kv",
+const COLORS = { "other processes": "--other", "dense weights": "--dense", "sequence state": "--kv",
   "prompt path": "--reserve", "verify arena": "--reserve", "draft head": "--reserve", "headroom": "--reserve",
   "expert cache": "--cache", "free after start": "--free" };
 const samples = [];            // {t, hitRate, slots}

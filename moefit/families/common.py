@@ -1,0 +1,75 @@
+"""Weight-name pieces several families share (HF names, shapes [out, in]). No torch."""
+
+from __future__ import annotations
+
+Shapes = dict[str, tuple[int, ...]]
+
+
+def layer_prefix(i: int) -> str:
+    return f"model.layers.{i}."
+
+
+def outer(m) -> Shapes:
+    """Embedding (host), final norm and lm_head (the embedding table when tied)."""
+    e = m.hidden_size
+    head = "model.embed_tokens.weight" if m.tie_word_embeddings else "lm_head.weight"
+    return {"model.embed_tokens.weight": (m.vocab_size, e), "model.norm.weight": (e,), head: (m.vocab_size, e)}
+
+
+def norms(i: int, e: int) -> Shapes:
+    p = layer_prefix(i)
+    return {p + "input_layernorm.weight": (e,), p + "post_attention_layernorm.weight": (e,)}
+
+
+def gqa(i: int, m, q_out: int | None = None, bias: bool = False, o_bias: bool = False,
+        qk_norm: tuple[int, int] | None = None) -> Shapes:
+    """q/k/v/o projections of grouped-query attention; q_out widens q (Qwen3-Next's gate)."""
+    a, e, hd = layer_prefix(i) + "self_attn.", m.hidden_size, m.head_dim
+    q, kv = q_out or m.num_heads * hd, m.num_kv_heads * hd
+    shapes = {a + "q_proj.weight": (q, e), a + "k_proj.weight": (kv, e), a + "v_proj.weight": (kv, e),
+              a + "o_proj.weight": (e, m.num_heads * hd)}
+    if bias:
+        shapes.update({a + "q_proj.bias": (q,), a + "k_proj.bias": (kv,), a + "v_proj.bias": (kv,)})
+    if o_bias:
+        shapes[a + "o_proj.bias"] = (e,)
+    if qk_norm:
+        shapes.update({a + "q_norm.weight": (qk_norm[0],), a + "k_norm.weight": (qk_norm[1],)})
+    return shapes
+
+
+def swiglu(prefix: str, e: int, inner: int) -> Shapes:
+    """gate_proj / up_proj / down_proj under `prefix` (a dense MLP or a shared expert)."""
+    return {prefix + "gate_proj.weight": (inner, e), prefix + "up_proj.weight": (inner, e),
+            prefix + "down_proj.weight": (e, inner)}
+
+
+def dense_mlp(i: int, m) -> Shapes:
+    return swiglu(layer_prefix(i) + "mlp.", m.hidden_size, m.dense_mlp_size)
+
+
+def router(i: int, m, bias: str | None = None) -> Shapes:
+    p = layer_prefix(i) + "mlp.gate."
+    shapes = {p + "weight": (m.num_experts, m.hidden_size)}
+    if bias:
+        shapes[p + bias] = (m.num_experts,)
+    return shapes
+
+
+def first_dense(cfg: dict, layers: int) -> tuple[int, ...]:
+    """MoE layers after `first_k_dense_replace` dense ones (DeepSeek-V3, GLM-4.5)."""
+    return tuple(range(cfg.get("first_k_dense_replace", 0) or 0, layers))
+
+
+def sparse_step(cfg: dict, layers: int) -> tuple[int, ...]:
+    """MoE layers by Qwen's decoder_sparse_step / mlp_only_layers."""
+    step = cfg.get("decoder_sparse_step", 1) or 1
+    dense = set(cfg.get("mlp_only_layers") or [])
+    return tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0)
+
+
+def rotary_dim(cfg: dict, head_dim: int) -> int:
+    """Rotated channels of a head: partial_rotary_factor (GLM, Qwen3-Next) or all."""
+    factor = cfg.get("partial_rotary_factor")
+    if factor is None:
+        factor = (cfg.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0)
+    return int(head_dim * factor)

@@ -1,0 +1,52 @@
+"""DeepSeek-V3 (and Kimi-K2): multi-head latent attention (MLA). Keys and values are
+rebuilt from a compressed latent c_kv [kv_lora_rank] plus one rope key [qk_rope_head_dim]
+shared by all heads, and only those two are kept per token; queries go through a low-rank
+q_a / q_b pair when q_lora_rank is set. First `first_k_dense_replace` layers dense, then
+MoE with shared experts and a sigmoid, group-limited router (e_score_correction_bias,
+routed_scaling_factor). FP8 block-quantised checkpoints are dequantised at pack time."""
+
+from moefit.families import common as c
+from moefit.families.state import LatentKV
+
+NAME = "deepseek_v3"
+RUNS = False
+
+
+def moe_layers(cfg: dict, layers: int) -> tuple[int, ...]:
+    return c.first_dense(cfg, layers)
+
+
+def dims(m) -> tuple[int, int, int, int, int | None]:
+    r = m.raw
+    return r["kv_lora_rank"], r["qk_rope_head_dim"], r["qk_nope_head_dim"], r["v_head_dim"], r.get("q_lora_rank")
+
+
+def layer_states(m) -> list:
+    rank, rope, *_ = dims(m)
+    return [LatentKV(rank, rope) for _ in range(m.num_layers)]
+
+
+def attention(i: int, m) -> c.Shapes:
+    a, e, h = c.layer_prefix(i) + "self_attn.", m.hidden_size, m.num_heads
+    rank, rope, nope, v, q_rank = dims(m)
+    shapes = {a + "kv_a_proj_with_mqa.weight": (rank + rope, e), a + "kv_a_layernorm.weight": (rank,),
+              a + "kv_b_proj.weight": (h * (nope + v), rank), a + "o_proj.weight": (e, h * v)}
+    if q_rank:
+        shapes |= {a + "q_a_proj.weight": (q_rank, e), a + "q_a_layernorm.weight": (q_rank,),
+                   a + "q_b_proj.weight": (h * (nope + rope), q_rank)}
+    else:
+        shapes[a + "q_proj.weight"] = (h * (nope + rope), e)
+    return shapes
+
+
+def dense_shapes(m) -> c.Shapes:
+    shapes = c.outer(m)
+    shared = (m.raw.get("n_shared_experts") or 0) * m.expert_size
+    for i in range(m.num_layers):
+        shapes |= c.norms(i, m.hidden_size) | attention(i, m)
+        if i in m.moe_layers:
+            shapes |= c.router(i, m, bias="e_score_correction_bias")
+            shapes |= c.swiglu(c.layer_prefix(i) + "mlp.shared_experts.", m.hidden_size, shared)
+        else:
+            shapes |= c.dense_mlp(i, m)
+    return shapes

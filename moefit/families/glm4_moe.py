@@ -1,0 +1,35 @@
+"""GLM-4.5 / 4.6 / 4.7 (glm4_moe): GQA with q/k/v biases, partial rotary (half the head),
+optional QK-norm; `first_k_dense_replace` dense layers, then MoE layers with a shared expert
+and DeepSeek-V3's router (sigmoid scores, e_score_correction_bias for the choice only,
+group-limited top-k, routed_scaling_factor)."""
+
+from moefit.families import common as c
+from moefit.families.state import AttentionKV
+
+NAME = "glm4_moe"
+RUNS = False
+
+
+def moe_layers(cfg: dict, layers: int) -> tuple[int, ...]:
+    return c.first_dense(cfg, layers)
+
+
+def layer_states(m) -> list:
+    return [AttentionKV(m.num_kv_heads, m.head_dim, m.head_dim) for _ in range(m.num_layers)]
+
+
+def shared_size(m) -> int:
+    return (m.raw.get("n_shared_experts") or 0) * m.expert_size
+
+
+def dense_shapes(m) -> c.Shapes:
+    shapes = c.outer(m)
+    qk = (m.head_dim, m.head_dim) if m.raw.get("use_qk_norm") else None
+    for i in range(m.num_layers):
+        shapes |= c.norms(i, m.hidden_size) | c.gqa(i, m, bias=bool(m.raw.get("attention_bias")), qk_norm=qk)
+        if i in m.moe_layers:
+            shapes |= c.router(i, m, bias="e_score_correction_bias")
+            shapes |= c.swiglu(c.layer_prefix(i) + "mlp.shared_experts.", m.hidden_size, shared_size(m))
+        else:
+            shapes |= c.dense_mlp(i, m)
+    return shapes
