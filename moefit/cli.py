@@ -29,6 +29,8 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
     cfg = ServeConfig(**{f.name: getattr(args, f.name) for f in serve_config_fields()})
     if cfg.expert_cache != "auto" and not cfg.expert_cache.isdigit():
         raise UsageError(f"--expert-cache must be auto or a whole number, not {cfg.expert_cache!r}")
+    if cfg.kv_resident not in ("auto", "all") and not cfg.kv_resident.isdigit():
+        raise UsageError(f"--kv-resident must be auto, all or a number of tokens, not {cfg.kv_resident!r}")
     return cfg
 
 

@@ -31,6 +31,9 @@ class ServeConfig:
                          "q4 (4-bit, Hadamard-rotated) or k8v4 (int8 keys, q4 values)",
                          choices=("auto",) + KV_DTYPES)
     sessions: int = _opt(1, "KV cache sessions held at once")
+    kv_resident: str = _opt("auto", "KV streaming: tokens of each full-attention layer's KV kept on the card, "
+                            "older ones in host memory; auto = all of the context when it fits, else the "
+                            "largest window that leaves the expert cache its minimum; all = no streaming")
     expert_cache: str = _opt("auto", "VRAM expert cache: auto (what is left) or N = a budget of "
                              "N x the largest expert blob, filled hottest first")
     vram_reserve_mib: int | None = _opt(None, "reserve pool in MiB (prompt path, verify arena, "
@@ -57,6 +60,10 @@ class ServeConfig:
     prefetch_per_layer: int = _opt(2, "look-ahead: experts a layer may bring into the cache ahead of use, "
                                    "predicted by the next layer's own router (0 = no look-ahead)")
     threads: int | None = _opt(None, "host threads for expert and dense compute (default: the physical cores)")
+
+    def resident_tokens(self) -> int | None:
+        """--kv-resident as a number of tokens, or None (all of the context, or auto)."""
+        return int(self.kv_resident) if self.kv_resident not in ("auto", "all") else None
 
     def with_(self, **changes) -> "ServeConfig":
         return dataclasses.replace(self, **changes)

@@ -31,7 +31,8 @@ def test_every_published_config_plans_on_a_12_gb_card(name):
     cfg = ServeConfig(device="sim:x", ctx=32768, kv_dtype="int8")
     p = plan(fp, cfg, card(), Profile.empty(m.num_layers, m.num_experts).hottest_first(list(fp.blob_sizes)))
     assert sum(x.bytes for x in p.lines) == p.device.total_bytes
-    assert p.line("sequence state").bytes == fp.state_bytes(32768, "int8", cfg.prefill_chunk) > 0
+    assert p.line("sequence state").bytes == fp.state_bytes(32768, "int8", cfg.prefill_chunk, p.kv_resident) > 0
+    assert p.host_state_bytes == fp.host_state_bytes(32768, "int8", p.kv_resident)
     assert len(m.layer_states()) == m.num_layers
 
 

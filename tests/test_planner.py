@@ -30,6 +30,7 @@ def card(total_mib=12282, procs=((2101, "gnome-shell", 587), (2202, "chromium", 
 def qwen_plan(snapshot=None, recipe="int4", **flags):
     model = ModelConfig.from_hf(QWEN)
     fp = from_config(model, recipe, "bf16")
+    flags.setdefault("kv_resident", "all")                     # KV streaming has its own tests
     cfg = ServeConfig(device="sim:x", ctx=flags.pop("ctx", 32768), kv_dtype=flags.pop("kv_dtype", "int8"), **flags)
     order = Profile.empty(model.num_layers, model.num_experts).hottest_first(list(fp.blob_sizes))
     return plan(fp, cfg, snapshot or card(), order), fp
@@ -107,9 +108,47 @@ def test_plan_from_a_config_json_without_weights(tmp_path):
     assert out["serve_check"]["status"] == "OK" and out["ledger"][3]["parts"][0]["name"] == "prompt path"
     r = subprocess.run([sys.executable, "-m", "moefit", "plan", "--model-config", str(CONFIGS / "qwen3-30b-a3b.json"),
                         "--ctx", "131072", "--kv-dtype", "bf16", "--device", f"sim:{card_file}",
-                        "--compute-dtype", "bf16"],
+                        "--compute-dtype", "bf16", "--kv-resident", "all"],
                        capture_output=True, text=True)
     assert r.returncode == 3 and "REFUSED" in r.stdout and "--kv-dtype int8 saves" in r.stdout
+    assert "--kv-resident auto streams" in r.stdout
+
+
+def test_the_seeds_131k_configuration_plans_with_kv_streaming():
+    """The seed's own command, refused before KV streaming: Qwen3-30B-A3B int4 at 131K on a 4070."""
+    r = subprocess.run([sys.executable, "-m", "moefit", "plan", "--model-config", str(CONFIGS / "qwen3-30b-a3b.json"),
+                        "--quant", "int4", "--ctx", "131072", "--kv-dtype", "int8", "--compute-dtype", "bf16",
+                        "--device", "sim:docs/rtx4070.json", "--json"], capture_output=True, text=True,
+                       cwd=Path(__file__).parents[1])
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = json.loads(r.stdout)
+    resident = out["kv_streaming"]["resident_tokens"]
+    assert out["serve_check"]["status"] == "OK" and "KV streaming" in out["serve_check"]["message"]
+    assert 0 < resident < 131072 and resident % 1024 == 0
+    assert out["expert_cache"]["slots"] >= out["expert_cache"]["min_slots"] == 48 * 8
+    assert out["kv_streaming"]["host_bytes"] == 131072 * 48 * 2 * 4 * (128 + 4)
+
+
+def test_kv_streaming_window_leaves_the_cache_its_minimum_and_a_fixed_window_is_kept():
+    p, fp = qwen_plan(ctx=131072, kv_dtype="bf16", kv_resident="auto")
+    assert p.kv_resident is not None and p.slots >= p.min_slots and not p.refused
+    bigger, _ = qwen_plan(ctx=131072, kv_dtype="bf16", kv_resident=str(p.kv_resident + 1024))
+    assert bigger.refused                                              # the window auto chose was the largest
+    small, _ = qwen_plan(ctx=131072, kv_dtype="bf16", kv_resident="8192")
+    assert small.kv_resident == 8192 and small.slots > p.slots
+    assert small.line(L.KV).bytes == fp.state_bytes(131072, "bf16", 512, 8192)
+    whole, _ = qwen_plan(ctx=8192, kv_dtype="bf16", kv_resident="auto")
+    assert whole.kv_resident is None and whole.host_state_bytes == 0
+
+
+def test_kv_streaming_refuses_when_host_memory_is_short():
+    model = ModelConfig.from_hf(QWEN)
+    fp = from_config(model, "int4", "bf16")
+    cfg = ServeConfig(device="sim:x", ctx=131072, kv_dtype="bf16")
+    order = Profile.empty(model.num_layers, model.num_experts).hottest_first(list(fp.blob_sizes))
+    p = plan(fp, cfg, card(), order, host_free=2 << 30)
+    assert p.kv_resident is not None
+    assert p.refused and "host memory" in p.serve_message and any("fits in RAM" in f for f in p.fixes)
 
 
 def test_plan_on_a_model_type_moefit_does_not_run_is_one_line(tmp_path):

@@ -42,7 +42,7 @@ def footprint_and_order(args, compute_dtype: str, dense_quant: str = "off"):
 
 
 def run(args) -> int:
-    from moefit.memory.devices import open_device
+    from moefit.memory.devices import host_available_bytes, open_device
     from moefit.memory.planner import plan
     from moefit.runtime.loader import compute_dtype_for
     from moefit.runtime.placement import device_snapshot
@@ -53,7 +53,7 @@ def run(args) -> int:
     if not device.has_vram:
         raise UsageError("planning needs a card: --device cuda or --device sim:CARD.json")
     fp, order, profiled = footprint_and_order(args, compute_dtype_for(cfg, device.kind), cfg.dense_quant)
-    p = plan(fp, cfg, device_snapshot(device), order)
+    p = plan(fp, cfg, device_snapshot(device), order, host_available_bytes())
     if args.pack and not profiled:
         p = dataclasses.replace(p, serve_message=f"{p.serve_message}; {no_profile_note(p.slots, p.total_experts)}")
     if args.json:

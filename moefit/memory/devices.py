@@ -108,6 +108,18 @@ def _nvml_processes(pynvml, handle) -> list[ProcessUsage]:
     return [ProcessUsage(pid, process_name(pid), used) for pid, used in sorted(seen.items())]
 
 
+def host_available_bytes() -> int | None:
+    """RAM the kernel says is available (MemAvailable), or None where /proc/meminfo is absent."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def process_name(pid: int) -> str:
     """The command name of pid, with 'moefit' kept visible when it runs under python."""
     try:

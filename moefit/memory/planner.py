@@ -36,6 +36,8 @@ class Plan:
     lines: list[L.Line]
     reserve: Reserve
     kv_dtype: str
+    kv_resident: int | None          # KV streaming: tokens of each streaming layer on the card
+    host_state_bytes: int            # ... and the whole context of those layers in host memory
     cache_budget: int
     cache_keys: list[Key]
     cache_used: int
@@ -78,6 +80,7 @@ class Plan:
             "reserve": {"bytes": self.reserve.total, "recommended_bytes": self.reserve.recommended,
                         "is_recommended": self.reserve.total == self.reserve.recommended},
             "kv_dtype": self.kv_dtype,
+            "kv_streaming": {"resident_tokens": self.kv_resident, "host_bytes": self.host_state_bytes},
             "serve_check": {"status": self.serve_status, "headroom_bytes": self.reserve.headroom,
                             "message": self.serve_message},
             "speculative": {"enabled": self.spec_enabled, "mode": self.spec_mode, "reason": self.spec_reason},
@@ -94,8 +97,8 @@ def resolve_kv_dtype(cfg: ServeConfig, compute_dtype: str) -> str:
     return compute_dtype if cfg.kv_dtype == "auto" else cfg.kv_dtype
 
 
-def plan_reserve(fp: Footprint, cfg: ServeConfig, kv_dtype: str, spec_on: bool) -> Reserve:
-    prompt = fp.prompt_path_bytes(cfg.prefill_chunk, cfg.ctx, kv_dtype)
+def plan_reserve(fp: Footprint, cfg: ServeConfig, kv_dtype: str, spec_on: bool, resident: int | None = None) -> Reserve:
+    prompt = fp.prompt_path_bytes(cfg.prefill_chunk, cfg.ctx, kv_dtype, resident)
     verify = fp.verify_arena_bytes(cfg.spec_window) if cfg.spec != "off" else 0
     draft = fp.draft_head_bytes if cfg.spec in ("head", "auto") else 0
     recommended = _round_mib(prompt + verify + draft + HEADROOM_MIB * MIB)
@@ -129,28 +132,78 @@ def speculative(fp: Footprint, cfg: ServeConfig, kv_dtype: str) -> tuple[bool, s
     return True, f"{mode}: window {cfg.spec_window}, verify arena and draft head fit the reserve"
 
 
-def plan(fp: Footprint, cfg: ServeConfig, snap: DeviceSnapshot, order: list[Key]) -> Plan:
+def plan(fp: Footprint, cfg: ServeConfig, snap: DeviceSnapshot, order: list[Key],
+         host_free: int | None = None) -> Plan:
     """The ledger of a start: where every byte of the card goes, and whether it fits.
+    `host_free` (bytes of RAM available), when given, is checked against KV streaming's host part.
 
     Usage: p = plan(footprint, ServeConfig(ctx=131072), device.snapshot(), profile.hottest_first(keys))
     """
     kv_dtype = resolve_kv_dtype(cfg, fp.compute_dtype)
     spec_on, spec_reason = speculative(fp, cfg, kv_dtype)
-    reserve = plan_reserve(fp, cfg, kv_dtype, spec_on)
+    min_slots = cfg.min_expert_slots if cfg.min_expert_slots is not None else fp.min_slots
+    resident = resident_window(fp, cfg, snap, kv_dtype, spec_on, min_slots)
+    reserve = plan_reserve(fp, cfg, kv_dtype, spec_on, resident)
     dense = fp.dense_bytes + fp.rope_bytes(cfg.ctx)
-    kv = fp.state_bytes(cfg.ctx, kv_dtype, cfg.prefill_chunk) * cfg.sessions
+    kv = fp.state_bytes(cfg.ctx, kv_dtype, cfg.prefill_chunk, resident) * cfg.sessions
+    host = fp.host_state_bytes(cfg.ctx, kv_dtype, resident) * cfg.sessions
     other = snap.total_bytes - snap.free_bytes
     available = snap.free_bytes - dense - kv - reserve.total
     budget = _cache_budget(cfg, fp, available)
     keys = fill(order, fp.blob_sizes, max(0, min(budget, available)))
     used = sum(fp.blob_sizes[k] for k in keys)
-    min_slots = cfg.min_expert_slots if cfg.min_expert_slots is not None else fp.min_slots
-    lines = [L.Line(L.OTHER, other), L.Line(L.DENSE, dense), L.Line(L.KV, kv, note=f"{cfg.ctx} x {kv_dtype}"),
+    lines = [L.Line(L.OTHER, other), L.Line(L.DENSE, dense), _state_line(kv, cfg.ctx, kv_dtype, resident, host),
              _reserve_line(reserve), L.Line(L.CACHE, used, note=f"{len(keys)} experts"),
              L.Line(L.FREE, snap.free_bytes - dense - kv - reserve.total - used)]
     status, message, fixes = _serve_check(fp, cfg, snap, reserve, budget, available, len(keys), min_slots, kv_dtype)
-    return Plan(snap, lines, reserve, kv_dtype, budget, keys, used, fp.largest_blob, min_slots,
+    status, message, fixes = _host_check(status, message, fixes, cfg, resident, host, host_free)
+    return Plan(snap, lines, reserve, kv_dtype, resident, host, budget, keys, used, fp.largest_blob, min_slots,
                 len(fp.blob_sizes), status, message, spec_on and status != "REFUSED", cfg.spec, spec_reason, fixes)
+
+
+WINDOW_STEP = 1024
+
+
+def resident_window(fp: Footprint, cfg: ServeConfig, snap: DeviceSnapshot, kv_dtype: str, spec_on: bool,
+                    min_slots: int) -> int | None:
+    """KV streaming's window: None (the whole context on the card), --kv-resident N, or with
+    auto, when the whole context would leave the expert cache below its minimum, the largest
+    window (a multiple of 1024 tokens, at least a prefill chunk) that leaves it that minimum."""
+    if cfg.kv_resident != "auto":
+        n = cfg.resident_tokens()
+        return None if n is None or n >= cfg.ctx else max(n, cfg.prefill_chunk)
+    streaming_per_token = sum(s.bytes_per_token(kv_dtype) for s in fp.states if s.streams) * cfg.sessions
+    if not streaming_per_token:
+        return None
+    need = min_slots * fp.largest_blob
+    left = lambda w: (snap.free_bytes - fp.dense_bytes - fp.rope_bytes(cfg.ctx)  # noqa: E731
+                      - fp.state_bytes(cfg.ctx, kv_dtype, cfg.prefill_chunk, w) * cfg.sessions
+                      - plan_reserve(fp, cfg, kv_dtype, spec_on, w).total)
+    if left(None) >= need:
+        return None
+    window = (left(0) - need) // streaming_per_token // WINDOW_STEP * WINDOW_STEP
+    while window >= cfg.prefill_chunk and left(window) < need:
+        window -= WINDOW_STEP
+    return int(window) if cfg.prefill_chunk <= window < cfg.ctx else None
+
+
+def _state_line(kv: int, ctx: int, kv_dtype: str, resident: int | None, host: int) -> L.Line:
+    if resident is None:
+        return L.Line(L.KV, kv, note=f"{ctx} x {kv_dtype}")
+    return L.Line(L.KV, kv, note=f"{resident} of {ctx} tokens x {kv_dtype}; {L.mib(host):,.0f} MiB in host memory")
+
+
+def _host_check(status, message, fixes, cfg: ServeConfig, resident, host: int, host_free: int | None):
+    if resident is None:
+        return status, message, fixes
+    if host_free is not None and host > host_free and status != "REFUSED":
+        return "REFUSED", (f"KV streaming keeps {L.mib(host):,.0f} MiB of older KV in host memory, "
+                           f"{L.mib(host_free):,.0f} MiB is available"), [
+            f"--ctx {max(cfg.prefill_chunk, cfg.ctx * host_free // host // 256 * 256)} fits in RAM",
+            "--kv-dtype q4 stores a quarter of bf16"]
+    note = (f"KV streaming: {resident} of {cfg.ctx} tokens per full-attention layer on the card, "
+            f"{L.mib(host):,.0f} MiB in host memory; attention over the older tokens runs on the host")
+    return status, f"{message}; {note}", fixes
 
 
 def _cache_budget(cfg: ServeConfig, fp: Footprint, available: int) -> int:
@@ -209,6 +262,8 @@ def refusal_fixes(fp, cfg, snap, reserve, min_slots, kv_dtype, available) -> lis
         fixes.append(f"--kv-dtype {smaller} saves {L.mib(saved):.0f} MiB" + (" (enough)" if saved >= short else ""))
     if reserve.total - short >= reserve.prompt:
         fixes.append(f"--vram-reserve-mib {int(L.mib(reserve.total - short))} fits (the serve check may say LOW)")
+    if cfg.kv_resident != "auto":
+        fixes.append("--kv-resident auto streams the older KV to host memory when the context does not fit")
     if cfg.expert_cache != "auto" and available > 0 and fp.largest_blob:
         fixes.append(f"--expert-cache {available // fp.largest_blob} fits (or --expert-cache auto)")
     return fixes

@@ -99,6 +99,67 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     return out.transpose(0, 1).reshape(q.shape[1], -1)
 
 
+def attend_state(state, i: int, q: torch.Tensor, start: int, mask: torch.Tensor | None) -> torch.Tensor:
+    """q [H, T, D] (positions start..start+T) against layer i's keys 0..start+T as the
+    sequence state holds them (runtime/state.py) -> [T, H*Dv]. One contiguous part is plain
+    SDPA with `mask`; a ring, or a ring and its host part, are merged by log-sum-exp."""
+    t = q.shape[1]
+    parts = state.parts(i, start + t)
+    rk, rv = state.rotations(i)
+    if rk is not None:
+        q = q @ rk.to(device=q.device, dtype=q.dtype)
+    if len(parts) == 1 and parts[0][2] is None:
+        out = F.scaled_dot_product_attention(q[None], parts[0][0][None], parts[0][1][None], attn_mask=mask,
+                                             enable_gqa=q.shape[0] != parts[0][0].shape[0])[0]   # [H, T, Dv]
+    else:
+        q_pos = torch.arange(start, start + t)
+        out = attend_parts(q, parts, q_pos, state.window(i))
+    if rv is not None:
+        out = out @ rv.to(device=out.device, dtype=out.dtype).T
+    return out.transpose(0, 1).reshape(t, -1)
+
+
+KEY_BLOCK = 4096
+
+
+def attend_parts(q: torch.Tensor, parts, q_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Exact softmax attention over several key parts (each on its own device), a block of
+    keys at a time with a running max and sum (the flash-attention recurrence): q [H, T, D],
+    parts [(k [K, S, D], v [K, S, Dv], positions [S])] -> [H, T, Dv] in q's dtype."""
+    h, t, d = q.shape
+    kh = parts[0][0].shape[0]
+    g = h // kh
+    out = m_run = l_run = None
+    for k, v, pos in parts:
+        qf = q.to(k.device).float().reshape(kh, g * t, d)                            # heads of a group together
+        qp = q_pos.to(k.device).repeat(g)                                             # [g*T]
+        for b in range(0, k.shape[1], KEY_BLOCK):
+            kb, vb, pb = k[:, b:b + KEY_BLOCK].float(), v[:, b:b + KEY_BLOCK].float(), pos[b:b + KEY_BLOCK]
+            allowed = pb[None, :] <= qp[:, None]
+            if window is not None:
+                allowed &= (qp[:, None] - pb[None, :]) < window
+            s = (qf @ kb.transpose(1, 2)) / d ** 0.5                                   # [K, gT, Sb]
+            s = s.masked_fill(~allowed, float("-inf"))
+            o, m_b, l_b = _block_softmax(s, vb)
+            out, m_run, l_run = _merge(out, m_run, l_run, o.to(q.device), m_b.to(q.device), l_b.to(q.device))
+    return (out / l_run).reshape(h, t, -1).to(q.dtype)
+
+
+def _block_softmax(s: torch.Tensor, v: torch.Tensor):
+    m = s.amax(dim=-1, keepdim=True)
+    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)                          # a row with no key here
+    p = torch.exp(s - m)
+    return p @ v, m, p.sum(dim=-1, keepdim=True)
+
+
+def _merge(out, m_run, l_run, o, m, lsum):
+    if out is None:
+        return o, m, lsum
+    top = torch.maximum(m_run, m)
+    a, b = torch.exp(m_run - top), torch.exp(m - top)
+    return out * a + o * b, top, l_run * a + lsum * b
+
+
 def decoder_stack(model, tokens: torch.Tensor, start: int, kv, experts) -> torch.Tensor:
     """The residual stack every family shares, one line per sublayer:
     x = x + attention(norm(x)); x = x + mlp(norm(x)). Returns final-normed hidden [T, E]."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moefit.models.layers import (RopeTable, Weights, apply_rope, attend, decoder_stack, linear, output_weights,
+from moefit.models.layers import (RopeTable, Weights, apply_rope, attend_state, decoder_stack, linear, output_weights,
                                   rms_norm, swiglu)
 
 
@@ -56,8 +56,7 @@ class Qwen3Moe:
         k = rms_norm(k.view(t, c.num_kv_heads, hd), layer["k_norm"], c.rms_norm_eps).transpose(0, 1)  # [K, T, D]
         v = v.view(t, c.num_kv_heads, hd).transpose(0, 1)                                          # [K, T, D]
         kv.write(i, start, apply_rope(k, cos, sin), v)
-        keys, values = kv.read(i, start + t)
-        return linear(attend(apply_rope(q, cos, sin), keys, values, mask), layer["o"])
+        return linear(attend_state(kv, i, apply_rope(q, cos, sin), start, mask), layer["o"])
 
     def mlp(self, i, layer, x, experts) -> torch.Tensor:
         if "router" not in layer:

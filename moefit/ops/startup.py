@@ -20,8 +20,8 @@ from moefit.ops import zerocheck
 from moefit.ops.history import History, HistoryError, range_verdict
 from moefit.pack.reader import Pack
 
-PLAN_FIELDS = ("ctx", "kv_dtype", "sessions", "expert_cache", "vram_reserve_mib", "tier", "min_expert_slots",
-               "prefill_chunk", "spec", "spec_window", "compute_dtype", "dense_quant")
+PLAN_FIELDS = ("ctx", "kv_dtype", "kv_resident", "sessions", "expert_cache", "vram_reserve_mib", "tier",
+               "min_expert_slots", "prefill_chunk", "spec", "spec_window", "compute_dtype", "dense_quant")
 
 
 @dataclass(frozen=True)

@@ -18,14 +18,14 @@ from moefit import kernels
 from moefit.experts.lookahead import LookAhead
 from moefit.experts.runner import ExpertRunner
 from moefit.memory import ledger as L
-from moefit.memory.devices import open_device
+from moefit.memory.devices import host_available_bytes, open_device
 from moefit.memory.footprint import device_dense_names, from_pack_header
 from moefit.memory.planner import Plan, plan
 from moefit.models import FAMILY
 from moefit.models.layers import RopeTable, Weights
 from moefit.pack.quant import TORCH_DTYPES
 from moefit.pack.reader import Pack
-from moefit.runtime.kv_cache import KVCache
+from moefit.runtime.state import SequenceState
 from moefit.runtime.placement import DeviceMemory
 
 
@@ -35,7 +35,7 @@ class Loaded:
     mem: DeviceMemory
     plan: Plan | None                   # None on the cpu device (no VRAM to plan)
     model: object
-    kv: KVCache
+    kv: SequenceState
     runner: ExpertRunner
     compute_dtype: str
     notes: list[str]
@@ -81,7 +81,8 @@ def _place(pack: Pack, cfg: ServeConfig, mem: DeviceMemory, cdt: str, the_plan: 
     rope = _rope(m, cfg.ctx, mem, dtype)
     model = FAMILY[m.family](m, weights, rope)
     kv_dtype = the_plan.kv_dtype if the_plan else (cdt if cfg.kv_dtype == "auto" else cfg.kv_dtype)
-    kv = KVCache(m, cfg.ctx, kv_dtype, dtype, mem)
+    resident = the_plan.kv_resident if the_plan else cfg.resident_tokens()
+    kv = SequenceState(m, cfg.ctx, kv_dtype, dtype, mem, cfg.prefill_chunk, resident)
     book = CacheBook({k: b.nbytes for k, b in pack.blobs.items()}, m.num_layers, m.num_experts,
                      the_plan.cache_budget if the_plan else 0,
                      SwapPolicy(cfg.swap_period, cfg.swap_decay, cfg.max_swaps))
@@ -107,7 +108,7 @@ def set_threads(cfg: ServeConfig) -> None:
 
 def _plan(pack: Pack, cfg: ServeConfig, mem: DeviceMemory, cdt: str, profile: Profile) -> Plan:
     fp = from_pack_header(pack.header, cdt, cfg.dense_quant)
-    return plan(fp, cfg, mem.snapshot(), profile.hottest_first(list(pack.blobs)))
+    return plan(fp, cfg, mem.snapshot(), profile.hottest_first(list(pack.blobs)), host_available_bytes())
 
 
 def _rope(m, ctx: int, mem: DeviceMemory, dtype) -> RopeTable:

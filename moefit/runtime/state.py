@@ -1,0 +1,141 @@
+"""One sequence-state object per layer, built from the family's declaration
+(families/state.py), and the SequenceState that holds them for a session.
+
+AttentionState keeps keys and values by absolute position:
+
+    whole context   a store of C positions on the card; rejecting speculative tokens, or
+                    reusing a prompt prefix, needs no code: later writes overwrite the slots.
+    ring            a sliding-window layer, or a streaming one (--kv-resident), keeps a ring
+                    of R slots on the card, position p in slot p % R. A streaming layer also
+                    writes every position through to a host store of the whole context, which
+                    serves the positions the ring no longer holds (KV streaming): attention
+                    over the two parts is merged by log-sum-exp (models/layers.attend_state).
+
+`parts(end)` returns what attention reads for keys 0..end: (k, v, positions), where
+positions None means "contiguous from 0" and otherwise names each row's position (rows
+that must not be attended are at INVALID). Rows are in the compute dtype, rotated for q4
+(`rotations`).
+
+Legend: K kv heads, C positions held, D head dim, T tokens written, R ring slots.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moefit.families.state import AttentionKV, split_kv_dtype
+from moefit.runtime.kv_codecs import codec
+from moefit.runtime.placement import DeviceMemory
+
+LINE = "sequence state"
+INVALID = 1 << 62
+
+
+class AttentionState:
+    def __init__(self, decl: AttentionKV, ctx: int, kv_dtype: str, compute_dtype: torch.dtype, mem: DeviceMemory,
+                 chunk: int, resident: int | None = None, mask_window: int | None = None):
+        kd, vd = split_kv_dtype(kv_dtype)
+        self.kc, self.vc = codec(kd, decl.head_dim), codec(vd, decl.v_head_dim)
+        self.compute_dtype, self.ctx = compute_dtype, ctx
+        self.window = decl.window or mask_window
+        held = decl.tokens_held(ctx, chunk)
+        if resident is not None and decl.streams:
+            held = min(held, max(resident, chunk))
+        self.capacity = held
+        alloc = lambda shape, dtype: mem.empty(LINE, shape, dtype)  # noqa: E731
+        self.k, self.v = self.kc.empty(alloc, decl.kv_heads, held), self.vc.empty(alloc, decl.kv_heads, held)
+        self.slot_pos = torch.full((held,), INVALID, dtype=torch.long) if held < ctx else None
+        self.host = None
+        if self.slot_pos is not None and decl.streams:
+            pin = mem.torch_device.type == "cuda"
+            host_alloc = lambda shape, dtype: torch.empty(shape, dtype=dtype, pin_memory=pin)  # noqa: E731
+            self.host = (self.kc.empty(host_alloc, decl.kv_heads, ctx), self.vc.empty(host_alloc, decl.kv_heads, ctx))
+
+    @property
+    def rotations(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        return self.kc.rotation, self.vc.rotation
+
+    def host_bytes(self) -> int:
+        return sum(t.nbytes for store in self.host for t in store.values()) if self.host else 0
+
+    def write(self, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k [K, T, Dk], v [K, T, Dv] for positions start..start+T."""
+        end = start + k.shape[1]
+        if self.slot_pos is None:
+            self.kc.put(self.k, slice(start, end), k)
+            self.vc.put(self.v, slice(start, end), v)
+            return
+        if k.shape[1] > self.capacity:
+            raise ValueError(f"{k.shape[1]} tokens in one forward exceed the {self.capacity}-slot ring")
+        pos = torch.arange(start, end)
+        slots = pos % self.capacity
+        self.kc.put(self.k, slots.to(self.k["x"].device), k)
+        self.vc.put(self.v, slots.to(self.v["x"].device), v)
+        self.slot_pos[slots] = pos
+        if self.host is not None:
+            self.kc.put(self.host[0], slice(start, end), k.to("cpu", non_blocking=True))
+            self.vc.put(self.host[1], slice(start, end), v.to("cpu", non_blocking=True))
+
+    def parts(self, end: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+        dt = self.compute_dtype
+        if self.slot_pos is None:
+            return [(self.kc.get(self.k, slice(0, end), dt), self.vc.get(self.v, slice(0, end), dt), None)]
+        first = self._first_in_ring(end) if self.host is not None else 0
+        pos = self.slot_pos.clone()
+        pos[(pos < first) | (pos >= end)] = INVALID
+        ring = slice(0, self.capacity)
+        dev = pos.to(self.k["x"].device)
+        parts = [(self.kc.get(self.k, ring, dt), self.vc.get(self.v, ring, dt), dev)]
+        if first > 0:
+            host = slice(0, first)
+            parts.insert(0, (self.kc.get(self.host[0], host, dt), self.vc.get(self.host[1], host, dt),
+                             torch.arange(first)))
+        return parts
+
+    def _first_in_ring(self, end: int) -> int:
+        """The first position from which the ring holds every position up to end (a rejected
+        speculative token may have taken the slot of an older one: the host store has it)."""
+        idx = torch.arange(max(0, end - self.capacity), end)
+        missing = (self.slot_pos[idx % self.capacity] != idx).nonzero()
+        return int(idx[missing[-1, 0]]) + 1 if len(missing) else int(idx[0]) if len(idx) else 0
+
+    def truncate(self, pos: int) -> None:
+        """Keep positions < pos. Nothing to do: positions are written by index, and a ring's
+        positions >= pos are never attended by queries before them."""
+
+
+class SequenceState:
+    """The per-layer state objects of one session.
+
+    Usage: state = SequenceState(model_config, ctx, "int8", torch.float32, mem, chunk=512)
+           state.write(i, start, k, v); attend_state(state, i, q, start, mask)"""
+
+    def __init__(self, model, ctx: int, kv_dtype: str, compute_dtype: torch.dtype, mem: DeviceMemory,
+                 chunk: int, resident: int | None = None):
+        self.ctx, self.kv_dtype, self.compute_dtype, self.resident = ctx, kv_dtype, compute_dtype, resident
+        self.layers = [self._make(s, model, chunk, mem) for s in model.layer_states()]
+
+    def _make(self, decl, model, chunk: int, mem: DeviceMemory):
+        if isinstance(decl, AttentionKV):
+            return AttentionState(decl, self.ctx, self.kv_dtype, self.compute_dtype, mem, chunk, self.resident,
+                                  model.sliding_window)
+        raise NotImplementedError(f"{type(decl).__name__} state has no runtime object yet")
+
+    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.layers[layer].write(start, k, v)
+
+    def parts(self, layer: int, end: int):
+        return self.layers[layer].parts(end)
+
+    def rotations(self, layer: int):
+        return self.layers[layer].rotations
+
+    def window(self, layer: int) -> int | None:
+        return self.layers[layer].window
+
+    def truncate(self, pos: int) -> None:
+        for layer in self.layers:
+            layer.truncate(pos)
+
+    def host_bytes(self) -> int:
+        return sum(layer.host_bytes() for layer in self.layers)
