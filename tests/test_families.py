@@ -43,7 +43,7 @@ def test_state_per_token_is_what_each_architecture_keeps():
     assert qwen.kv_bytes_per_token("k8v4") == 48 * 4 * ((128 + 4) + (64 + 8))
     ds = from_config(published("deepseek-v3.json"), "int4", "bf16")
     assert ds.kv_bytes_per_token("bf16") == 61 * (512 + 64) * 2                    # MLA: latent + rope key
-    assert ds.rope_bytes(1) == 2 * 64 * 2
+    assert ds.rope_bytes(131072) == 64 // 2 * 4                                # inverse frequencies only
 
 
 def test_hybrid_layers_keep_constant_state_and_only_full_attention_grows():

@@ -109,3 +109,29 @@ def test_quantised_kv_on_the_demo_stays_close_to_fp32(kv_dtype, bound):
     a, _ = ref.prefill(text)
     b, _ = got.prefill(text)
     assert ((a - b).norm() / a.norm()) < bound
+
+
+def test_the_demo_serves_a_64k_context_on_its_simulated_card(tmp_path):
+    """`make run`'s configuration: 65,536 tokens of context, 2,048 of them on the card. A prompt
+    of 65,000 tokens is prefilled in 128-token chunks and decoded; the card's bytes do not move."""
+    import argparse
+    import shutil
+    from moefit.cli import add_serve_flags, add_state_flags, serve_config
+    from moefit.demo import CARD, SIM_FLAGS, demo_pack
+    card = tmp_path / "card.json"
+    shutil.copy(CARD, card)
+    parser = argparse.ArgumentParser()
+    add_serve_flags(parser)
+    add_state_flags(parser)
+    cfg = serve_config(parser.parse_args(SIM_FLAGS + ["--device", f"sim:{card}"]))
+    engine = Engine.open(demo_pack(), cfg)
+    p = engine.loaded.plan
+    assert cfg.ctx == 65536 and p.kv_resident == 2048 and p.serve_status == "OK" and p.slots >= 16
+    card_bytes = engine.loaded.mem.total_charged()
+    ids = (engine.codec.encode("Define: lantern. A lamp with a case of glass, carried by hand.\n") * 5000)[:65000]
+    logits, _ = engine.prefill(ids)
+    tokens = [int(logits.argmax())]
+    for i in range(8):
+        tokens.append(int(engine.decode_step(tokens[-1], len(ids) + i).argmax()))
+    assert torch.isfinite(logits).all() and engine.loaded.mem.total_charged() == card_bytes
+    assert engine.loaded.kv.host_bytes() == 4 * 2 * 2 * 65536 * 64 * 4          # layers x k,v x heads x ctx x D x fp32

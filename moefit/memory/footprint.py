@@ -46,9 +46,11 @@ class Footprint:
         return self.model.layer_states()
 
     def rope_bytes(self, ctx: int) -> int:
+        """RoPE's inverse frequencies (fp32, half the rotated dims); cos / sin are computed per
+        forward, so this does not grow with the context."""
         m = self.model
         dim = m.raw["qk_rope_head_dim"] if m.family == "deepseek_v3" else rotary_dim(m.raw, m.head_dim)
-        return 2 * ctx * dim * self.cb
+        return dim // 2 * 4
 
     def state_bytes(self, ctx: int, kv_dtype: str, chunk: int, resident: int | None = None) -> int:
         """Device bytes of one session's sequence state: KV (or MLA latent) per token held, plus

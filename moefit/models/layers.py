@@ -22,18 +22,22 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class RopeTable:
-    """cos / sin for every position up to max_pos, precomputed once."""
+    """cos / sin rows for the positions of each forward, computed from the inverse frequencies
+    (a few hundred bytes on the device instead of a [ctx, D] table: 64 MiB at 131K)."""
 
-    def __init__(self, rope: dict, head_dim: int, max_pos: int, max_position_embeddings: int,
-                 device, dtype: torch.dtype):
-        inv_freq, scale = rope_inv_freq(rope, head_dim, max_position_embeddings)
-        freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv_freq)   # [P, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)                                      # [P, D]
-        self.cos = (emb.cos() * scale).to(device=device, dtype=dtype)
-        self.sin = (emb.sin() * scale).to(device=device, dtype=dtype)
+    def __init__(self, rope: dict, head_dim: int, max_position_embeddings: int, device, dtype: torch.dtype):
+        inv_freq, self.scale = rope_inv_freq(rope, head_dim, max_position_embeddings)
+        self.inv_freq, self.dtype = inv_freq.to(device), dtype
+
+    def rows(self, start: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, D] for positions start..start+T (fp32 angles, as the reference's table)."""
+        pos = torch.arange(start, start + t, dtype=torch.float32, device=self.inv_freq.device)
+        freqs = torch.outer(pos, self.inv_freq)                                       # [T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)                                      # [T, D]
+        return (emb.cos() * self.scale).to(self.dtype), (emb.sin() * self.scale).to(self.dtype)
 
     def nbytes(self) -> int:
-        return self.cos.nbytes + self.sin.nbytes
+        return self.inv_freq.nbytes
 
 
 def rope_inv_freq(rope: dict, dim: int, max_position_embeddings: int) -> tuple[torch.Tensor, float]:
@@ -123,41 +127,55 @@ KEY_BLOCK = 4096
 
 
 def attend_parts(q: torch.Tensor, parts, q_pos: torch.Tensor, window: int | None) -> torch.Tensor:
-    """Exact softmax attention over several key parts (each on its own device), a block of
-    keys at a time with a running max and sum (the flash-attention recurrence): q [H, T, D],
-    parts [(k [K, S, D], v [K, S, Dv], positions [S])] -> [H, T, Dv] in q's dtype."""
+    """Exact softmax attention over several key parts, each where it lives: every part gives
+    its output and log-sum-exp, and the parts are merged by their log-sum-exp (the flash-
+    attention recurrence). q [H, T, D], parts [(k [K, S, D], v [K, S, Dv], positions [S])]
+    -> [H, T, Dv] in q's dtype."""
     h, t, d = q.shape
     kh = parts[0][0].shape[0]
     g = h // kh
-    out = m_run = l_run = None
+    out = lse = None
     for k, v, pos in parts:
-        qf = q.to(k.device).float().reshape(kh, g * t, d)                            # heads of a group together
-        qp = q_pos.to(k.device).repeat(g)                                             # [g*T]
-        for b in range(0, k.shape[1], KEY_BLOCK):
-            kb, vb, pb = k[:, b:b + KEY_BLOCK].float(), v[:, b:b + KEY_BLOCK].float(), pos[b:b + KEY_BLOCK]
-            allowed = pb[None, :] <= qp[:, None]
+        qg = q.to(k.device).reshape(kh, g * t, d)                 # a kv head's query heads together: [K, gT, D]
+        qp = q_pos.to(k.device).repeat(g)                          # [gT]
+        allowed = None
+        if window is not None or int(pos.max()) > int(q_pos.min()):
+            allowed = pos[None, :] <= qp[:, None]
             if window is not None:
-                allowed &= (qp[:, None] - pb[None, :]) < window
-            s = (qf @ kb.transpose(1, 2)) / d ** 0.5                                   # [K, gT, Sb]
-            s = s.masked_fill(~allowed, float("-inf"))
-            o, m_b, l_b = _block_softmax(s, vb)
-            out, m_run, l_run = _merge(out, m_run, l_run, o.to(q.device), m_b.to(q.device), l_b.to(q.device))
-    return (out / l_run).reshape(h, t, -1).to(q.dtype)
+                allowed &= (qp[:, None] - pos[None, :]) < window
+        o, m = _part_attention(qg, k, v, allowed)
+        out, lse = _merge(out, lse, o.to(q.device), m.to(q.device))
+    return out.reshape(h, t, -1).to(q.dtype)
 
 
-def _block_softmax(s: torch.Tensor, v: torch.Tensor):
-    m = s.amax(dim=-1, keepdim=True)
-    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)                          # a row with no key here
-    p = torch.exp(s - m)
-    return p @ v, m, p.sum(dim=-1, keepdim=True)
+def _part_attention(q, k, v, allowed):
+    """(out [K, gT, Dv] fp32, log-sum-exp [K, gT, 1]) of q against one part; CPU uses torch's
+    fused flash kernel, which returns the log-sum-exp, other devices a blockwise softmax."""
+    if k.device.type == "cpu" and (allowed is None or bool(allowed.any(dim=-1).all())):
+        mask = None if allowed is None else torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))
+        o, m = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q.float()[None], k.float()[None], v.float()[None], 0.0, False, attn_mask=mask)[:2]
+        return o[0], m[0].unsqueeze(-1)
+    out = lse = None
+    for b in range(0, k.shape[1], KEY_BLOCK):
+        s = (q.float() @ k[:, b:b + KEY_BLOCK].float().transpose(1, 2)) / q.shape[-1] ** 0.5     # [K, gT, Sb]
+        if allowed is not None:
+            s = s.masked_fill(~allowed[:, b:b + KEY_BLOCK], float("-inf"))
+        m = torch.logsumexp(s, dim=-1, keepdim=True)
+        p = torch.exp(s - torch.where(torch.isinf(m), torch.zeros_like(m), m))
+        out, lse = _merge(out, lse, p @ v[:, b:b + KEY_BLOCK].float(), m)
+    return out, lse
 
 
-def _merge(out, m_run, l_run, o, m, lsum):
+def _merge(out, lse, o, m):
+    """Two normalised partial attentions (out, log-sum-exp) -> their exact combination."""
     if out is None:
-        return o, m, lsum
-    top = torch.maximum(m_run, m)
-    a, b = torch.exp(m_run - top), torch.exp(m - top)
-    return out * a + o * b, top, l_run * a + lsum * b
+        return o, m
+    top = torch.maximum(lse, m)
+    top = torch.where(torch.isinf(top), torch.zeros_like(top), top)
+    a, b = torch.exp(lse - top), torch.exp(m - top)
+    total = a + b
+    return (out * a + o * b) / total.clamp(min=1e-30), torch.log(total) + top
 
 
 def decoder_stack(model, tokens: torch.Tensor, start: int, kv, experts) -> torch.Tensor:
@@ -166,7 +184,7 @@ def decoder_stack(model, tokens: torch.Tensor, start: int, kv, experts) -> torch
     cfg = model.cfg
     x = model.embed[tokens].to(device=model.norm.device, dtype=model.norm.dtype)       # [T, E]
     t = x.shape[0]
-    cos, sin = model.rope.cos[start:start + t], model.rope.sin[start:start + t]
+    cos, sin = model.rope.rows(start, t)
     mask = causal_mask(start, t, cfg.sliding_window, x.device)
     for i, layer in enumerate(model.layers):
         x = x + model.attention(i, layer, rms_norm(x, layer["input_norm"], cfg.rms_norm_eps), start, cos, sin, mask, kv)

@@ -112,8 +112,8 @@ def _plan(pack: Pack, cfg: ServeConfig, mem: DeviceMemory, cdt: str, profile: Pr
 
 
 def _rope(m, ctx: int, mem: DeviceMemory, dtype) -> RopeTable:
-    rope = RopeTable(m.rope, m.head_dim, ctx, m.max_position_embeddings, "cpu", dtype)
-    rope.cos, rope.sin = mem.copy_in(L.DENSE, rope.cos), mem.copy_in(L.DENSE, rope.sin)
+    rope = RopeTable(m.rope, m.head_dim, m.max_position_embeddings, "cpu", dtype)
+    rope.inv_freq = mem.copy_in(L.DENSE, rope.inv_freq)
     return rope
 
 

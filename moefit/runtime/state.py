@@ -42,7 +42,7 @@ class AttentionState:
         if resident is not None and decl.streams:
             held = min(held, max(resident, chunk))
         self.capacity = held
-        alloc = lambda shape, dtype: mem.empty(LINE, shape, dtype)  # noqa: E731
+        alloc = lambda shape, dtype: mem.empty(LINE, shape, dtype).zero_()  # noqa: E731  (masked rows meet 0 * row)
         self.k, self.v = self.kc.empty(alloc, decl.kv_heads, held), self.vc.empty(alloc, decl.kv_heads, held)
         self.slot_pos = torch.full((held,), INVALID, dtype=torch.long) if held < ctx else None
         self.host = None
