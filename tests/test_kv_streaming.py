@@ -51,6 +51,19 @@ def test_streaming_survives_rejected_drafts(packs):
     assert streamed == whole
 
 
+def test_prefix_reuse_across_turns_works_with_streamed_kv(packs):
+    """The second turn shares 120 tokens with the first (which went on 48 tokens further):
+    streamed and whole-context engines give the second turn the same tokens, and both reuse."""
+    first = PROMPT + [7, 8, 9]
+    engine = Engine.open(packs("qwen3_moe"), ServeConfig(ctx=256, prefill_chunk=16, kv_resident="32"))
+    _, stats, _ = engine.generate(first, GREEDY)
+    second = first + stats.generated[:17] + [11, 12, 13, 14]
+    _, reused = engine.prefill(second)
+    assert reused == len(first) + 17
+    got = engine.generate(second, GREEDY)[1].generated
+    assert got == greedy(packs("qwen3_moe"), second)[0]
+
+
 def _state(decl, ctx, kv_dtype="fp32", resident=None, window=None, chunk=4):
     class M:
         sliding_window = window
