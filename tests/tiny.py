@@ -23,6 +23,10 @@ FAMILY_CONFIGS = {
     "mixtral": dict(model_type="mixtral", intermediate_size=96, num_local_experts=8, head_dim=20),
     "olmoe": dict(model_type="olmoe", intermediate_size=96, num_experts=8, norm_topk_prob=False,
                   clip_qkv=8.0),
+    "glm4_moe": dict(model_type="glm4_moe", moe_intermediate_size=96, intermediate_size=112, n_routed_experts=8,
+                     head_dim=20, partial_rotary_factor=0.5, attention_bias=True, use_qk_norm=True,
+                     first_k_dense_replace=1, n_shared_experts=1, n_group=2, topk_group=1,
+                     routed_scaling_factor=2.5, norm_topk_prob=True),
 }
 
 
@@ -71,6 +75,10 @@ def _sharpen(model) -> None:
             if name.endswith("mlp.gate.weight") or name.endswith("block_sparse_moe.gate.weight") \
                     or name.startswith("lm_head"):
                 p.mul_(4.0)
+        gen = torch.Generator().manual_seed(5)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):      # load balancing bias: zero at init, not in use
+                b.copy_(0.3 * torch.randn(b.shape, generator=gen))
 
 
 def _write_tokenizer(out: Path, tokenizer_dir: Path | None) -> int:

@@ -7,7 +7,7 @@ from moefit.families import common as c
 from moefit.families.state import AttentionKV
 
 NAME = "glm4_moe"
-RUNS = False
+RUNS = True
 
 
 def moe_layers(cfg: dict, layers: int) -> tuple[int, ...]:

@@ -1,7 +1,8 @@
 """One file per model family; each owns its block and router."""
 
+from moefit.models.glm4_moe import Glm4Moe
 from moefit.models.mixtral import Mixtral
 from moefit.models.olmoe import Olmoe
 from moefit.models.qwen3_moe import Qwen3Moe
 
-FAMILY = {"qwen3_moe": Qwen3Moe, "mixtral": Mixtral, "olmoe": Olmoe}
+FAMILY = {"qwen3_moe": Qwen3Moe, "mixtral": Mixtral, "olmoe": Olmoe, "glm4_moe": Glm4Moe}

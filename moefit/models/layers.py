@@ -84,6 +84,34 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on the first cos.shape[-1] channels of each head, the rest passed through
+    (partial_rotary_factor: GLM-4.5, Qwen3-Next)."""
+    rot = cos.shape[-1]
+    if rot == x.shape[-1]:
+        return apply_rope(x, cos, sin)
+    return torch.cat((apply_rope(x[..., :rot], cos, sin), x[..., rot:]), dim=-1)
+
+
+def sigmoid_group_topk(logits: torch.Tensor, bias: torch.Tensor, top_k: int, groups: int, top_groups: int,
+                       normalise: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's router (GLM-4.5 too): sigmoid scores; the choice adds a per-expert bias
+    (e_score_correction_bias, load balancing) and keeps the `top_groups` groups whose two best
+    biased scores sum highest; the weights are the unbiased scores of the chosen, renormalised
+    and scaled. logits [T, N] fp32 -> (weights [T, k], ids [T, k])."""
+    scores = logits.sigmoid()
+    choice = scores + bias.float()
+    t, n = choice.shape
+    group_best = choice.view(t, groups, n // groups).topk(2, dim=-1).values.sum(dim=-1)       # [T, G]
+    keep = torch.zeros_like(group_best).scatter_(1, group_best.topk(top_groups, dim=-1).indices, 1.0)
+    keep = keep.bool().repeat_interleave(n // groups, dim=1)                                   # [T, N]
+    ids = choice.masked_fill(~keep, float("-inf")).topk(top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if normalise:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scale, ids
+
+
 def causal_mask(start: int, t: int, window: int | None, device) -> torch.Tensor | None:
     """Boolean [T, S] mask (True = attend) for a chunk at absolute positions start..start+T."""
     if t == 1 and window is None:

@@ -1,0 +1,75 @@
+"""GLM-4.5 / 4.6 / 4.7 (glm4_moe; declaration in families/glm4_moe.py): GQA with q/k/v biases,
+optional per-head QK-norm, RoPE on the first half of each head (partial_rotary_factor); the
+first `first_k_dense_replace` layers have a dense SwiGLU MLP, the rest route each token to
+top-k experts with DeepSeek-V3's sigmoid, group-limited router and add a shared expert.
+
+Legend: T tokens, E hidden, H heads, K kv heads, D head dim, N experts, k top-k.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from moefit.models.layers import (RopeTable, Weights, apply_partial_rope, attend_state, decoder_stack, linear,
+                                  output_weights, rms_norm, sigmoid_group_topk, swiglu)
+
+
+class Glm4Moe:
+    def __init__(self, cfg, w: Weights, rope: RopeTable):
+        self.cfg, self.rope = cfg, rope
+        r = cfg.raw
+        self.groups, self.top_groups = r.get("n_group") or 1, r.get("topk_group") or 1
+        self.scale = float(r.get("routed_scaling_factor") or 1.0)
+        self.layers = [self._layer(w, i) for i in range(cfg.num_layers)]
+        self.embed, self.norm, self.lm_head = output_weights(cfg, w)
+
+    def _layer(self, w: Weights, i: int) -> dict:
+        p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
+        layer = {
+            "input_norm": w.get(p + "input_layernorm.weight"),
+            "post_norm": w.get(p + "post_attention_layernorm.weight"),
+            "qkv": w.fused([a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"]),
+            "o": w.get(a + "o_proj.weight"),
+        }
+        if w.has(a + "q_proj.bias"):
+            layer["qkv_bias"] = w.fused([a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"])
+        if w.has(a + "q_norm.weight"):
+            layer["q_norm"], layer["k_norm"] = w.get(a + "q_norm.weight"), w.get(a + "k_norm.weight")
+        if i in self.cfg.moe_layers:
+            s = p + "mlp.shared_experts."
+            layer.update(router=w.get(p + "mlp.gate.weight"), bias=w.get(p + "mlp.gate.e_score_correction_bias"),
+                         shared_gate_up=w.fused([s + "gate_proj.weight", s + "up_proj.weight"]),
+                         shared_down=w.get(s + "down_proj.weight"))
+        else:
+            layer["gate_up"] = w.fused([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"])
+            layer["down"] = w.get(p + "mlp.down_proj.weight")
+        return layer
+
+    def forward(self, tokens: torch.Tensor, start: int, kv, experts) -> torch.Tensor:
+        """Final hidden states [T, E] for tokens at positions start..start+T."""
+        return decoder_stack(self, tokens, start, kv, experts)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return linear(h, self.lm_head).float()                                        # [T, V]
+
+    def attention(self, i, layer, x, start, cos, sin, mask, kv) -> torch.Tensor:
+        c = self.cfg
+        t, hd = x.shape[0], c.head_dim
+        qkv = linear(x, layer["qkv"], layer.get("qkv_bias"))
+        q, k, v = qkv.split([c.num_heads * hd, c.num_kv_heads * hd, c.num_kv_heads * hd], dim=-1)
+        q, k = q.view(t, c.num_heads, hd), k.view(t, c.num_kv_heads, hd)
+        if "q_norm" in layer:
+            q, k = rms_norm(q, layer["q_norm"], c.rms_norm_eps), rms_norm(k, layer["k_norm"], c.rms_norm_eps)
+        q, k = q.transpose(0, 1), k.transpose(0, 1)                                      # [H|K, T, D]
+        v = v.view(t, c.num_kv_heads, hd).transpose(0, 1)
+        kv.write(i, start, apply_partial_rope(k, cos, sin), v)
+        return linear(attend_state(kv, i, apply_partial_rope(q, cos, sin), start, mask), layer["o"])
+
+    def mlp(self, i, layer, x, experts) -> torch.Tensor:
+        if "router" not in layer:
+            return swiglu(x, layer["gate_up"], layer["down"])
+        logits = F.linear(x.float(), layer["router"].float())                            # [T, N]
+        weights, ids = sigmoid_group_topk(logits, layer["bias"], self.cfg.top_k, self.groups, self.top_groups,
+                                          self.cfg.norm_topk_prob, self.scale)
+        return experts.run(i, x, ids, weights.to(x.dtype)) + swiglu(x, layer["shared_gate_up"], layer["shared_down"])
