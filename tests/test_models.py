@@ -74,7 +74,8 @@ def dequantised_reference(family, hf_dir, pack_dir):
 def test_quantised_packs_match_the_dequantised_model(family, quant, path, checkpoints, packs, monkeypatch):
     """The torch path (dequantise, then matmul) is exact to 1e-4; the native kernel also
     quantises activations to int8 per block of 32 (exact to 1e-5 against that reference in
-    test_kernels.py), which costs ~1 % of the logits end to end and must not move the argmax."""
+    test_kernels.py), which costs ~1 % of the logits end to end and must not move the argmax
+    (the hybrid's DeltaNet state carries that rounding from token to token: 3-4.5 % there)."""
     from moefit import kernels
     if path == "torch":
         monkeypatch.setattr(kernels, "_lib", False)
@@ -87,7 +88,8 @@ def test_quantised_packs_match_the_dequantised_model(family, quant, path, checkp
     if path == "torch":
         assert torch.allclose(got, want, atol=1e-4, rtol=0)
     else:
-        assert (got - want).norm() / want.norm() < 0.03 and got.argmax() == want.argmax()
+        bound = 0.05 if family == "qwen3_5_moe" else 0.03
+        assert (got - want).norm() / want.norm() < bound and got.argmax() == want.argmax()
 
 
 @pytest.mark.parametrize("quant", ["int8", "int4"])

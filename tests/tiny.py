@@ -27,6 +27,10 @@ FAMILY_CONFIGS = {
                      head_dim=20, partial_rotary_factor=0.5, attention_bias=True, use_qk_norm=True,
                      first_k_dense_replace=1, n_shared_experts=1, n_group=2, topk_group=1,
                      routed_scaling_factor=2.5, norm_topk_prob=True),
+    "qwen3_5_moe": dict(model_type="qwen3_5_moe_text", moe_intermediate_size=96, shared_expert_intermediate_size=64,
+                        num_experts=8, head_dim=32, num_hidden_layers=4, partial_rotary_factor=0.25,
+                        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                        linear_value_head_dim=16, linear_conv_kernel_dim=4, full_attention_interval=2),
 }
 
 

@@ -8,7 +8,7 @@ from moefit.families import common as c
 from moefit.families import qwen3_next
 
 NAME = "qwen3_5_moe"
-RUNS = False
+RUNS = True
 
 moe_layers = qwen3_next.moe_layers
 layer_states = qwen3_next.layer_states

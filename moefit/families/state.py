@@ -7,7 +7,8 @@ builds one state object per declaration.
     LatentKV        MLA: one compressed latent [rank] and one shared rope key [rope_dim]
                     per token (DeepSeek-V3)
     RecurrentState  Gated DeltaNet: a [heads, k_dim, v_dim] fp32 state and the causal
-                    conv's last (kernel - 1) inputs: constant in the context length
+                    conv's last (kernel - 1) inputs, and a snapshot of both: constant in
+                    the context length
 
 KV dtypes (bytes of a row of n values): fp32 4n, fp16 / bf16 2n, int8 n + a fp32 scale,
 q4 n/2 + a fp16 scale per 32 (Hadamard-rotated rows), k8v4 = keys int8, values q4.
@@ -100,7 +101,11 @@ class RecurrentState:
         return 0
 
     def constant_bytes(self, compute_bytes: int) -> int:
-        return 4 * self.heads * self.k_dim * self.v_dim + compute_bytes * self.conv_channels * (self.conv_kernel - 1)
+        """The state and the conv window, twice: the second copy is the snapshot taken at the start
+        of each multi-token forward, which a rejected speculative window or a reused prefix
+        resumes from (runtime/state.py)."""
+        one = 4 * self.heads * self.k_dim * self.v_dim + compute_bytes * self.conv_channels * (self.conv_kernel - 1)
+        return 2 * one
 
     streams = False
 

@@ -3,6 +3,8 @@
 from moefit.models.glm4_moe import Glm4Moe
 from moefit.models.mixtral import Mixtral
 from moefit.models.olmoe import Olmoe
+from moefit.models.qwen3_5_moe import Qwen3_5Moe
 from moefit.models.qwen3_moe import Qwen3Moe
 
-FAMILY = {"qwen3_moe": Qwen3Moe, "mixtral": Mixtral, "olmoe": Olmoe, "glm4_moe": Glm4Moe}
+FAMILY = {"qwen3_moe": Qwen3Moe, "mixtral": Mixtral, "olmoe": Olmoe, "glm4_moe": Glm4Moe,
+          "qwen3_5_moe": Qwen3_5Moe}

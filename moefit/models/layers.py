@@ -282,6 +282,10 @@ class Weights:
     def get(self, name: str):
         return self._placed(name, self._load(name))
 
+    def centred(self, name: str):
+        """A zero-centred RMSNorm weight (Qwen3.5: x * (1 + w)), stored as 1 + w."""
+        return self._place(name, self._load(name).float() + 1.0)
+
     def host(self, name: str) -> torch.Tensor:
         """A tensor kept in host memory (the embedding table: only looked up)."""
         return self._load(name)

@@ -34,6 +34,9 @@ EXPERT_KEY = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.expert
                         r"(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
 FUSED_KEY = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(gate_up_proj|down_proj)"
                        r"(?:\.weight)?$")
+# Not part of the text model moefit runs: a multimodal checkpoint's vision tower, and MTP layers
+# (multi-token prediction heads; not used as drafts yet).
+SKIPPED_PREFIXES = ("model.visual.", "mtp.", "model.mtp.")
 ROLE = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
                    "special_tokens_map.json", "generation_config.json")
@@ -126,9 +129,12 @@ class _TensorSource:
         return self._open[f]
 
     def _classify(self, key: str) -> None:
-        if m := EXPERT_KEY.match(key):
+        if key.startswith(SKIPPED_PREFIXES):
+            return
+        name = canonical_dense_name(key)
+        if m := EXPERT_KEY.match(name):
             self.per_expert[(int(m[1]), int(m[2]), ROLE[m[3]])] = key
-        elif m := FUSED_KEY.match(key):
+        elif m := FUSED_KEY.match(name):
             self.fused[(int(m[1]), m[2])] = key
         else:
             self.dense_keys.append(key)
@@ -177,7 +183,10 @@ def open_shard(path: Path):
 
 
 def canonical_dense_name(key: str) -> str:
-    return key.replace(".block_sparse_moe.gate.", ".mlp.gate.")
+    """One name per weight: Mixtral's router under mlp.gate, and a multimodal checkpoint's text
+    model (Qwen3.5 / 3.6: model.language_model.*) under model.*."""
+    key = key.replace(".block_sparse_moe.gate.", ".mlp.gate.")
+    return "model." + key[len("model.language_model."):] if key.startswith("model.language_model.") else key
 
 
 def _write_dense(tensors: _TensorSource, writer: fmt.PackWriter, dtype: str, bar) -> None:

@@ -71,6 +71,8 @@ def verify(engine, token: int, pos: int, drafts: list[int], sampler: Sampler) ->
     else:
         out.append((_take(sampler, sampler.probs(logits[len(drafts)])), logits[len(drafts)]))
     accepted = len(out) - 1
+    if accepted < len(drafts) and engine.loaded.kv.recurrent:
+        engine.forward([token] + drafts[:accepted], pos)     # recurrent layers: back to pos, kept tokens again
     engine.last_hidden = engine.hidden[accepted]
     engine.kv_tokens = engine.kv_tokens[:pos] + [token] + drafts[:accepted]
     distinct = int(book.hits.sum()) + int(book.misses.sum()) - hits0 - misses0

@@ -154,6 +154,7 @@ class Engine:
         longest common prefix; returns (logits [V], reused tokens)."""
         reuse = _common_prefix(self.kv_tokens, prompt)
         reuse = min(reuse, len(prompt) - 1)          # the last token must run to give logits
+        reuse = self.loaded.kv.resumable(reuse)      # recurrent layers resume only where they can
         self.kv_tokens = prompt[:reuse]
         chunk = self.cfg.prefill_chunk
         logits = None

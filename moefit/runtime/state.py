@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from moefit.families.state import AttentionKV, split_kv_dtype
+from moefit.errors import MoefitError
+from moefit.families.state import AttentionKV, RecurrentState, split_kv_dtype
 from moefit.runtime.kv_codecs import codec
 from moefit.runtime.placement import DeviceMemory
 
@@ -104,6 +105,52 @@ class AttentionState:
         positions >= pos are never attended by queries before them."""
 
 
+class StateLost(MoefitError):
+    """A recurrent layer asked to resume from a position it holds no state for."""
+
+
+class RecurrentLayerState:
+    """Gated DeltaNet's state of one layer: s [H, Dk, Dv] fp32 and the conv window [C, K-1].
+    A recurrence cannot be cut at an arbitrary position, so each multi-token forward first
+    snapshots the state at its start: a rejected speculative window, or a prompt that shares a
+    prefix up to that point, resumes from it. Position 0 is always resumable (zeros)."""
+
+    def __init__(self, decl: RecurrentState, compute_dtype: torch.dtype, mem: DeviceMemory):
+        def two(shape, dtype):
+            return [mem.empty(LINE, shape, dtype).zero_() for _ in range(2)]
+        self.s, self.snap_s = two((decl.heads, decl.k_dim, decl.v_dim), torch.float32)
+        self.conv, self.snap_conv = two((decl.conv_channels, decl.conv_kernel - 1), compute_dtype)
+        self.pos, self.snap_pos = 0, None
+
+    rotations = (None, None)
+    window = None
+
+    def begin(self, start: int, t: int) -> None:
+        """Called by the layer before it consumes tokens start..start+t."""
+        if start == 0:
+            self.s.zero_()
+            self.conv.zero_()
+        elif start == self.snap_pos and start != self.pos:
+            self.s.copy_(self.snap_s)
+            self.conv.copy_(self.snap_conv)
+        elif start != self.pos:
+            raise StateLost(f"recurrent state is at position {self.pos}, asked to resume at {start}")
+        if t > 1:
+            self.snap_s.copy_(self.s)
+            self.snap_conv.copy_(self.conv)
+            self.snap_pos = start
+        self.pos = start + t
+
+    def resumable(self, upto: int) -> int:
+        return max(p for p in (0, self.pos, self.snap_pos) if p is not None and p <= upto)
+
+    def truncate(self, pos: int) -> None:
+        """Nothing to cut here: the next forward's begin() resumes from `pos` or says it cannot."""
+
+    def host_bytes(self) -> int:
+        return 0
+
+
 class SequenceState:
     """The per-layer state objects of one session.
 
@@ -119,6 +166,8 @@ class SequenceState:
         if isinstance(decl, AttentionKV):
             return AttentionState(decl, self.ctx, self.kv_dtype, self.compute_dtype, mem, chunk, self.resident,
                                   model.sliding_window)
+        if isinstance(decl, RecurrentState):
+            return RecurrentLayerState(decl, self.compute_dtype, mem)
         raise NotImplementedError(f"{type(decl).__name__} state has no runtime object yet")
 
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -139,3 +188,12 @@ class SequenceState:
 
     def host_bytes(self) -> int:
         return sum(layer.host_bytes() for layer in self.layers)
+
+    @property
+    def recurrent(self) -> bool:
+        return any(isinstance(layer, RecurrentLayerState) for layer in self.layers)
+
+    def resumable(self, upto: int) -> int:
+        """The longest prefix <= upto every layer can resume after (attention: any)."""
+        return min((layer.resumable(upto) for layer in self.layers if isinstance(layer, RecurrentLayerState)),
+                   default=upto)

@@ -1,0 +1,105 @@
+"""Qwen3.5 / Qwen3.6-MoE (qwen3_5_moe; declaration in families/qwen3_5_moe.py): a hybrid
+stack, three Gated DeltaNet layers (models/deltanet.py) to one full-attention layer, every
+layer MoE with a shared expert behind a sigmoid gate.
+
+    full attention   GQA with a per-head output gate (q_proj gives each head its query and
+                     its gate), per-head QK-norm, RoPE on the first quarter of each head
+    Gated DeltaNet   one projection to q, k, v (through a causal conv + SiLU), z (the output
+                     gate), b (beta) and a (the decay); l2-normed q, k; the delta rule; a gated
+                     RMSNorm; out_proj
+    MoE              softmax top-k, renormalised; + sigmoid(shared_expert_gate(x)) * shared(x)
+
+Its RMSNorms are zero-centred (x * (1 + w)); the weights are stored as 1 + w at load.
+Legend: T tokens, E hidden, H heads, K kv heads, D head dim, Hk / Hv DeltaNet key / value heads.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from moefit.families import qwen3_next as spec
+from moefit.models import deltanet
+from moefit.models.layers import (RopeTable, Weights, apply_partial_rope, attend_state, decoder_stack, linear,
+                                  rms_norm, swiglu)
+
+
+class Qwen3_5Moe:
+    def __init__(self, cfg, w: Weights, rope: RopeTable):
+        self.cfg, self.rope = cfg, rope
+        self.dims = spec.linear_dims(cfg)                  # Hk, Hv, Dk, Dv, conv kernel
+        self.layers = [self._layer(w, i, kind) for i, kind in enumerate(spec.layer_types(cfg))]
+        self.embed = w.host("model.embed_tokens.weight")
+        self.norm = w.centred("model.norm.weight")
+        self.lm_head = w.get("model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight")
+
+    def _layer(self, w: Weights, i: int, kind: str) -> dict:
+        p = f"model.layers.{i}."
+        layer = {"input_norm": w.centred(p + "input_layernorm.weight"),
+                 "post_norm": w.centred(p + "post_attention_layernorm.weight")}
+        if kind == "full_attention":
+            a = p + "self_attn."
+            layer.update(qkv=w.fused([a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"]),
+                         o=w.get(a + "o_proj.weight"), q_norm=w.centred(a + "q_norm.weight"),
+                         k_norm=w.centred(a + "k_norm.weight"))
+        else:
+            a = p + "linear_attn."
+            layer.update(linear=True, in_proj=w.fused([a + n for n in self.in_proj_names()]),
+                         conv=w.get(a + "conv1d.weight"), dt_bias=w.get(a + "dt_bias"), a_log=w.get(a + "A_log"),
+                         gated_norm=w.get(a + "norm.weight"), out=w.get(a + "out_proj.weight"))
+        s = p + "mlp.shared_expert."
+        layer.update(router=w.get(p + "mlp.gate.weight"), shared_gate=w.get(p + "mlp.shared_expert_gate.weight"),
+                     shared_gate_up=w.fused([s + "gate_proj.weight", s + "up_proj.weight"]),
+                     shared_down=w.get(s + "down_proj.weight"))
+        return layer
+
+    @staticmethod
+    def in_proj_names() -> list[str]:
+        return ["in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight"]
+
+    def forward(self, tokens: torch.Tensor, start: int, kv, experts) -> torch.Tensor:
+        """Final hidden states [T, E] for tokens at positions start..start+T."""
+        return decoder_stack(self, tokens, start, kv, experts)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return linear(h, self.lm_head).float()                                        # [T, V]
+
+    def attention(self, i, layer, x, start, cos, sin, mask, kv) -> torch.Tensor:
+        if "linear" in layer:
+            return self.delta_net(i, layer, x, start, kv)
+        c = self.cfg
+        t, hd = x.shape[0], c.head_dim
+        q_gate, k, v = linear(x, layer["qkv"]).split([2 * c.num_heads * hd, c.num_kv_heads * hd,
+                                                      c.num_kv_heads * hd], dim=-1)
+        q, gate = q_gate.view(t, c.num_heads, 2 * hd).chunk(2, dim=-1)                  # per head: query, gate
+        q = rms_norm(q, layer["q_norm"], c.rms_norm_eps).transpose(0, 1)                  # [H, T, D]
+        k = rms_norm(k.view(t, c.num_kv_heads, hd), layer["k_norm"], c.rms_norm_eps).transpose(0, 1)
+        v = v.view(t, c.num_kv_heads, hd).transpose(0, 1)
+        kv.write(i, start, apply_partial_rope(k, cos, sin), v)
+        out = attend_state(kv, i, apply_partial_rope(q, cos, sin), start, mask)          # [T, H*D]
+        return linear(out * torch.sigmoid(gate.reshape(t, -1)), layer["o"])
+
+    def delta_net(self, i, layer, x, start, kv) -> torch.Tensor:
+        hk, hv, dk, dv, _ = self.dims
+        t = x.shape[0]
+        state = kv.layers[i]
+        state.begin(start, t)
+        mixed, z, b, a = linear(x, layer["in_proj"]).split([2 * hk * dk + hv * dv, hv * dv, hv, hv], dim=-1)
+        q, k, v = deltanet.causal_conv(mixed, state.conv, layer["conv"]).split([hk * dk, hk * dk, hv * dv], dim=-1)
+        heads = lambda y, n, d: y.view(t, n, d).repeat_interleave(hv // n, dim=1).transpose(0, 1).float()  # noqa: E731
+        q = deltanet.l2norm(heads(q, hk, dk)) * dk ** -0.5                                  # [Hv, T, Dk]
+        k = deltanet.l2norm(heads(k, hk, dk))
+        beta = b.float().sigmoid().T                                                      # [Hv, T]
+        g = (-layer["a_log"].float().exp() * F.softplus(a.float() + layer["dt_bias"])).T  # log decay
+        rule = deltanet.chunked if t > 1 else deltanet.recurrent
+        o = rule(q, k, heads(v, hv, dv), g, beta, state.s).transpose(0, 1).to(x.dtype)    # [T, Hv, Dv]
+        o = rms_norm(o, layer["gated_norm"], self.cfg.rms_norm_eps) * F.silu(z.view(t, hv, dv).float())
+        return linear(o.to(x.dtype).reshape(t, -1), layer["out"])
+
+    def mlp(self, i, layer, x, experts) -> torch.Tensor:
+        probs = F.softmax(F.linear(x, layer["router"]).float(), dim=-1)                 # [T, N]
+        weights, ids = torch.topk(probs, self.cfg.top_k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        shared = torch.sigmoid(linear(x, layer["shared_gate"])) * swiglu(x, layer["shared_gate_up"],
+                                                                          layer["shared_down"])
+        return experts.run(i, x, ids, weights.to(x.dtype)) + shared
