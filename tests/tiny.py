@@ -31,6 +31,11 @@ FAMILY_CONFIGS = {
                         num_experts=8, head_dim=32, num_hidden_layers=4, partial_rotary_factor=0.25,
                         linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
                         linear_value_head_dim=16, linear_conv_kernel_dim=4, full_attention_interval=2),
+    "qwen3_next": dict(model_type="qwen3_next", moe_intermediate_size=96, shared_expert_intermediate_size=64,
+                       num_experts=8, head_dim=32, num_hidden_layers=4, partial_rotary_factor=0.25,
+                       linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                       linear_value_head_dim=16, linear_conv_kernel_dim=4, full_attention_interval=2,
+                       decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True),
 }
 
 

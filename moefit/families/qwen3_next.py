@@ -9,7 +9,7 @@ from moefit.families import common as c
 from moefit.families.state import AttentionKV, RecurrentState
 
 NAME = "qwen3_next"
-RUNS = False
+RUNS = True
 
 
 def moe_layers(cfg: dict, layers: int) -> tuple[int, ...]:

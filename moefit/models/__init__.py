@@ -5,6 +5,7 @@ from moefit.models.mixtral import Mixtral
 from moefit.models.olmoe import Olmoe
 from moefit.models.qwen3_5_moe import Qwen3_5Moe
 from moefit.models.qwen3_moe import Qwen3Moe
+from moefit.models.qwen3_next import Qwen3Next
 
 FAMILY = {"qwen3_moe": Qwen3Moe, "mixtral": Mixtral, "olmoe": Olmoe, "glm4_moe": Glm4Moe,
-          "qwen3_5_moe": Qwen3_5Moe}
+          "qwen3_5_moe": Qwen3_5Moe, "qwen3_next": Qwen3Next}

@@ -290,6 +290,8 @@ class Weights:
         """A tensor kept in host memory (the embedding table: only looked up)."""
         return self._load(name)
 
-    def fused(self, names: list[str]):
-        """Several matrices concatenated on dim 0 (q, k, v -> qkv) in one device tensor."""
-        return self._placed(names[0], torch.cat([self._load(n) for n in names], dim=0))
+    def fused(self, names: list[str], reorder=None):
+        """Several matrices concatenated on dim 0 (q, k, v -> qkv) in one device tensor;
+        `reorder` rearranges the rows first (a family whose checkpoint interleaves them)."""
+        t = torch.cat([self._load(n) for n in names], dim=0)
+        return self._placed(names[0], reorder(t) if reorder else t)

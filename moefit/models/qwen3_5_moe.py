@@ -44,7 +44,7 @@ class Qwen3_5Moe:
                          k_norm=w.centred(a + "k_norm.weight"))
         else:
             a = p + "linear_attn."
-            layer.update(linear=True, in_proj=w.fused([a + n for n in self.in_proj_names()]),
+            layer.update(linear=True, in_proj=self.in_proj(w, a),
                          conv=w.get(a + "conv1d.weight"), dt_bias=w.get(a + "dt_bias"), a_log=w.get(a + "A_log"),
                          gated_norm=w.get(a + "norm.weight"), out=w.get(a + "out_proj.weight"))
         s = p + "mlp.shared_expert."
@@ -53,9 +53,10 @@ class Qwen3_5Moe:
                      shared_down=w.get(s + "down_proj.weight"))
         return layer
 
-    @staticmethod
-    def in_proj_names() -> list[str]:
-        return ["in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight"]
+    def in_proj(self, w: Weights, a: str):
+        """DeltaNet's input projections as one matrix, rows [q | k | v | z | b | a], heads in order."""
+        return w.fused([a + n for n in ("in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight",
+                                         "in_proj_a.weight")])
 
     def forward(self, tokens: torch.Tensor, start: int, kv, experts) -> torch.Tensor:
         """Final hidden states [T, E] for tokens at positions start..start+T."""
