@@ -42,9 +42,12 @@ def test_greedy_tokens_match_transformers_generate(family, checkpoints, packs):
     assert stats.generated == want
 
 
-def test_yarn_rope_matches_transformers(tmp_path):
-    rope = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128, "rope_theta": 10000.0}
-    hf = tiny.build_checkpoint("qwen3_moe", tmp_path / "hf", rope_scaling=rope, max_position_embeddings=512)
+@pytest.mark.parametrize("family,extra", [("qwen3_moe", {}), ("deepseek_v3", {"mscale": 1.0, "mscale_all_dim": 1.0})])
+def test_yarn_rope_matches_transformers(family, extra, tmp_path):
+    """DeepSeek's YaRN also scales the softmax by mscale_all_dim's mscale squared."""
+    rope = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128, "rope_theta": 10000.0,
+            **extra}
+    hf = tiny.build_checkpoint(family, tmp_path / "hf", rope_scaling=rope, max_position_embeddings=512)
     from moefit.pack.convert import convert
     convert(hf, tmp_path / "pack", "fp32", progress=False)
     long_prompt = (PROMPT * 6)[:200]                                           # past the original 128

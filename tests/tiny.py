@@ -36,6 +36,10 @@ FAMILY_CONFIGS = {
                        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
                        linear_value_head_dim=16, linear_conv_kernel_dim=4, full_attention_interval=2,
                        decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True),
+    "deepseek_v3": dict(model_type="deepseek_v3", num_key_value_heads=4, moe_intermediate_size=96, intermediate_size=112, n_routed_experts=8,
+                        kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+                        first_k_dense_replace=1, n_shared_experts=1, n_group=2, topk_group=1,
+                        routed_scaling_factor=2.5, norm_topk_prob=True),
 }
 
 

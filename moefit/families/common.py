@@ -67,6 +67,11 @@ def sparse_step(cfg: dict, layers: int) -> tuple[int, ...]:
     return tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0)
 
 
+def rope_dim(m) -> int:
+    """Channels RoPE rotates per head: MLA's rope key, else the partial or whole head."""
+    return m.raw["qk_rope_head_dim"] if m.family == "deepseek_v3" else rotary_dim(m.raw, m.head_dim)
+
+
 def rotary_dim(cfg: dict, head_dim: int) -> int:
     """Rotated channels of a head: partial_rotary_factor (GLM, Qwen3-Next) or all."""
     factor = cfg.get("partial_rotary_factor")

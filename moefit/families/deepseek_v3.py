@@ -9,7 +9,7 @@ from moefit.families import common as c
 from moefit.families.state import LatentKV
 
 NAME = "deepseek_v3"
-RUNS = False
+RUNS = True
 
 
 def moe_layers(cfg: dict, layers: int) -> tuple[int, ...]:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from moefit.config import ModelConfig
 from moefit.families import expert_bias_bytes
-from moefit.families.common import rotary_dim
+from moefit.families.common import rope_dim
 from moefit.families.state import layer_bytes
 from moefit.pack.layout import DENSE_GROUP, dense_quantizable, expert_blob_sizes
 
@@ -48,9 +48,7 @@ class Footprint:
     def rope_bytes(self, ctx: int) -> int:
         """RoPE's inverse frequencies (fp32, half the rotated dims); cos / sin are computed per
         forward, so this does not grow with the context."""
-        m = self.model
-        dim = m.raw["qk_rope_head_dim"] if m.family == "deepseek_v3" else rotary_dim(m.raw, m.head_dim)
-        return dim // 2 * 4
+        return rope_dim(self.model) // 2 * 4
 
     def state_bytes(self, ctx: int, kv_dtype: str, chunk: int, resident: int | None = None) -> int:
         """Device bytes of one session's sequence state: KV (or MLA latent) per token held, plus

@@ -1,5 +1,6 @@
 """One file per model family; each owns its block and router."""
 
+from moefit.models.deepseek_v3 import DeepseekV3
 from moefit.models.glm4_moe import Glm4Moe
 from moefit.models.mixtral import Mixtral
 from moefit.models.olmoe import Olmoe
@@ -8,4 +9,5 @@ from moefit.models.qwen3_moe import Qwen3Moe
 from moefit.models.qwen3_next import Qwen3Next
 
 FAMILY = {"qwen3_moe": Qwen3Moe, "mixtral": Mixtral, "olmoe": Olmoe, "glm4_moe": Glm4Moe,
-          "qwen3_5_moe": Qwen3_5Moe, "qwen3_next": Qwen3Next}
+          "qwen3_5_moe": Qwen3_5Moe, "qwen3_next": Qwen3Next,
+          "deepseek_v3": DeepseekV3}

@@ -25,26 +25,30 @@ class Glm4Moe:
         self.embed, self.norm, self.lm_head = output_weights(cfg, w)
 
     def _layer(self, w: Weights, i: int) -> dict:
-        p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
-        layer = {
-            "input_norm": w.get(p + "input_layernorm.weight"),
-            "post_norm": w.get(p + "post_attention_layernorm.weight"),
-            "qkv": w.fused([a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"]),
-            "o": w.get(a + "o_proj.weight"),
-        }
+        p = f"model.layers.{i}."
+        return {"input_norm": w.get(p + "input_layernorm.weight"),
+                "post_norm": w.get(p + "post_attention_layernorm.weight"),
+                **self._attention_weights(w, i), **self._mlp_weights(w, i)}
+
+    def _attention_weights(self, w: Weights, i: int) -> dict:
+        a = f"model.layers.{i}.self_attn."
+        layer = {"qkv": w.fused([a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"]),
+                 "o": w.get(a + "o_proj.weight")}
         if w.has(a + "q_proj.bias"):
             layer["qkv_bias"] = w.fused([a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"])
         if w.has(a + "q_norm.weight"):
             layer["q_norm"], layer["k_norm"] = w.get(a + "q_norm.weight"), w.get(a + "k_norm.weight")
-        if i in self.cfg.moe_layers:
-            s = p + "mlp.shared_experts."
-            layer.update(router=w.get(p + "mlp.gate.weight"), bias=w.get(p + "mlp.gate.e_score_correction_bias"),
-                         shared_gate_up=w.fused([s + "gate_proj.weight", s + "up_proj.weight"]),
-                         shared_down=w.get(s + "down_proj.weight"))
-        else:
-            layer["gate_up"] = w.fused([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"])
-            layer["down"] = w.get(p + "mlp.down_proj.weight")
         return layer
+
+    def _mlp_weights(self, w: Weights, i: int) -> dict:
+        p = f"model.layers.{i}."
+        if i not in self.cfg.moe_layers:
+            return {"gate_up": w.fused([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
+                    "down": w.get(p + "mlp.down_proj.weight")}
+        s = p + "mlp.shared_experts."
+        return {"router": w.get(p + "mlp.gate.weight"), "bias": w.get(p + "mlp.gate.e_score_correction_bias"),
+                "shared_gate_up": w.fused([s + "gate_proj.weight", s + "up_proj.weight"]),
+                "shared_down": w.get(s + "down_proj.weight")}
 
     def forward(self, tokens: torch.Tensor, start: int, kv, experts) -> torch.Tensor:
         """Final hidden states [T, E] for tokens at positions start..start+T."""

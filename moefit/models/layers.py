@@ -84,6 +84,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on channel pairs (x0, x1), (x2, x3), ... (DeepSeek's layout), written out
+    de-interleaved (all first halves, then all second halves), as the reference does."""
+    half = cos.shape[-1] // 2
+    c, s = cos[..., :half], sin[..., :half]
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+
+
 def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """RoPE on the first cos.shape[-1] channels of each head, the rest passed through
     (partial_rotary_factor: GLM-4.5, Qwen3-Next)."""
@@ -131,21 +140,26 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     return out.transpose(0, 1).reshape(q.shape[1], -1)
 
 
-def attend_state(state, i: int, q: torch.Tensor, start: int, mask: torch.Tensor | None) -> torch.Tensor:
+def attend_state(state, i: int, q: torch.Tensor, start: int, mask: torch.Tensor | None,
+                 scale: float | None = None, keys=None) -> torch.Tensor:
     """q [H, T, D] (positions start..start+T) against layer i's keys 0..start+T as the
     sequence state holds them (runtime/state.py) -> [T, H*Dv]. One contiguous part is plain
-    SDPA with `mask`; a ring, or a ring and its host part, are merged by log-sum-exp."""
+    SDPA with `mask`; a ring, or a ring and its host part, are merged by log-sum-exp. `scale`
+    overrides 1/sqrt(D); `keys(k, v) -> (k, v)` builds the attended rows from the stored ones
+    (MLA keeps a latent and a rope key per token)."""
     t = q.shape[1]
     parts = state.parts(i, start + t)
+    if keys is not None:
+        parts = [(*keys(k, v), pos) for k, v, pos in parts]
     rk, rv = state.rotations(i)
     if rk is not None:
         q = q @ rk.to(device=q.device, dtype=q.dtype)
     if len(parts) == 1 and parts[0][2] is None:
         out = F.scaled_dot_product_attention(q[None], parts[0][0][None], parts[0][1][None], attn_mask=mask,
-                                             enable_gqa=q.shape[0] != parts[0][0].shape[0])[0]   # [H, T, Dv]
+                                             enable_gqa=q.shape[0] != parts[0][0].shape[0], scale=scale)[0]
     else:
         q_pos = torch.arange(start, start + t)
-        out = attend_parts(q, parts, q_pos, state.window(i))
+        out = attend_parts(q, parts, q_pos, state.window(i), scale)
     if rv is not None:
         out = out @ rv.to(device=out.device, dtype=out.dtype).T
     return out.transpose(0, 1).reshape(t, -1)
@@ -154,7 +168,8 @@ def attend_state(state, i: int, q: torch.Tensor, start: int, mask: torch.Tensor 
 KEY_BLOCK = 4096
 
 
-def attend_parts(q: torch.Tensor, parts, q_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+def attend_parts(q: torch.Tensor, parts, q_pos: torch.Tensor, window: int | None,
+                 scale: float | None = None) -> torch.Tensor:
     """Exact softmax attention over several key parts, each where it lives: every part gives
     its output and log-sum-exp, and the parts are merged by their log-sum-exp (the flash-
     attention recurrence). q [H, T, D], parts [(k [K, S, D], v [K, S, Dv], positions [S])]
@@ -171,22 +186,24 @@ def attend_parts(q: torch.Tensor, parts, q_pos: torch.Tensor, window: int | None
             allowed = pos[None, :] <= qp[:, None]
             if window is not None:
                 allowed &= (qp[:, None] - pos[None, :]) < window
-        o, m = _part_attention(qg, k, v, allowed)
+        o, m = _part_attention(qg, k, v, allowed, scale or d ** -0.5)
         out, lse = _merge(out, lse, o.to(q.device), m.to(q.device))
     return out.reshape(h, t, -1).to(q.dtype)
 
 
-def _part_attention(q, k, v, allowed):
+def _part_attention(q, k, v, allowed, scale: float):
     """(out [K, gT, Dv] fp32, log-sum-exp [K, gT, 1]) of q against one part; CPU uses torch's
-    fused flash kernel, which returns the log-sum-exp, other devices a blockwise softmax."""
-    if k.device.type == "cpu" and (allowed is None or bool(allowed.any(dim=-1).all())):
+    fused flash kernel, which returns the log-sum-exp (it needs keys and values of one width),
+    other cases a blockwise softmax."""
+    fused = k.device.type == "cpu" and k.shape[-1] == v.shape[-1]
+    if fused and (allowed is None or bool(allowed.any(dim=-1).all())):
         mask = None if allowed is None else torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))
         o, m = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q.float()[None], k.float()[None], v.float()[None], 0.0, False, attn_mask=mask)[:2]
+            q.float()[None], k.float()[None], v.float()[None], 0.0, False, attn_mask=mask, scale=scale)[:2]
         return o[0], m[0].unsqueeze(-1)
     out = lse = None
     for b in range(0, k.shape[1], KEY_BLOCK):
-        s = (q.float() @ k[:, b:b + KEY_BLOCK].float().transpose(1, 2)) / q.shape[-1] ** 0.5     # [K, gT, Sb]
+        s = (q.float() @ k[:, b:b + KEY_BLOCK].float().transpose(1, 2)) * scale                 # [K, gT, Sb]
         if allowed is not None:
             s = s.masked_fill(~allowed[:, b:b + KEY_BLOCK], float("-inf"))
         m = torch.logsumexp(s, dim=-1, keepdim=True)
@@ -281,6 +298,10 @@ class Weights:
 
     def get(self, name: str):
         return self._placed(name, self._load(name))
+
+    def place(self, name: str, t: torch.Tensor):
+        """A tensor derived from the checkpoint's (a slice, a reshape), placed as it is."""
+        return self._place(name, t)
 
     def centred(self, name: str):
         """A zero-centred RMSNorm weight (Qwen3.5: x * (1 + w)), stored as 1 + w."""

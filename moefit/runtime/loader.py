@@ -17,7 +17,7 @@ from moefit.experts.profile import Profile, no_profile_note
 from moefit import kernels
 from moefit.experts.lookahead import LookAhead
 from moefit.experts.runner import ExpertRunner
-from moefit.families.common import rotary_dim
+from moefit.families.common import rope_dim
 from moefit.memory import ledger as L
 from moefit.memory.devices import host_available_bytes, open_device
 from moefit.memory.footprint import device_dense_names, from_pack_header
@@ -113,7 +113,7 @@ def _plan(pack: Pack, cfg: ServeConfig, mem: DeviceMemory, cdt: str, profile: Pr
 
 
 def _rope(m, ctx: int, mem: DeviceMemory, dtype) -> RopeTable:
-    rope = RopeTable(m.rope, rotary_dim(m.raw, m.head_dim), m.max_position_embeddings, "cpu", dtype)
+    rope = RopeTable(m.rope, rope_dim(m), m.max_position_embeddings, "cpu", dtype)
     rope.inv_freq = mem.copy_in(L.DENSE, rope.inv_freq)
     return rope
 

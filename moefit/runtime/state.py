@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from moefit.errors import MoefitError
-from moefit.families.state import AttentionKV, RecurrentState, split_kv_dtype
+from moefit.families.state import AttentionKV, LatentKV, RecurrentState, split_kv_dtype
 from moefit.runtime.kv_codecs import codec
 from moefit.runtime.placement import DeviceMemory
 
@@ -166,6 +166,9 @@ class SequenceState:
         if isinstance(decl, AttentionKV):
             return AttentionState(decl, self.ctx, self.kv_dtype, self.compute_dtype, mem, chunk, self.resident,
                                   model.sliding_window)
+        if isinstance(decl, LatentKV):                       # one "head": k = the rope key, v = the latent
+            return AttentionState(AttentionKV(1, decl.rope_dim, decl.rank), self.ctx, self.kv_dtype,
+                                  self.compute_dtype, mem, chunk, self.resident)
         if isinstance(decl, RecurrentState):
             return RecurrentLayerState(decl, self.compute_dtype, mem)
         raise NotImplementedError(f"{type(decl).__name__} state has no runtime object yet")

@@ -1,0 +1,79 @@
+"""DeepSeek-V3 and Kimi-K2 (deepseek_v3; declaration in families/deepseek_v3.py): multi-head
+latent attention (MLA) and DeepSeek's MoE.
+
+MLA (DeepSeek-V2, 2024) keeps per token only c, the RMS-normed latent [r] of kv_a_proj, and one
+rope key k_r [dr] shared by all heads; kv_b_proj expands c into each head's nope key and value.
+Attention is computed in the latent space ("absorbed"): each head's nope query is taken
+through its slice of kv_b_proj (q_c = q_nope W_uk), so
+
+    score = q_c . c + q_r . k_r        out = (P c) W_uv^T
+
+which is one-kv-head attention over [c, k_r] with values c: the stored latent is never
+expanded to H heads. Queries go through the low-rank q_a / q_b pair when q_lora_rank is set;
+RoPE pairs channels (x0, x1), ... (rope_interleave); the softmax scale is (dn + dr)^-1/2,
+times YaRN's mscale^2 when the RoPE is scaled.
+
+The MoE is GLM-4.5's (sigmoid, group-limited, shared experts): `first_k_dense_replace` dense
+layers first. Legend: T tokens, E hidden, H heads, r latent rank, dn / dr nope / rope dims, dv
+value head dim.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from moefit.errors import MoefitError
+from moefit.families.deepseek_v3 import dims
+from moefit.models.glm4_moe import Glm4Moe
+from moefit.models.layers import (RopeTable, Weights, apply_rope, apply_rope_interleaved, attend_state, linear,
+                                  rms_norm)
+
+
+class DeepseekV3(Glm4Moe):
+    def __init__(self, cfg, w: Weights, rope: RopeTable):
+        self.rank, self.dr, self.dn, self.dv, self.q_rank = dims(cfg)
+        self.softmax_scale = (self.dn + self.dr) ** -0.5 * _yarn_mscale_squared(cfg.rope)
+        self.rotate = apply_rope_interleaved if cfg.raw.get("rope_interleave", True) else apply_rope
+        super().__init__(cfg, w, rope)
+
+    def _attention_weights(self, w: Weights, i: int) -> dict:
+        a = f"model.layers.{i}.self_attn."
+        kv_b = w.host(a + "kv_b_proj.weight").view(self.cfg.num_heads, self.dn + self.dv, self.rank)
+        layer = {"kv_a": w.get(a + "kv_a_proj_with_mqa.weight"), "kv_norm": w.get(a + "kv_a_layernorm.weight"),
+                 "w_uk": w.place(a + "kv_b_proj.weight", kv_b[:, :self.dn].contiguous()),      # [H, dn, r]
+                 "w_uv": w.place(a + "kv_b_proj.weight", kv_b[:, self.dn:].contiguous()),      # [H, dv, r]
+                 "o": w.get(a + "o_proj.weight")}
+        if self.q_rank:
+            layer.update(q_a=w.get(a + "q_a_proj.weight"), q_norm=w.get(a + "q_a_layernorm.weight"),
+                         q_b=w.get(a + "q_b_proj.weight"))
+        else:
+            layer["q"] = w.get(a + "q_proj.weight")
+        return layer
+
+    def attention(self, i, layer, x, start, cos, sin, mask, kv) -> torch.Tensor:
+        c, t = self.cfg, x.shape[0]
+        if any(r is not None for r in kv.rotations(i)):
+            raise MoefitError("--kv-dtype q4 / k8v4 rotate rows; MLA's latent is not rotated yet: use int8 or a float")
+        q = linear(rms_norm(linear(x, layer["q_a"]), layer["q_norm"], c.rms_norm_eps), layer["q_b"]) \
+            if self.q_rank else linear(x, layer["q"])
+        q_nope, q_rope = q.view(t, c.num_heads, self.dn + self.dr).transpose(0, 1).split([self.dn, self.dr], -1)
+        latent, k_rope = linear(x, layer["kv_a"]).split([self.rank, self.dr], dim=-1)
+        latent = rms_norm(latent, layer["kv_norm"], c.rms_norm_eps)
+        kv.write(i, start, self.rotate(k_rope[None], cos, sin), latent[None])          # one "head": [1, T, .]
+        q_latent = torch.einsum("htn,hnr->htr", q_nope, layer["w_uk"])                # [H, T, r]
+        q_abs = torch.cat((q_latent, self.rotate(q_rope, cos, sin)), dim=-1)
+        out = attend_state(kv, i, q_abs, start, mask, scale=self.softmax_scale,
+                           keys=lambda k_r, c_kv: (torch.cat((c_kv, k_r), dim=-1), c_kv))    # [T, H*r]
+        out = torch.einsum("htr,hvr->thv", out.view(t, c.num_heads, self.rank).transpose(0, 1), layer["w_uv"])
+        return linear(out.reshape(t, -1), layer["o"])
+
+
+def _yarn_mscale_squared(rope: dict) -> float:
+    """DeepSeek scales the softmax by mscale(factor, mscale_all_dim)^2 under YaRN."""
+    if rope.get("rope_type", "default") == "default" or not rope.get("mscale_all_dim"):
+        return 1.0
+    factor = rope["factor"]
+    m = 1.0 if factor <= 1 else 0.1 * rope["mscale_all_dim"] * math.log(factor) + 1.0
+    return m * m
