@@ -117,3 +117,41 @@ def test_int8_kv_cache_stays_close_and_runs_to_the_context_end(packs):
     assert (a - b).abs().max() < 0.05 * a.abs().max()
     _, stats, reason = q8.generate(PROMPT, SamplingParams(max_tokens=100, temperature=0, ignore_eos=True))
     assert reason == "length" and len(PROMPT) + len(stats.generated) == 64
+
+
+def test_an_fp8_block_quantised_deepseek_checkpoint_is_dequantised_at_pack_time(checkpoints, tmp_path):
+    """DeepSeek-V3 ships e4m3 weights with a fp32 `weight_scale_inv` per [128, 128] block (here
+    [16, 16], so the tiny matrices have several blocks and ragged edges). The reference is
+    transformers on a checkpoint holding the same dequantised values."""
+    import json
+    import shutil
+    from safetensors.torch import load_file, save_file
+    from moefit.pack.convert import convert
+    src, fp8, deq = checkpoints["deepseek_v3"], tmp_path / "fp8", tmp_path / "dequantised"
+    for d in (fp8, deq):
+        shutil.copytree(src, d, ignore=shutil.ignore_patterns("*.safetensors", "*.index.json"))
+    tensors = {}
+    for f in src.glob("*.safetensors"):
+        tensors.update(load_file(f))
+    quantised, dequantised = {}, {}
+    for k, w in tensors.items():
+        if w.dim() != 2 or "norm" in k or "embed" in k or "lm_head" in k or "mlp.gate." in k:
+            quantised[k] = dequantised[k] = w
+            continue
+        scale = torch.stack([torch.stack([w[r:r + 16, c:c + 16].abs().max() / 448 for c in range(0, w.shape[1], 16)])
+                             for r in range(0, w.shape[0], 16)]).clamp(min=1e-12)
+        full = scale.repeat_interleave(16, 0)[:w.shape[0]].repeat_interleave(16, 1)[:, :w.shape[1]]
+        codes = (w / full).to(torch.float8_e4m3fn)
+        quantised[k], quantised[k + "_scale_inv"] = codes, scale
+        dequantised[k] = (codes.float() * full).to(torch.bfloat16).float()
+    save_file(quantised, fp8 / "model.safetensors")
+    save_file(dequantised, deq / "model.safetensors")
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [16, 16]}
+    (fp8 / "config.json").write_text(json.dumps(cfg))
+    assert sum(k.endswith("_scale_inv") for k in quantised) > 20
+    convert(fp8, tmp_path / "pack", "fp32", progress=False)
+    with torch.no_grad():
+        want = reference(deq)(torch.tensor([PROMPT])).logits[0, -1]
+    got, _ = Engine.open(tmp_path / "pack", ServeConfig(ctx=128)).prefill(PROMPT)
+    assert torch.allclose(got, want, atol=1e-4, rtol=0)

@@ -37,6 +37,7 @@ FUSED_KEY = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts
 # Not part of the text model moefit runs: a multimodal checkpoint's vision tower, and MTP layers
 # (multi-token prediction heads; not used as drafts yet).
 SKIPPED_PREFIXES = ("model.visual.", "mtp.", "model.mtp.")
+FP8_SCALE = ".weight_scale_inv"
 ROLE = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
                    "special_tokens_map.json", "generation_config.json")
@@ -49,7 +50,8 @@ def convert(hf_dir, out, recipe: str = "bf16", group_size: int = 32, progress: b
     """
     hf_dir, out = Path(hf_dir), Path(out)
     raw_cfg = _read_config(hf_dir)
-    tensors = _TensorSource(hf_dir)
+    block = (raw_cfg.get("quantization_config") or {}).get("weight_block_size") or (128, 128)
+    tensors = _TensorSource(hf_dir, tuple(block))
     return write_pack(tensors, raw_cfg, out, recipe, group_size, lambda dest: _copy_tokenizer(hf_dir, dest),
                       progress, hf_dir.name)
 
@@ -107,8 +109,8 @@ class _TensorSource:
 
     OPEN_SHARDS = 2          # shards mapped at once: peak RSS stays near the largest shards, not the model
 
-    def __init__(self, hf_dir: Path):
-        self.hf_dir = hf_dir
+    def __init__(self, hf_dir: Path, fp8_block: tuple[int, int] = (128, 128)):
+        self.hf_dir, self.fp8_block = hf_dir, fp8_block
         self.file_of = _weight_map(hf_dir)
         self._open: OrderedDict[str, object] = OrderedDict()
         self.per_expert: dict[tuple[int, int, str], str] = {}
@@ -129,7 +131,7 @@ class _TensorSource:
         return self._open[f]
 
     def _classify(self, key: str) -> None:
-        if key.startswith(SKIPPED_PREFIXES):
+        if key.startswith(SKIPPED_PREFIXES) or key.endswith(FP8_SCALE):
             return
         name = canonical_dense_name(key)
         if m := EXPERT_KEY.match(name):
@@ -140,7 +142,20 @@ class _TensorSource:
             self.dense_keys.append(key)
 
     def get(self, key: str) -> torch.Tensor:
-        return self._handle(key).get_tensor(key).clone()              # a copy: the shard may be unmapped
+        t = self._handle(key).get_tensor(key).clone()                # a copy: the shard may be unmapped
+        return self._dequantised(key, t) if t.dtype == torch.float8_e4m3fn else t
+
+    def _dequantised(self, key: str, t: torch.Tensor) -> torch.Tensor:
+        """An FP8 block-quantised weight (DeepSeek-V3's checkpoints: e4m3 codes and one fp32
+        `weight_scale_inv` per block of quantization_config's weight_block_size, [128, 128]) in bf16,
+        exactly as the codes times the scales."""
+        scale_key = key + FP8_SCALE[len(".weight"):] if key.endswith(".weight") else None
+        if scale_key not in self.file_of:
+            raise PackError(f"{key}: FP8 weight without its {FP8_SCALE} (a block-quantised checkpoint is expected)")
+        scale = self._handle(scale_key).get_tensor(scale_key).float()
+        rows, cols = self.fp8_block
+        full = scale.repeat_interleave(rows, 0)[:t.shape[0]].repeat_interleave(cols, 1)[:, :t.shape[1]]
+        return (t.float() * full).to(torch.bfloat16)
 
     def float_dtype(self) -> str:
         return DTYPE_NAMES.get(self.get(self.dense_keys[0]).dtype, "fp32")
