@@ -1,4 +1,4 @@
-"""moefit pack HF_DIR -o PACK [--quant fp32|fp16|bf16|int8|int4|mixed]"""
+"""moefit pack HF_DIR|MODEL.gguf -o PACK [--quant fp32|fp16|bf16|int8|int4|mixed]"""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ from moefit.pack.layout import RECIPES
 
 
 def register(sub) -> None:
-    p = sub.add_parser("pack", help="convert a Hugging Face checkpoint into a native pack")
-    p.add_argument("hf_dir", help="checkpoint directory (config.json, safetensors, tokenizer)")
+    p = sub.add_parser("pack", help="convert a Hugging Face checkpoint or a GGUF file into a native pack")
+    p.add_argument("hf_dir", help="checkpoint directory (config.json, safetensors, tokenizer), or a .gguf file "
+                   "(dequantised and packed in --quant)")
     p.add_argument("-o", "--output", required=True, help="the pack directory to write")
     p.add_argument("--quant", default="bf16", choices=RECIPES,
                    help="expert quantization; mixed = int8 in the first and last MoE layers, int4 elsewhere")
@@ -32,9 +33,12 @@ def describe(header: dict) -> str:
     sizes = [row[3] for row in index]
     dense = sum(t["nbytes"] for t in header["dense"]["tensors"].values())
     q = header["quant"]
+    source = header["model_config"].get("moefit_source")
+    origin = ("  from " + source["gguf"] + ": " + ", ".join(f"{n} x {k}" for k, n in sorted(source["types"].items()))
+              + "\n") if source else ""
     layers = sorted({row[0] for row in index})
     return (f"packed {header['family']}: {len(layers)} MoE layers x {len(index) // max(1, len(layers))} experts, "
             f"experts {q['recipe']}" + (f" (group {q['group_size']})" if q["recipe"] in ("int4", "mixed") else "")
             + f", dense {q['dense_dtype']}\n"
             f"  dense {mib(dense):.1f} MiB; experts {mib(sum(sizes)):.1f} MiB in {len(sizes)} blobs "
-            f"({min(sizes) / 1024:.1f}-{max(sizes) / 1024:.1f} KiB each)\n  pack id {header['pack_id']}")
+            f"({min(sizes) / 1024:.1f}-{max(sizes) / 1024:.1f} KiB each)\n{origin}  pack id {header['pack_id']}")

@@ -49,11 +49,23 @@ def convert(hf_dir, out, recipe: str = "bf16", group_size: int = 32, progress: b
     Usage: convert("Qwen3-30B-A3B/", "qwen3.pack", recipe="int4")
     """
     hf_dir, out = Path(hf_dir), Path(out)
+    if hf_dir.suffix == ".gguf":
+        return _convert_gguf(hf_dir, out, recipe, group_size, progress)
     raw_cfg = _read_config(hf_dir)
     block = (raw_cfg.get("quantization_config") or {}).get("weight_block_size") or (128, 128)
     tensors = _TensorSource(hf_dir, tuple(block))
     return write_pack(tensors, raw_cfg, out, recipe, group_size, lambda dest: _copy_tokenizer(hf_dir, dest),
                       progress, hf_dir.name)
+
+
+def _convert_gguf(path: Path, out: Path, recipe: str, group_size: int, progress: bool) -> dict:
+    """A GGUF file, dequantised tensor by tensor and packed in `recipe` (pack/gguf_source.py)."""
+    from moefit.pack.gguf_source import GGUFSource
+    if not path.is_file():
+        raise PackError(f"{path}: no such GGUF file")
+    source = GGUFSource(path)
+    return write_pack(source, source.hf_config(), out, recipe, group_size,
+                      lambda dest: source.write_tokenizer(dest / fmt.TOKENIZER_DIR), progress, path.name)
 
 
 def write_pack(tensors, raw_cfg: dict, out: Path, recipe: str, group_size: int, write_tokenizer,

@@ -1,0 +1,58 @@
+"""GGUF import against llama.cpp, the format's own engine (not a test; needs llama-cpp-python,
+built as DEVELOPERS.md says): the same GGUF file packed by moefit (fp32 recipe: its blocks
+dequantised exactly, nothing re-quantised) and run by llama.cpp, teacher-forced over the same
+tokens; prints top-1 agreement and the largest logit difference per file.
+
+    .venv/bin/python bench/gguf_check.py FILE.gguf [FILE.gguf ...] [--tokens 64]
+
+bench/make_gguf.py makes GGUF files of a random checkpoint with llama.cpp's converter and
+quantiser.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from moefit.config import ServeConfig  # noqa: E402
+from moefit.pack.convert import convert  # noqa: E402
+from moefit.runtime.engine import Engine  # noqa: E402
+
+
+def llama_logits(path: Path, tokens: list[int]) -> np.ndarray:
+    from llama_cpp import Llama
+    llm = Llama(model_path=str(path), n_ctx=len(tokens) + 8, logits_all=True, n_threads=2, verbose=False)
+    llm.eval(tokens)
+    return np.array(llm.scores[:len(tokens)])
+
+
+def moefit_logits(path: Path, tokens: list[int]) -> np.ndarray:
+    with tempfile.TemporaryDirectory() as d:
+        convert(path, Path(d) / "pack", "fp32", progress=False)
+        engine = Engine.open(Path(d) / "pack", ServeConfig(ctx=len(tokens) + 8, prefill_chunk=len(tokens)))
+        return engine.forward(tokens, 0).numpy()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("files", nargs="+", type=Path)
+    ap.add_argument("--tokens", type=int, default=64)
+    args = ap.parse_args()
+    tokens = torch.randint(10, 5000, (args.tokens,), generator=torch.Generator().manual_seed(1)).tolist()
+    print(f"{args.tokens} tokens teacher-forced, fp32 compute, {torch.get_num_threads()} threads")
+    print(f"{'file':<24} {'top-1 agree':>11} {'max |dlogit|':>13} {'logit range':>12}")
+    for f in args.files:
+        a, b = llama_logits(f, tokens), moefit_logits(f, tokens)
+        agree = float((a.argmax(-1) == b.argmax(-1)).mean())
+        print(f"{f.name:<24} {agree:>11.3f} {float(np.abs(a - b).max()):>13.4f} {float(a.max() - a.min()):>12.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""GGUF import: a tiny Qwen3-MoE written as llama.cpp lays it out (gguf.GGUFWriter), packed by
+`moefit pack MODEL.gguf`, against transformers on the same weights."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from moefit.config import ServeConfig
+from moefit.errors import PackError
+from moefit.pack.convert import _TensorSource, convert
+from moefit.runtime.engine import Engine
+
+import tiny
+
+gguf = pytest.importorskip("gguf")
+PROMPT = torch.randint(3, 300, (30,), generator=torch.Generator().manual_seed(9)).tolist()
+LAYER_NAMES = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+               "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+               "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+               "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
+               "mlp.gate.weight": "ffn_gate_inp.weight"}
+
+
+def write_gguf(hf_dir, path, expert_type=None):
+    """The checkpoint as convert_hf_to_gguf.py would write a qwen3moe file (F32, or experts in
+    `expert_type`)."""
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    tok = json.loads((hf_dir / "tokenizer.json").read_text())
+    src = _TensorSource(hf_dir)
+    w = gguf.GGUFWriter(str(path), "qwen3moe")
+    n = cfg["num_hidden_layers"]
+    w.add_block_count(n)
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_key_length(cfg["head_dim"])
+    w.add_rope_freq_base((cfg.get("rope_parameters") or {}).get("rope_theta") or cfg["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    experts = cfg.get("num_experts") or cfg["num_local_experts"]
+    w.add_expert_count(experts)
+    w.add_expert_used_count(cfg["num_experts_per_tok"])
+    w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt-2")
+    w.add_token_list([t for t, _ in vocab])
+    w.add_token_types([3 if t in ("<unk>", "<|endoftext|>") else 1 for t, _ in vocab])
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
+    w.add_eos_token_id(tok["model"]["vocab"]["<|endoftext|>"])
+    w.add_chat_template(json.loads((hf_dir / "tokenizer_config.json").read_text())["chat_template"])
+    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+           "lm_head.weight": "output.weight"}
+    for key in src.dense_keys:
+        if key in top:
+            name = top[key]
+        else:
+            i, rest = key[len("model.layers."):].split(".", 1)
+            name = f"blk.{i}.{LAYER_NAMES[rest]}"
+        w.add_tensor(name, src.get(key).float().numpy())
+    for layer in range(n):
+        parts = [src.expert(layer, e) for e in range(experts)]
+        inner = cfg["moe_intermediate_size"]
+        for name, rows in (("ffn_gate_exps", [g[:inner] for g, _ in parts]), ("ffn_up_exps", [g[inner:] for g, _ in parts]),
+                           ("ffn_down_exps", [d for _, d in parts])):
+            arr = torch.stack(rows).float().numpy()
+            if expert_type is None:
+                w.add_tensor(f"blk.{layer}.{name}.weight", arr)
+            else:
+                w.add_tensor(f"blk.{layer}.{name}.weight", gguf.quants.quantize(arr, expert_type), raw_dtype=expert_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory):
+    return tiny.build_checkpoint("qwen3_moe", tmp_path_factory.mktemp("gguf") / "hf", mlp_only_layers=[])
+
+
+def test_a_gguf_file_packs_and_matches_transformers(hf, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    header = convert(write_gguf(hf, tmp_path / "tiny.gguf"), tmp_path / "pack", "fp32", progress=False)
+    assert header["model_config"]["moefit_source"]["types"] == {"F32": 3 * (9 + 3) + 3}     # layers x (dense + experts) + top
+    engine = Engine.open(tmp_path / "pack", ServeConfig(ctx=128))
+    ref = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = ref(torch.tensor([PROMPT])).logits[0, -1]
+    got, _ = engine.prefill(PROMPT)
+    assert torch.allclose(got, want, atol=1e-4, rtol=0)
+    hf_tok = AutoTokenizer.from_pretrained(hf)
+    for text in ("the lantern burns in the night", "define: lantern\n  A river's  end!", "<|endoftext|>x"):
+        assert engine.codec.encode(text) == hf_tok.encode(text), text
+
+
+def test_q8_0_experts_are_dequantised_from_their_blocks(hf, tmp_path):
+    f32 = convert(write_gguf(hf, tmp_path / "f32.gguf"), tmp_path / "f32", "fp32", progress=False)
+    q8 = convert(write_gguf(hf, tmp_path / "q8.gguf", gguf.GGMLQuantizationType.Q8_0), tmp_path / "q8", "fp32",
+                 progress=False)
+    assert q8["model_config"]["moefit_source"]["types"]["Q8_0"] == 9 and f32
+    a, _ = Engine.open(tmp_path / "f32", ServeConfig(ctx=64)).prefill(PROMPT)
+    b, _ = Engine.open(tmp_path / "q8", ServeConfig(ctx=64)).prefill(PROMPT)
+    assert 0 < (a - b).norm() / a.norm() < 0.02 and a.argmax() == b.argmax()
+
+
+def test_an_unsupported_architecture_is_named(tmp_path):
+    w = gguf.GGUFWriter(str(tmp_path / "x.gguf"), "llama4")
+    w.add_tensor("token_embd.weight", np.zeros((4, 4), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(PackError, match="architecture 'llama4' is not supported yet"):
+        convert(tmp_path / "x.gguf", tmp_path / "pack", "int8", progress=False)
