@@ -64,13 +64,14 @@ def write_gguf(hf_dir, path, expert_type=None):
     for layer in range(n):
         parts = [src.expert(layer, e) for e in range(experts)]
         inner = cfg["moe_intermediate_size"]
-        for name, rows in (("ffn_gate_exps", [g[:inner] for g, _ in parts]), ("ffn_up_exps", [g[inner:] for g, _ in parts]),
-                           ("ffn_down_exps", [d for _, d in parts])):
+        for name, rows in (("ffn_gate_exps", [g[:inner] for g, _ in parts]),
+                           ("ffn_up_exps", [g[inner:] for g, _ in parts]), ("ffn_down_exps", [d for _, d in parts])):
             arr = torch.stack(rows).float().numpy()
             if expert_type is None:
                 w.add_tensor(f"blk.{layer}.{name}.weight", arr)
             else:
-                w.add_tensor(f"blk.{layer}.{name}.weight", gguf.quants.quantize(arr, expert_type), raw_dtype=expert_type)
+                w.add_tensor(f"blk.{layer}.{name}.weight", gguf.quants.quantize(arr, expert_type),
+                             raw_dtype=expert_type)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -86,7 +87,8 @@ def hf(tmp_path_factory):
 def test_a_gguf_file_packs_and_matches_transformers(hf, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     header = convert(write_gguf(hf, tmp_path / "tiny.gguf"), tmp_path / "pack", "fp32", progress=False)
-    assert header["model_config"]["moefit_source"]["types"] == {"F32": 3 * (9 + 3) + 3}     # layers x (dense + experts) + top
+    types = header["model_config"]["moefit_source"]["types"]
+    assert types == {"F32": 3 * (9 + 3) + 3}                              # layers x (dense + experts) + top
     engine = Engine.open(tmp_path / "pack", ServeConfig(ctx=128))
     ref = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
     with torch.no_grad():

@@ -55,6 +55,17 @@ def router(i: int, m, bias: str | None = None) -> Shapes:
     return shapes
 
 
+def every_layer(cfg: dict, layers: int) -> tuple[int, ...]:
+    """Every layer is an MoE layer (Mixtral, OLMoE, gpt-oss)."""
+    return tuple(range(layers))
+
+
+def full_gqa(m) -> list:
+    """Every layer full GQA attention with one KV row per token (the plain transformer's state)."""
+    from moefit.families.state import AttentionKV
+    return [AttentionKV(m.num_kv_heads, m.head_dim, m.head_dim) for _ in range(m.num_layers)]
+
+
 def first_dense(cfg: dict, layers: int) -> tuple[int, ...]:
     """MoE layers after `first_k_dense_replace` dense ones (DeepSeek-V3, GLM-4.5)."""
     return tuple(range(cfg.get("first_k_dense_replace", 0) or 0, layers))

@@ -4,7 +4,6 @@ and DeepSeek-V3's router (sigmoid scores, e_score_correction_bias for the choice
 group-limited top-k, routed_scaling_factor)."""
 
 from moefit.families import common as c
-from moefit.families.state import AttentionKV
 
 NAME = "glm4_moe"
 RUNS = True
@@ -14,8 +13,7 @@ def moe_layers(cfg: dict, layers: int) -> tuple[int, ...]:
     return c.first_dense(cfg, layers)
 
 
-def layer_states(m) -> list:
-    return [AttentionKV(m.num_kv_heads, m.head_dim, m.head_dim) for _ in range(m.num_layers)]
+layer_states = c.full_gqa
 
 
 def shared_size(m) -> int:

@@ -10,8 +10,7 @@ NAME = "gpt_oss"
 RUNS = False
 
 
-def moe_layers(cfg: dict, layers: int) -> tuple[int, ...]:
-    return tuple(range(layers))
+moe_layers = c.every_layer
 
 
 def layer_types(m) -> list[str]:
@@ -35,5 +34,6 @@ def dense_shapes(m) -> c.Shapes:
     for i in range(m.num_layers):
         a, r = c.layer_prefix(i) + "self_attn.", c.layer_prefix(i) + "mlp.router."
         shapes |= c.norms(i, m.hidden_size) | c.gqa(i, m, bias=True, o_bias=True)
-        shapes |= {a + "sinks": (m.num_heads,), r + "weight": (m.num_experts, m.hidden_size), r + "bias": (m.num_experts,)}
+        shapes |= {a + "sinks": (m.num_heads,), r + "weight": (m.num_experts, m.hidden_size),
+                   r + "bias": (m.num_experts,)}
     return shapes

@@ -3,18 +3,13 @@ Its runtime keeps the whole context even with a sliding window (masked), so the 
 declared full-length."""
 
 from moefit.families import common as c
-from moefit.families.state import AttentionKV
 
 NAME = "mixtral"
 RUNS = True
 
 
-def moe_layers(cfg: dict, layers: int) -> tuple[int, ...]:
-    return tuple(range(layers))
-
-
-def layer_states(m) -> list:
-    return [AttentionKV(m.num_kv_heads, m.head_dim, m.head_dim) for _ in range(m.num_layers)]
+moe_layers = c.every_layer
+layer_states = c.full_gqa
 
 
 def dense_shapes(m) -> c.Shapes:

@@ -1,18 +1,13 @@
 """OLMoE: GQA with QK-norm over the whole projection (H*D, K*D); every layer MoE."""
 
 from moefit.families import common as c
-from moefit.families.state import AttentionKV
 
 NAME = "olmoe"
 RUNS = True
 
 
-def moe_layers(cfg: dict, layers: int) -> tuple[int, ...]:
-    return tuple(range(layers))
-
-
-def layer_states(m) -> list:
-    return [AttentionKV(m.num_kv_heads, m.head_dim, m.head_dim) for _ in range(m.num_layers)]
+moe_layers = c.every_layer
+layer_states = c.full_gqa
 
 
 def dense_shapes(m) -> c.Shapes:

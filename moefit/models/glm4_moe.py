@@ -11,11 +11,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moefit.models.layers import (RopeTable, Weights, apply_partial_rope, attend_state, decoder_stack, linear,
+from moefit.models.layers import (DecoderModel, RopeTable, Weights, apply_partial_rope, attend_state, linear,
                                   output_weights, rms_norm, sigmoid_group_topk, swiglu)
 
 
-class Glm4Moe:
+class Glm4Moe(DecoderModel):
     def __init__(self, cfg, w: Weights, rope: RopeTable):
         self.cfg, self.rope = cfg, rope
         r = cfg.raw
@@ -49,13 +49,6 @@ class Glm4Moe:
         return {"router": w.get(p + "mlp.gate.weight"), "bias": w.get(p + "mlp.gate.e_score_correction_bias"),
                 "shared_gate_up": w.fused([s + "gate_proj.weight", s + "up_proj.weight"]),
                 "shared_down": w.get(s + "down_proj.weight")}
-
-    def forward(self, tokens: torch.Tensor, start: int, kv, experts) -> torch.Tensor:
-        """Final hidden states [T, E] for tokens at positions start..start+T."""
-        return decoder_stack(self, tokens, start, kv, experts)
-
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        return linear(h, self.lm_head).float()                                        # [T, V]
 
     def attention(self, i, layer, x, start, cos, sin, mask, kv) -> torch.Tensor:
         c = self.cfg

@@ -223,6 +223,18 @@ def _merge(out, lse, o, m):
     return (out * a + o * b) / total.clamp(min=1e-30), torch.log(total) + top
 
 
+class DecoderModel:
+    """What every family's model shares: the residual stack (decoder_stack, which calls the
+    family's attention and mlp) and the lm_head."""
+
+    def forward(self, tokens: torch.Tensor, start: int, kv, experts) -> torch.Tensor:
+        """Final hidden states [T, E] for tokens at positions start..start+T."""
+        return decoder_stack(self, tokens, start, kv, experts)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return linear(h, self.lm_head).float()                                        # [T, V]
+
+
 def decoder_stack(model, tokens: torch.Tensor, start: int, kv, experts) -> torch.Tensor:
     """The residual stack every family shares, one line per sublayer:
     x = x + attention(norm(x)); x = x + mlp(norm(x)). Returns final-normed hidden [T, E]."""

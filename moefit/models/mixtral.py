@@ -9,10 +9,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moefit.models.layers import RopeTable, Weights, apply_rope, attend_state, decoder_stack, linear, output_weights
+from moefit.models.layers import DecoderModel, RopeTable, Weights, apply_rope, attend_state, linear, output_weights
 
 
-class Mixtral:
+class Mixtral(DecoderModel):
     def __init__(self, cfg, w: Weights, rope: RopeTable):
         self.cfg, self.rope = cfg, rope
         self.layers = [self._layer(w, i) for i in range(cfg.num_layers)]
@@ -28,13 +28,6 @@ class Mixtral:
             "o": w.get(a + "o_proj.weight"),
             "router": w.get(p + "mlp.gate.weight"),
         }
-
-    def forward(self, tokens: torch.Tensor, start: int, kv, experts) -> torch.Tensor:
-        """Final hidden states [T, E] for tokens at positions start..start+T."""
-        return decoder_stack(self, tokens, start, kv, experts)
-
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        return linear(h, self.lm_head).float()                                        # [T, V]
 
     def attention(self, i, layer, x, start, cos, sin, mask, kv) -> torch.Tensor:
         c = self.cfg

@@ -20,11 +20,11 @@ import torch.nn.functional as F
 
 from moefit.families import qwen3_next as spec
 from moefit.models import deltanet
-from moefit.models.layers import (RopeTable, Weights, apply_partial_rope, attend_state, decoder_stack, linear,
-                                  rms_norm, swiglu)
+from moefit.models.layers import (DecoderModel, RopeTable, Weights, apply_partial_rope, attend_state, linear, rms_norm,
+                                  swiglu)
 
 
-class Qwen3_5Moe:
+class Qwen3_5Moe(DecoderModel):
     def __init__(self, cfg, w: Weights, rope: RopeTable):
         self.cfg, self.rope = cfg, rope
         self.dims = spec.linear_dims(cfg)                  # Hk, Hv, Dk, Dv, conv kernel
@@ -57,13 +57,6 @@ class Qwen3_5Moe:
         """DeltaNet's input projections as one matrix, rows [q | k | v | z | b | a], heads in order."""
         return w.fused([a + n for n in ("in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight",
                                          "in_proj_a.weight")])
-
-    def forward(self, tokens: torch.Tensor, start: int, kv, experts) -> torch.Tensor:
-        """Final hidden states [T, E] for tokens at positions start..start+T."""
-        return decoder_stack(self, tokens, start, kv, experts)
-
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        return linear(h, self.lm_head).float()                                        # [T, V]
 
     def attention(self, i, layer, x, start, cos, sin, mask, kv) -> torch.Tensor:
         if "linear" in layer:

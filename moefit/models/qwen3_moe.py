@@ -10,11 +10,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moefit.models.layers import (RopeTable, Weights, apply_rope, attend_state, decoder_stack, linear, output_weights,
+from moefit.models.layers import (DecoderModel, RopeTable, Weights, apply_rope, attend_state, linear, output_weights,
                                   rms_norm, swiglu)
 
 
-class Qwen3Moe:
+class Qwen3Moe(DecoderModel):
     def __init__(self, cfg, w: Weights, rope: RopeTable):
         self.cfg, self.rope = cfg, rope
         self.layers = [self._layer(w, i) for i in range(cfg.num_layers)]
@@ -39,13 +39,6 @@ class Qwen3Moe:
             layer["gate_up"] = w.fused([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"])
             layer["down"] = w.get(p + "mlp.down_proj.weight")
         return layer
-
-    def forward(self, tokens: torch.Tensor, start: int, kv, experts) -> torch.Tensor:
-        """Final hidden states [T, E] for tokens at positions start..start+T."""
-        return decoder_stack(self, tokens, start, kv, experts)
-
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        return linear(h, self.lm_head).float()                                        # [T, V]
 
     def attention(self, i, layer, x, start, cos, sin, mask, kv) -> torch.Tensor:
         c = self.cfg
