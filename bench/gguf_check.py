@@ -3,7 +3,10 @@ built as DEVELOPERS.md says): the same GGUF file packed by moefit (fp32 recipe: 
 dequantised exactly, nothing re-quantised) and run by llama.cpp, teacher-forced over the same
 tokens; prints top-1 agreement and the largest logit difference per file.
 
-    .venv/bin/python bench/gguf_check.py FILE.gguf [FILE.gguf ...] [--tokens 64]
+    .venv/bin/python bench/gguf_check.py FILE.gguf [FILE.gguf ...] [--tokens 64] [--quant int4]
+
+`--quant int4` packs a Q4_0 file's experts as they are (their blocks kept) and runs them through
+moefit's host kernel, which rounds activations to 8 bits as llama.cpp does.
 
 bench/make_gguf.py makes GGUF files of a random checkpoint with llama.cpp's converter and
 quantiser.
@@ -33,9 +36,9 @@ def llama_logits(path: Path, tokens: list[int]) -> np.ndarray:
     return np.array(llm.scores[:len(tokens)])
 
 
-def moefit_logits(path: Path, tokens: list[int]) -> np.ndarray:
+def moefit_logits(path: Path, tokens: list[int], quant: str) -> np.ndarray:
     with tempfile.TemporaryDirectory() as d:
-        convert(path, Path(d) / "pack", "fp32", progress=False)
+        convert(path, Path(d) / "pack", quant, progress=False)
         engine = Engine.open(Path(d) / "pack", ServeConfig(ctx=len(tokens) + 8, prefill_chunk=len(tokens)))
         return engine.forward(tokens, 0).numpy()
 
@@ -44,12 +47,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("files", nargs="+", type=Path)
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--quant", default="fp32", help="moefit's pack recipe (fp32: every block dequantised)")
     args = ap.parse_args()
     tokens = torch.randint(10, 5000, (args.tokens,), generator=torch.Generator().manual_seed(1)).tolist()
-    print(f"{args.tokens} tokens teacher-forced, fp32 compute, {torch.get_num_threads()} threads")
+    print(f"{args.tokens} tokens teacher-forced, fp32 compute, moefit pack {args.quant}, "
+          f"{torch.get_num_threads()} threads")
     print(f"{'file':<24} {'top-1 agree':>11} {'max |dlogit|':>13} {'logit range':>12}")
     for f in args.files:
-        a, b = llama_logits(f, tokens), moefit_logits(f, tokens)
+        a, b = llama_logits(f, tokens), moefit_logits(f, tokens, args.quant)
         agree = float((a.argmax(-1) == b.argmax(-1)).mean())
         print(f"{f.name:<24} {agree:>11.3f} {float(np.abs(a - b).max()):>13.4f} {float(a.max() - a.min()):>12.2f}")
 

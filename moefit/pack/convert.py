@@ -227,8 +227,10 @@ def _write_experts(tensors, writer, model: ModelConfig, quants: dict[int, str], 
     layouts = {q: expert_layout(model.hidden_size, model.expert_size, q, group) for q in set(quants.values())}
     for layer, quant in quants.items():
         for expert in range(model.num_experts):
-            gate_up, down = tensors.expert(layer, expert)
-            data = quantize(gate_up, quant, group) + quantize(down, quant, group)
+            data = getattr(tensors, "expert_parts", lambda *_: None)(layer, expert, quant, group)
+            if data is None:                                # anything but blocks moefit keeps as they are
+                gate_up, down = tensors.expert(layer, expert)
+                data = quantize(gate_up, quant, group) + quantize(down, quant, group)
             writer.add_blob(layer, expert, quant, [(p, _bytes(t)) for p, t in zip(layouts[quant], data)])
             bar.update()
     return layouts

@@ -3,8 +3,10 @@ the HF config.json moefit reads, `tokenizer.ggml.*` a tokenizer.json, and each t
 from the file's mmap and dequantised with `gguf.quants` when the writer asks for it (one
 expert's slice of a [N, rows, cols] tensor at a time), so RSS stays near one tensor.
 
-This first version re-quantises: blocks are dequantised to float, then packed in the recipe
-the user asks for (`--quant`). Keeping the GGUF blocks as expert blobs is not built yet.
+Q4_0 experts packed as int4 (group 32) keep their blocks: Q4_0 is moefit's int4 layout (4-bit
+codes offset by 8, one fp16 scale per 32) up to the order of the nibbles, so the codes are
+reshuffled, not re-quantised, and the pack holds llama.cpp's exact weights. Every other type
+(or recipe) is dequantised to float, then packed in the recipe the user asks for (`--quant`).
 Families: qwen3moe (Qwen3-MoE). Others are named in the error.
 
 Usage: source = GGUFSource("model.gguf"); source.hf_config(); source.write_tokenizer(out)
@@ -107,6 +109,17 @@ class GGUFSource:
         gate, up, down = (self._expert_slice(f"blk.{layer}.{n}", expert) for n in EXPERTS)
         return torch.cat([gate, up], dim=0), down
 
+    def expert_parts(self, layer: int, expert: int, quant: str, group: int) -> list[torch.Tensor] | None:
+        """The expert's blob parts straight from its GGUF blocks (Q4_0 as int4, group 32), or None
+        when they must go through float."""
+        from gguf import GGMLQuantizationType
+        tensors = [self.tensors.get(f"blk.{layer}.{n}") for n in EXPERTS]
+        if quant != "int4" or group != 32 or any(t is None or t.tensor_type != GGMLQuantizationType.Q4_0
+                                                 for t in tensors):
+            return None
+        (gc, gs), (uc, us), (dc, ds) = (_q4_0_as_int4(np.asarray(t.data[expert])) for t in tensors)
+        return [torch.cat([gc, uc]), torch.cat([gs, us]), dc, ds]
+
     def _expert_slice(self, name: str, expert: int) -> torch.Tensor:
         t = self.tensors.get(name)
         if t is None:
@@ -143,6 +156,18 @@ class GGUFSource:
 def _shape(t) -> tuple[int, ...]:
     """The tensor's shape in PyTorch order (GGUF lists dims innermost first)."""
     return tuple(int(d) for d in reversed(t.shape.tolist()))
+
+
+def _q4_0_as_int4(raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_0 blocks [rows, blocks x 18 bytes] (a fp16 scale d, then 16 bytes whose low nibbles are
+    elements 0-15 and high nibbles 16-31, value (code - 8) d) -> moefit int4 parts: codes
+    [rows, cols / 2] with even columns in the low nibble, scales [rows, blocks] fp16."""
+    rows = raw.shape[0]
+    blocks = raw.reshape(rows, -1, 18)
+    scale = torch.from_numpy(np.ascontiguousarray(blocks[:, :, :2]).view(np.float16)[..., 0].copy())
+    qs = torch.from_numpy(np.ascontiguousarray(blocks[:, :, 2:]))                     # [R, B, 16]
+    codes = torch.cat((qs & 15, qs >> 4), dim=-1).reshape(rows, -1)                  # element order
+    return (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8), scale
 
 
 def _dequantised(data: np.ndarray, qtype, shape: tuple[int, ...]) -> torch.Tensor:
