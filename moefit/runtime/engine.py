@@ -120,6 +120,28 @@ class Engine:
     def model(self):
         return self.loaded.model
 
+    # -- the public view serve/ and the metrics read ------------------------------
+    @property
+    def plan(self):
+        """The start's plan (the ledger, the serve check), or None on the cpu device."""
+        return self.loaded.plan
+
+    @property
+    def cache(self):
+        """The expert cache's book: slots by key, sizes, budget, hits and misses per layer."""
+        return self.runner.book
+
+    def cached_experts(self) -> int:
+        return len(self.runner.slots)
+
+    def context_tokens(self) -> int:
+        """Tokens whose sequence state the engine holds (reusable by the next request)."""
+        return len(self.kv_tokens)
+
+    def free_device_bytes(self) -> int | None:
+        """Free memory on the card now (None without one)."""
+        return self.loaded.mem.snapshot().free_bytes if self.loaded.plan is not None else None
+
     @property
     def runner(self):
         return self.loaded.runner

@@ -140,7 +140,7 @@ def _routes(app: FastAPI, state: ServerState) -> None:
             return JSONResponse({"status": "failed", "message": state.down}, status_code=503)
         if not state.ready:
             return JSONResponse({"status": "loading"}, status_code=503)
-        plan = state.engine.loaded.plan
+        plan = state.engine.plan
         check = {"status": plan.serve_status, "message": plan.serve_message} if plan else {"status": "OK"}
         return {"status": "ok", "serve_check": check}
 
@@ -252,8 +252,8 @@ def merge_choices(answers: list[dict]) -> dict:
 
 def sample_cache(state: ServerState) -> None:
     """One point of the page's hit-rate chart (the server keeps the last 400)."""
-    book = state.engine.runner.book
-    state.samples.append({"time": time.time(), "hit_rate": book.hit_rate(), "slots": len(state.engine.runner.slots)})
+    state.samples.append({"time": time.time(), "hit_rate": state.engine.cache.hit_rate(),
+                          "slots": state.engine.cached_experts()})
 
 
 def _model_entry(state: ServerState) -> dict:
@@ -269,10 +269,8 @@ def _ready(state: ServerState) -> None:
 
 
 def _free_bytes(state: ServerState) -> int | None:
-    if state.engine.loaded.plan is None:
-        return None
     try:
-        return state.engine.loaded.mem.snapshot().free_bytes
+        return state.engine.free_device_bytes()
     except DeviceUnavailable:
         return None
 
@@ -328,7 +326,7 @@ def _status(state: ServerState) -> dict:
     out["queue"] = {"running": int(state.worker.running is not None), "waiting": len(state.worker.waiting),
                     "max": state.worker.max_queue}
     out["recent_requests"] = [r.__dict__ for r in list(state.worker.recent)[-50:]]
-    out["kv_cache"] = {"tokens": len(state.engine.kv_tokens), "ctx": state.engine.cfg.ctx}
+    out["kv_cache"] = {"tokens": state.engine.context_tokens(), "ctx": state.engine.cfg.ctx}
     out["cache_samples"] = list(state.samples)
     out["start"] = state.start.summary() if state.start else None
     return out

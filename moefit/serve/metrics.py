@@ -60,7 +60,7 @@ class Metrics:
             self.http_requests[(route, status)] += 1
 
     def render(self, engine, worker, guard, device_free: int | None) -> str:
-        book = engine.runner.book
+        book = engine.cache
         gauge = lambda n, v, t="gauge": [f"# TYPE {n} {t}", f"{n} {v}"]  # noqa: E731
         with self._lock:
             lines = gauge("vllm:num_requests_running", int(worker.running is not None))
@@ -70,7 +70,7 @@ class Metrics:
             lines += gauge("vllm:prefix_cache_hits_total", self.cached_tokens, "counter")
             lines += self.ttft.lines("vllm:time_to_first_token_seconds")
             lines += self.e2e.lines("vllm:e2e_request_latency_seconds")
-            lines += gauge("vllm:kv_cache_usage_perc", round(len(engine.kv_tokens) / engine.cfg.ctx, 6))
+            lines += gauge("vllm:kv_cache_usage_perc", round(engine.context_tokens() / engine.cfg.ctx, 6))
             lines += ["# TYPE moefit_requests_total counter"]
             lines += [f'moefit_requests_total{{status="{s}"}} {n}' for s, n in sorted(self.requests.items())]
             lines += ["# TYPE moefit_http_requests_total counter"]
@@ -79,7 +79,7 @@ class Metrics:
         lines += gauge("vllm:spec_decode_num_drafts_total", engine.spec_stats.windows, "counter")
         lines += gauge("vllm:spec_decode_num_draft_tokens_total", engine.spec_stats.drafted, "counter")
         lines += gauge("vllm:spec_decode_num_accepted_tokens_total", engine.spec_stats.accepted, "counter")
-        lines += gauge("moefit_expert_cache_slots", len(engine.runner.slots))
+        lines += gauge("moefit_expert_cache_slots", engine.cached_experts())
         lines += gauge("moefit_expert_cache_bytes", book.used)
         lines += gauge("moefit_expert_cache_budget_bytes", book.budget)
         lines += gauge("moefit_expert_cache_hits_total", int(book.hits.sum()), "counter")

@@ -189,7 +189,7 @@ class Worker:
         except DeviceOutOfMemory as e:
             self.guard.after_oom(e)
             raise ApiError(503, f"the device ran out of memory during this request ({e}); the expert cache "
-                           f"shrank to {len(self.engine.runner.slots)} experts; retry the request",
+                           f"shrank to {self.engine.cached_experts()} experts; retry the request",
                            kind="server_error", code="device_out_of_memory") from None
         except UsageError as e:
             raise ApiError(400, str(e), param="messages") from None
