@@ -154,7 +154,7 @@ class ModelConfig:
             head_dim=_head_dim(cfg, family, heads),
             num_experts=experts,
             top_k=cfg["num_experts_per_tok"],
-            expert_size=cfg.get("moe_intermediate_size") or cfg["intermediate_size"],
+            expert_size=_expert_size(cfg, family),
             dense_mlp_size=cfg.get("intermediate_size", 0),
             moe_layers=family_spec(family).moe_layers(cfg, layers) if experts else (),
             norm_topk_prob=_norm_topk(cfg, family),
@@ -163,7 +163,9 @@ class ModelConfig:
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             clip_qkv=cfg.get("clip_qkv"),
-            sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None,
+            # one window for every layer; per-layer windows (layer_types) are the family's declaration
+            sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window", True)
+            and not cfg.get("layer_types") else None,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=_as_tuple(cfg.get("eos_token_id")),
             raw=cfg,
@@ -174,6 +176,14 @@ def _as_tuple(v) -> tuple[int, ...]:
     if v is None:
         return ()
     return tuple(v) if isinstance(v, (list, tuple)) else (v,)
+
+
+def _expert_size(cfg: dict, family: str) -> int:
+    """One expert's intermediate size: moe_intermediate_size where a config has both sizes;
+    gpt-oss's experts use intermediate_size (it has no dense MLP)."""
+    if family == "gpt_oss":
+        return cfg["intermediate_size"]
+    return cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
 
 
 def _head_dim(cfg: dict, family: str, heads: int) -> int:

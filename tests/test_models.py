@@ -66,8 +66,12 @@ def dequantised_reference(family, hf_dir, pack_dir):
         for (layer, e), blob in pack.blobs.items():
             parts = pack.expert_parts(layer, e)
             experts = model.model.layers[layer].mlp.experts
-            experts.gate_up_proj[e] = dequantize(parts, "gate_up", blob.quant, torch.float32)
-            experts.down_proj[e] = dequantize(parts, "down", blob.quant, torch.float32)
+            gate_up = dequantize(parts, "gate_up", blob.quant, torch.float32)
+            down = dequantize(parts, "down", blob.quant, torch.float32)
+            if family == "gpt_oss":                         # [E, 2I] with gate / up interleaved
+                gate, up = gate_up.chunk(2)
+                gate_up, down = torch.stack((gate, up), dim=1).reshape(gate_up.shape).T, down.T
+            experts.gate_up_proj[e], experts.down_proj[e] = gate_up, down
     return model
 
 

@@ -41,6 +41,8 @@ FAMILY_CONFIGS = {
                         kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
                         first_k_dense_replace=1, n_shared_experts=1, n_group=2, topk_group=1,
                         routed_scaling_factor=2.5, norm_topk_prob=True),
+    "gpt_oss": dict(model_type="gpt_oss", intermediate_size=96, num_local_experts=8, head_dim=16,
+                    sliding_window=8, layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
 }
 
 

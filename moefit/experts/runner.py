@@ -65,6 +65,9 @@ class ExpertRunner:
         self.ahead: LookAhead | None = None    # set by the loader when look-ahead is on
         self.handoffs = 0                      # device <-> host synchronisations (DESIGN: handoffs_per_token)
         self.tokens = 0                        # token positions run through the MoE layers (engine.forward)
+        # a family whose experts are not plain SwiGLU (gpt-oss: biases, a clamped gate) gives its own
+        # expert(layer, e, x, parts, quant); the native call computes SwiGLU only, so it is not used then
+        self.expert_fn = None
 
     @property
     def look_ahead(self) -> bool:
@@ -136,7 +139,7 @@ class ExpertRunner:
         # host memory: one native call per layer; a GPU: the routing comes to the host, and each
         # miss goes down and back (issue 12 replaces that with one hand-off per layer)
         self.handoffs += 1 if x.device.type == "cpu" else 1 + 2 * (len(resident) - sum(resident))
-        if x.device.type == "cpu" and kernels.usable(x, quant):
+        if x.device.type == "cpu" and kernels.usable(x, quant) and self.expert_fn is None:
             out = kernels.moe_call(x, quant, self._shape(quant), self._pointers(layer, experts), groups.start,
                                    groups.rows, groups.weights)
             if out is not None:
@@ -174,11 +177,12 @@ class ExpertRunner:
     def _one(self, layer: int, e: int, x, ids, weights) -> tuple[torch.Tensor, torch.Tensor]:
         rows, kpos = torch.where(ids == e)
         quant = self.pack.blobs[(layer, e)].quant
+        forward = (lambda xs, parts, q: self.expert_fn(layer, e, xs, parts, q)) if self.expert_fn else expert_forward
         if (layer, e) in self.slots:
-            y = expert_forward(x[rows], self.slots[(layer, e)][1], quant)
+            y = forward(x[rows], self.slots[(layer, e)][1], quant)
         else:
             xh = x[rows].to("cpu", self.host_dtype)
-            y = expert_forward(xh, self._host(layer, e), quant).to(x.device, x.dtype)
+            y = forward(xh, self._host(layer, e), quant).to(x.device, x.dtype)
         return rows, y * weights[rows, kpos, None]
 
     def _host(self, layer: int, e: int) -> dict:

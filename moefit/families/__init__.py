@@ -25,6 +25,3 @@ def family_name(model_type: str | None) -> str | None:
 def family_spec(family: str) -> ModuleType:
     return SPECS[family]
 
-
-def expert_bias_bytes(m) -> int:
-    return getattr(SPECS[m.family], "expert_bias_bytes", lambda _: 0)(m)

@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moefit.config import ModelConfig
-from moefit.families import expert_bias_bytes
 from moefit.families.common import rope_dim
 from moefit.families.state import layer_bytes
 from moefit.pack.layout import DENSE_GROUP, dense_quantizable, expert_blob_sizes
@@ -127,8 +126,7 @@ def device_dense_names(m: ModelConfig, names) -> list[str]:
 def from_config(m: ModelConfig, recipe: str, compute_dtype: str, group_size: int = 32,
                 dense_quant: str = "off") -> Footprint:
     sizes = expert_blob_sizes(m.hidden_size, m.expert_size, recipe, list(m.moe_layers), group_size)
-    bias = expert_bias_bytes(m)
-    blobs = {(layer, e): sizes[layer] + bias for layer in m.moe_layers for e in range(m.num_experts)}
+    blobs = {(layer, e): sizes[layer] for layer in m.moe_layers for e in range(m.num_experts)}
     dense = dense_bytes(dense_shapes(m), COMPUTE_BYTES[compute_dtype], dense_quant)
     return Footprint(m, compute_dtype, dense, blobs)
 

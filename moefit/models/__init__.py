@@ -2,6 +2,7 @@
 
 from moefit.models.deepseek_v3 import DeepseekV3
 from moefit.models.glm4_moe import Glm4Moe
+from moefit.models.gpt_oss import GptOss
 from moefit.models.mixtral import Mixtral
 from moefit.models.olmoe import Olmoe
 from moefit.models.qwen3_5_moe import Qwen3_5Moe
@@ -10,4 +11,4 @@ from moefit.models.qwen3_next import Qwen3Next
 
 FAMILY = {"qwen3_moe": Qwen3Moe, "mixtral": Mixtral, "olmoe": Olmoe, "glm4_moe": Glm4Moe,
           "qwen3_5_moe": Qwen3_5Moe, "qwen3_next": Qwen3Next,
-          "deepseek_v3": DeepseekV3}
+          "deepseek_v3": DeepseekV3, "gpt_oss": GptOss}

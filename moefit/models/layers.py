@@ -141,12 +141,13 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
 
 
 def attend_state(state, i: int, q: torch.Tensor, start: int, mask: torch.Tensor | None,
-                 scale: float | None = None, keys=None) -> torch.Tensor:
+                 scale: float | None = None, keys=None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [H, T, D] (positions start..start+T) against layer i's keys 0..start+T as the
     sequence state holds them (runtime/state.py) -> [T, H*Dv]. One contiguous part is plain
     SDPA with `mask`; a ring, or a ring and its host part, are merged by log-sum-exp. `scale`
     overrides 1/sqrt(D); `keys(k, v) -> (k, v)` builds the attended rows from the stored ones
-    (MLA keeps a latent and a rope key per token)."""
+    (MLA keeps a latent and a rope key per token). `sinks` [H] (gpt-oss) are logits of a virtual
+    key with a zero value in every head's softmax: they scale the output by sigmoid(lse - sink)."""
     t = q.shape[1]
     parts = state.parts(i, start + t)
     if keys is not None:
@@ -154,7 +155,14 @@ def attend_state(state, i: int, q: torch.Tensor, start: int, mask: torch.Tensor 
     rk, rv = state.rotations(i)
     if rk is not None:
         q = q @ rk.to(device=q.device, dtype=q.dtype)
-    if len(parts) == 1 and parts[0][2] is None:
+    if state.window(i) is not None and parts[0][2] is None:       # this layer's own window
+        mask = causal_mask(start, t, state.window(i), q.device)
+    if sinks is not None:
+        pos = [p if p is not None else torch.arange(k.shape[1]) for k, _, p in parts]
+        out, lse = attend_parts(q, [(k, v, p) for (k, v, _), p in zip(parts, pos)], torch.arange(start, start + t),
+                                state.window(i), scale, with_lse=True)
+        out = out * torch.sigmoid(lse - sinks.float()[:, None, None]).to(out.dtype)
+    elif len(parts) == 1 and parts[0][2] is None:
         out = F.scaled_dot_product_attention(q[None], parts[0][0][None], parts[0][1][None], attn_mask=mask,
                                              enable_gqa=q.shape[0] != parts[0][0].shape[0], scale=scale)[0]
     else:
@@ -169,7 +177,7 @@ KEY_BLOCK = 4096
 
 
 def attend_parts(q: torch.Tensor, parts, q_pos: torch.Tensor, window: int | None,
-                 scale: float | None = None) -> torch.Tensor:
+                 scale: float | None = None, with_lse: bool = False):
     """Exact softmax attention over several key parts, each where it lives: every part gives
     its output and log-sum-exp, and the parts are merged by their log-sum-exp (the flash-
     attention recurrence). q [H, T, D], parts [(k [K, S, D], v [K, S, Dv], positions [S])]
@@ -188,7 +196,8 @@ def attend_parts(q: torch.Tensor, parts, q_pos: torch.Tensor, window: int | None
                 allowed &= (qp[:, None] - pos[None, :]) < window
         o, m = _part_attention(qg, k, v, allowed, scale or d ** -0.5)
         out, lse = _merge(out, lse, o.to(q.device), m.to(q.device))
-    return out.reshape(h, t, -1).to(q.dtype)
+    out = out.reshape(h, t, -1).to(q.dtype)
+    return (out, lse.reshape(h, t, 1)) if with_lse else out
 
 
 def _part_attention(q, k, v, allowed, scale: float):

@@ -54,6 +54,7 @@ def convert(hf_dir, out, recipe: str = "bf16", group_size: int = 32, progress: b
     raw_cfg = _read_config(hf_dir)
     block = (raw_cfg.get("quantization_config") or {}).get("weight_block_size") or (128, 128)
     tensors = _TensorSource(hf_dir, tuple(block))
+    tensors.transposed_interleaved = raw_cfg.get("model_type") == "gpt_oss"
     return write_pack(tensors, raw_cfg, out, recipe, group_size, lambda dest: _copy_tokenizer(hf_dir, dest),
                       progress, hf_dir.name)
 
@@ -123,6 +124,7 @@ class _TensorSource:
 
     def __init__(self, hf_dir: Path, fp8_block: tuple[int, int] = (128, 128)):
         self.hf_dir, self.fp8_block = hf_dir, fp8_block
+        self.transposed_interleaved = False   # gpt-oss: experts [N, E, 2I] with gate / up columns interleaved
         self.file_of = _weight_map(hf_dir)
         self._open: OrderedDict[str, object] = OrderedDict()
         self.per_expert: dict[tuple[int, int, str], str] = {}
@@ -177,7 +179,11 @@ class _TensorSource:
         if (layer, "gate_up_proj") in self.fused:
             gate_up_key, down_key = self.fused[(layer, "gate_up_proj")], self.fused[(layer, "down_proj")]
             gate_up = self._handle(gate_up_key).get_slice(gate_up_key)[expert].clone()
-            return gate_up, self._handle(down_key).get_slice(down_key)[expert].clone()
+            down = self._handle(down_key).get_slice(down_key)[expert].clone()
+            if self.transposed_interleaved:
+                gate_up, down = gate_up.T, down.T
+                gate_up = torch.cat([gate_up[0::2], gate_up[1::2]])             # [gate rows; up rows]
+            return gate_up.contiguous(), down.contiguous()
         try:
             gate, up, down = (self.get(self.per_expert[(layer, expert, r)]) for r in ("gate", "up", "down"))
         except KeyError:

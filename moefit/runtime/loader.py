@@ -88,6 +88,7 @@ def _place(pack: Pack, cfg: ServeConfig, mem: DeviceMemory, cdt: str, the_plan: 
                      the_plan.cache_budget if the_plan else 0,
                      SwapPolicy(cfg.swap_period, cfg.swap_decay, cfg.max_swaps))
     runner = ExpertRunner(pack, mem, book, profile)
+    runner.expert_fn = getattr(model, "expert", None)      # a family's own expert (gpt-oss), else SwiGLU
     notes = []
     if the_plan is not None:
         notes = fill_cache(runner, the_plan, kind, log)

@@ -1,0 +1,71 @@
+"""gpt-oss (gpt_oss; declaration in families/gpt_oss.py): GQA with biases everywhere and a
+learned attention sink per head (a virtual key with no value that takes part of each softmax),
+sliding-window (128) and full attention alternating by `layer_types`; every layer MoE with a
+biased router whose top-k logits are softmaxed, and experts with biases and a clamped gate:
+
+    gate, up = x W_gu + b_gu          (the checkpoint interleaves them; the pack splits them)
+    h = (clamp(up, -L, L) + 1) * g * sigmoid(alpha g),  g = min(gate, L)      alpha 1.702, L 7
+    y = h W_d + b_d
+
+The experts' biases live with the dense weights ([N, 2I] and [N, E] per layer, a few MiB);
+the expert runner calls `expert` for each expert (the native call computes plain SwiGLU).
+Legend: T tokens, E hidden, H heads, K kv heads, D head dim, N experts, I expert size.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from moefit.models.layers import (DecoderModel, RopeTable, Weights, apply_rope, attend_state, linear,
+                                  output_weights)
+from moefit.pack.quant import qlinear
+
+
+class GptOss(DecoderModel):
+    def __init__(self, cfg, w: Weights, rope: RopeTable):
+        self.cfg, self.rope = cfg, rope
+        self.alpha, self.limit = float(cfg.raw.get("swiglu_alpha", 1.702)), float(cfg.raw.get("swiglu_limit", 7.0))
+        self.layers = [self._layer(w, i) for i in range(cfg.num_layers)]
+        self.embed, self.norm, self.lm_head = output_weights(cfg, w)
+
+    def _layer(self, w: Weights, i: int) -> dict:
+        p, a, e = f"model.layers.{i}.", f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp.experts."
+        gate_up_bias = w.host(e + "gate_up_proj_bias")                                  # [N, 2I] interleaved
+        return {
+            "input_norm": w.get(p + "input_layernorm.weight"),
+            "post_norm": w.get(p + "post_attention_layernorm.weight"),
+            "qkv": w.fused([a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"]),
+            "qkv_bias": w.fused([a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"]),
+            "o": w.get(a + "o_proj.weight"), "o_bias": w.get(a + "o_proj.bias"), "sinks": w.get(a + "sinks"),
+            "router": w.get(p + "mlp.router.weight"), "router_bias": w.get(p + "mlp.router.bias"),
+            "gate_up_bias": w.place(e + "gate_up_proj_bias",
+                                    torch.cat([gate_up_bias[:, 0::2], gate_up_bias[:, 1::2]], dim=1).contiguous()),
+            "down_bias": w.get(e + "down_proj_bias"),
+        }
+
+    def attention(self, i, layer, x, start, cos, sin, mask, kv) -> torch.Tensor:
+        c = self.cfg
+        t, hd = x.shape[0], c.head_dim
+        q, k, v = linear(x, layer["qkv"], layer["qkv_bias"]).split(
+            [c.num_heads * hd, c.num_kv_heads * hd, c.num_kv_heads * hd], dim=-1)
+        q = q.view(t, c.num_heads, hd).transpose(0, 1)                                   # [H, T, D]
+        k = k.view(t, c.num_kv_heads, hd).transpose(0, 1)
+        v = v.view(t, c.num_kv_heads, hd).transpose(0, 1)
+        kv.write(i, start, apply_rope(k, cos, sin), v)
+        out = attend_state(kv, i, apply_rope(q, cos, sin), start, mask, sinks=layer["sinks"])
+        return linear(out, layer["o"], layer["o_bias"])
+
+    def mlp(self, i, layer, x, experts) -> torch.Tensor:
+        logits = linear(x, layer["router"], layer["router_bias"])                         # [T, N]
+        top, ids = torch.topk(logits, self.cfg.top_k, dim=-1)
+        weights = F.softmax(top.float(), dim=-1)
+        return experts.run(i, x, ids, weights.to(x.dtype))
+
+    def expert(self, layer: int, e: int, x: torch.Tensor, parts: dict, quant: str) -> torch.Tensor:
+        """One expert on x [T, E] from its blob parts, with its biases and the clamped gate."""
+        biases = self.layers[layer]
+        gate, up = (qlinear(x, parts, "gate_up", quant) + biases["gate_up_bias"][e].to(x.device, x.dtype)).chunk(2, -1)
+        gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
+        h = (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+        return qlinear(h, parts, "down", quant) + biases["down_bias"][e].to(x.device, x.dtype)
