@@ -159,3 +159,34 @@ def test_an_fp8_block_quantised_deepseek_checkpoint_is_dequantised_at_pack_time(
         want = reference(deq)(torch.tensor([PROMPT])).logits[0, -1]
     got, _ = Engine.open(tmp_path / "pack", ServeConfig(ctx=128)).prefill(PROMPT)
     assert torch.allclose(got, want, atol=1e-4, rtol=0)
+
+
+def test_gpt_oss_mxfp4_experts_are_read_exactly(checkpoints, tmp_path):
+    """gpt-oss ships its experts as MXFP4 (`*_blocks`, `*_scales`); the reference is transformers'
+    own dequantisation (integrations.mxfp4.convert_moe_packed_tensors) of the same blocks."""
+    import shutil
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+    from moefit.pack.convert import convert
+    src, out = checkpoints["gpt_oss"], tmp_path / "mxfp4"
+    shutil.copytree(src, out, ignore=shutil.ignore_patterns("*.safetensors", "*.index.json"))
+    tensors = {}
+    for f in src.glob("*.safetensors"):
+        tensors.update(load_file(f))
+    gen = torch.Generator().manual_seed(4)
+    packed = {}
+    for key in [k for k in tensors if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        n, cols, rows = tensors.pop(key).shape                        # the model's [N, in, out]
+        packed[key + "_blocks"] = torch.randint(0, 256, (n, rows, cols // 32, 16), generator=gen, dtype=torch.uint8)
+        packed[key + "_scales"] = torch.randint(122, 127, (n, rows, cols // 32), generator=gen, dtype=torch.uint8)
+    save_file(tensors | packed, out / "model.safetensors")
+    convert(out, tmp_path / "pack", "fp32", progress=False)
+    ref = reference(src)
+    with torch.no_grad():
+        params = dict(ref.named_parameters())
+        for key in [k[:-len("_blocks")] for k in packed if k.endswith("_blocks")]:
+            params[key].copy_(convert_moe_packed_tensors(packed[key + "_blocks"], packed[key + "_scales"],
+                                                         dtype=torch.float32))
+        want = ref(torch.tensor([PROMPT])).logits[0, -1]
+    got, _ = Engine.open(tmp_path / "pack", ServeConfig(ctx=128)).prefill(PROMPT)
+    assert torch.allclose(got, want, atol=1e-4 * want.abs().max(), rtol=0)

@@ -38,6 +38,8 @@ FUSED_KEY = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts
 # (multi-token prediction heads; not used as drafts yet).
 SKIPPED_PREFIXES = ("model.visual.", "mtp.", "model.mtp.")
 FP8_SCALE = ".weight_scale_inv"
+MXFP4_KEY = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)_(blocks|scales)$")
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 ROLE = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
                    "special_tokens_map.json", "generation_config.json")
@@ -129,6 +131,7 @@ class _TensorSource:
         self._open: OrderedDict[str, object] = OrderedDict()
         self.per_expert: dict[tuple[int, int, str], str] = {}
         self.fused: dict[tuple[int, str], str] = {}
+        self.mxfp4: dict[tuple[int, str, str], str] = {}                  # gpt-oss: (layer, matrix, blocks|scales)
         self.dense_keys: list[str] = []
         for key in self.file_of:
             self._classify(key)
@@ -148,7 +151,9 @@ class _TensorSource:
         if key.startswith(SKIPPED_PREFIXES) or key.endswith(FP8_SCALE):
             return
         name = canonical_dense_name(key)
-        if m := EXPERT_KEY.match(name):
+        if m := MXFP4_KEY.match(name):
+            self.mxfp4[(int(m[1]), m[2], m[3])] = key
+        elif m := EXPERT_KEY.match(name):
             self.per_expert[(int(m[1]), int(m[2]), ROLE[m[3]])] = key
         elif m := FUSED_KEY.match(name):
             self.fused[(int(m[1]), m[2])] = key
@@ -176,6 +181,9 @@ class _TensorSource:
 
     def expert(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(gate_up [2I, H], down [H, I]) of one expert."""
+        if (layer, "gate_up_proj", "blocks") in self.mxfp4:
+            gate_up, down = (self._mxfp4(layer, name, expert) for name in ("gate_up_proj", "down_proj"))
+            return torch.cat([gate_up[0::2], gate_up[1::2]]), down        # gate / up rows interleaved
         if (layer, "gate_up_proj") in self.fused:
             gate_up_key, down_key = self.fused[(layer, "gate_up_proj")], self.fused[(layer, "down_proj")]
             gate_up = self._handle(gate_up_key).get_slice(gate_up_key)[expert].clone()
@@ -189,6 +197,17 @@ class _TensorSource:
         except KeyError:
             raise PackError(f"checkpoint has no weights for (layer {layer}, expert {expert})") from None
         return torch.cat([gate, up], dim=0), down
+
+
+    def _mxfp4(self, layer: int, name: str, expert: int) -> torch.Tensor:
+        """One expert's matrix [rows, cols] from MXFP4 (gpt-oss): per row, blocks of 32 values as
+        16 bytes of e2m1 codes (low nibble first) and one e8m0 scale, value = fp4 x 2^(scale - 127)."""
+        b_key, s_key = self.mxfp4[(layer, name, "blocks")], self.mxfp4[(layer, name, "scales")]
+        blocks = self._handle(b_key).get_slice(b_key)[expert]                       # [R, G, 16] uint8
+        scales = self._handle(s_key).get_slice(s_key)[expert].to(torch.int32) - 127  # [R, G]
+        lut = torch.tensor(FP4_VALUES)
+        values = torch.stack((lut[(blocks & 15).long()], lut[(blocks >> 4).long()]), dim=-1).flatten(-2)
+        return torch.ldexp(values, scales[..., None].float()).flatten(1)             # [R, G * 32]
 
 
 def _weight_map(hf_dir: Path) -> dict[str, str]:
