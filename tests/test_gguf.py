@@ -87,8 +87,11 @@ def hf(tmp_path_factory):
 def test_a_gguf_file_packs_and_matches_transformers(hf, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     header = convert(write_gguf(hf, tmp_path / "tiny.gguf"), tmp_path / "pack", "fp32", progress=False)
-    types = header["model_config"]["moefit_source"]["types"]
-    assert types == {"F32": 3 * (9 + 3) + 3}                              # layers x (dense + experts) + top
+    import hashlib
+    source = header["model_config"]["moefit_source"]
+    assert source["types"] == {"F32": 3 * (9 + 3) + 3}                     # layers x (dense + experts) + top
+    assert source["sha256"] == hashlib.sha256((tmp_path / "tiny.gguf").read_bytes()).hexdigest()
+    assert source["tensor_types"]["blk.0.ffn_gate_exps.weight"] == "F32"
     engine = Engine.open(tmp_path / "pack", ServeConfig(ctx=128))
     ref = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
     with torch.no_grad():
@@ -138,3 +141,33 @@ def test_q4_0_experts_keep_their_blocks_in_an_int4_pack(hf, tmp_path):
         assert torch.equal(got, torch.from_numpy(np.array(want, dtype=np.float32)))
     engine = Engine.open(tmp_path / "pack", ServeConfig(ctx=64))
     assert torch.isfinite(engine.prefill(PROMPT)[0]).all()
+
+
+def test_a_split_gguf_packs_from_any_of_its_parts(hf, tmp_path):
+    """gguf-split's layout: NAME-0000i-of-0000N.gguf, the metadata in the first part, tensors spread."""
+    whole = gguf.GGUFReader(str(write_gguf(hf, tmp_path / "whole.gguf")))
+    tensors = list(whole.tensors)
+    halves = (tensors[: len(tensors) // 2], tensors[len(tensors) // 2:])
+    for i, part in enumerate(halves, start=1):
+        w = gguf.GGUFWriter(str(tmp_path / f"tiny-{i:05d}-of-00002.gguf"), "qwen3moe")
+        if i == 1:
+            for field in whole.fields.values():
+                if field.name.startswith(("qwen3moe.", "tokenizer.")):
+                    w.add_key_value(field.name, field.contents(), field.types[0],
+                                    field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None)
+        w.add_uint16("split.no", i - 1)
+        w.add_uint16("split.count", 2)
+        for t in part:
+            w.add_tensor(t.name, np.array(t.data), raw_shape=tuple(reversed(t.shape.tolist())), raw_dtype=t.tensor_type)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+    convert(tmp_path / "tiny-00002-of-00002.gguf", tmp_path / "split", "fp32", progress=False)
+    convert(tmp_path / "whole.gguf", tmp_path / "one", "fp32", progress=False)
+    a, _ = Engine.open(tmp_path / "split", ServeConfig(ctx=64)).prefill(PROMPT)
+    b, _ = Engine.open(tmp_path / "one", ServeConfig(ctx=64)).prefill(PROMPT)
+    assert torch.equal(a, b)
+    (tmp_path / "tiny-00001-of-00002.gguf").unlink()
+    with pytest.raises(PackError, match="split GGUF parts missing: tiny-00001-of-00002.gguf"):
+        convert(tmp_path / "tiny-00002-of-00002.gguf", tmp_path / "split2", "fp32", progress=False)

@@ -39,19 +39,37 @@ SPLITS = {"qwen2": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}
           "gpt-2": r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"}
 
 
+SPLIT = re.compile(r"^(.*)-(\d{5})-of-(\d{5})\.gguf$")
+
+
+def split_files(path: Path) -> list[Path]:
+    """A model split by llama.cpp's gguf-split (NAME-00001-of-00003.gguf ...): every part, in
+    order, given any one of them; a single file: itself."""
+    m = SPLIT.match(path.name)
+    if not m:
+        return [path]
+    parts = [path.with_name(f"{m[1]}-{i:05d}-of-{m[3]}.gguf") for i in range(1, int(m[3]) + 1)]
+    missing = [p.name for p in parts if not p.exists()]
+    if missing:
+        raise PackError(f"{path}: split GGUF parts missing: {', '.join(missing)}")
+    return parts
+
+
 class GGUFSource:
     def __init__(self, path: Path):
         from gguf import GGUFReader
         self.path = Path(path)
         try:
-            self.reader = GGUFReader(self.path)
+            readers = [GGUFReader(p) for p in split_files(self.path)]
         except (ValueError, OSError) as e:
             raise PackError(f"{self.path}: not a readable GGUF file ({e})") from None
+        self.reader = readers[0]                                      # the metadata is in the first part
+        self.files = split_files(self.path)
         self.arch = self.meta("general.architecture")
         if self.arch not in ARCHS:
             raise PackError(f"{self.path}: GGUF architecture {self.arch!r} is not supported yet "
                             f"(supported: {', '.join(ARCHS)})")
-        self.tensors = {t.name: t for t in self.reader.tensors}
+        self.tensors = {t.name: t for r in readers for t in r.tensors}
         self.by_hf = {self.hf_name(n): n for n in self.tensors if not n.endswith(EXPERTS)}
         self.dense_keys = list(self.by_hf)                             # HF names, as the pack stores them
 
@@ -80,7 +98,19 @@ class GGUFSource:
                 "tie_word_embeddings": "output.weight" not in self.tensors,
                 "bos_token_id": self.meta("tokenizer.ggml.bos_token_id"),
                 "eos_token_id": self.meta("tokenizer.ggml.eos_token_id"),
-                "moefit_source": {"gguf": self.path.name, "types": self.type_summary()}}
+                "moefit_source": {"gguf": self.path.name, "files": [f.name for f in self.files],
+                                  "sha256": self.sha256(), "types": self.type_summary(),
+                                  "tensor_types": {n: t.tensor_type.name for n, t in self.tensors.items()}}}
+
+    def sha256(self) -> str:
+        """Of the file (every part, in order), read in 16 MiB pieces."""
+        import hashlib
+        h = hashlib.sha256()
+        for f in self.files:
+            with open(f, "rb") as fh:
+                while piece := fh.read(16 << 20):
+                    h.update(piece)
+        return h.hexdigest()
 
     def type_summary(self) -> dict[str, int]:
         out: dict[str, int] = {}
