@@ -34,9 +34,12 @@ def test_greedy_tokens_do_not_depend_on_the_cache(family, packs, card):
         assert engine.generate(PROMPT, GREEDY)[1].generated == want, f"cache {cache}"
 
 
-def test_planned_bytes_are_the_bytes_charged_to_the_card(packs, card):
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_5_moe", "deepseek_v3", "gpt_oss"])
+def test_planned_bytes_are_the_bytes_charged_to_the_card(family, packs, card):
+    """Each kind of sequence state (KV, DeltaNet state + snapshot, MLA latent, sliding rings of
+    window + chunk) is allocated exactly as the family declares it."""
     path = card(16, [(100, "desktop", 3.5)])
-    engine = Engine.open(packs("mixtral", "int4"), sim(path, expert_cache="10"))
+    engine = Engine.open(packs(family, "int4"), sim(path, expert_cache="10", prefill_chunk=16))
     plan = engine.loaded.plan
     charged = engine.loaded.mem.charged
     for name in (L.DENSE, L.KV, L.CACHE):
