@@ -127,6 +127,11 @@ def test_the_seeds_131k_configuration_plans_with_kv_streaming():
     assert 0 < resident < 131072 and resident % 1024 == 0
     assert out["expert_cache"]["slots"] >= out["expert_cache"]["min_slots"] == 48 * 8
     assert out["kv_streaming"]["host_bytes"] == 131072 * 48 * 2 * 4 * (128 + 4)
+    text = subprocess.run([sys.executable, "-m", "moefit", "plan", "--model-config", str(CONFIGS / "qwen3-30b-a3b.json"),
+                           "--quant", "int4", "--ctx", "131072", "--kv-dtype", "int8", "--compute-dtype", "bf16",
+                           "--device", "sim:docs/rtx4070.json"], capture_output=True, text=True,
+                          cwd=Path(__file__).parents[1]).stdout
+    assert "host memory: 6,336 MiB" in text and f"last {resident} tokens (KV streaming)" in text
 
 
 def test_kv_streaming_window_leaves_the_cache_its_minimum_and_a_fixed_window_is_kept():

@@ -50,6 +50,7 @@ class Plan:
     spec_mode: str
     spec_reason: str
     fixes: list[str] = field(default_factory=list)
+    host_free_bytes: int | None = None  # RAM available when planned (KV streaming's host part is checked against it)
 
     @property
     def refused(self) -> bool:
@@ -68,7 +69,13 @@ class Plan:
         return sum(self.line(n).bytes for n in (L.DENSE, L.KV, L.CACHE)) + self.reserve.draft
 
     def table(self) -> str:
-        return L.render(self.lines, self.device.total_bytes, f"{self.device.name} (total)")
+        """The card's ledger, and under it the host memory KV streaming holds, when it does."""
+        card = L.render(self.lines, self.device.total_bytes, f"{self.device.name} (total)")
+        if self.kv_resident is None:
+            return card
+        available = f" of {L.mib(self.host_free_bytes):,.0f} MiB available" if self.host_free_bytes else ""
+        return (f"{card}\nhost memory: {L.mib(self.host_state_bytes):,.0f} MiB{available} for the sequence state "
+                f"before each layer's last {self.kv_resident} tokens (KV streaming)")
 
     def to_json(self) -> dict:
         return {
@@ -158,7 +165,8 @@ def plan(fp: Footprint, cfg: ServeConfig, snap: DeviceSnapshot, order: list[Key]
     status, message, fixes = _serve_check(fp, cfg, snap, reserve, budget, available, len(keys), min_slots, kv_dtype)
     status, message, fixes = _host_check(status, message, fixes, cfg, resident, host, host_free)
     return Plan(snap, lines, reserve, kv_dtype, resident, host, budget, keys, used, fp.largest_blob, min_slots,
-                len(fp.blob_sizes), status, message, spec_on and status != "REFUSED", cfg.spec, spec_reason, fixes)
+                len(fp.blob_sizes), status, message, spec_on and status != "REFUSED", cfg.spec, spec_reason, fixes,
+                host_free)
 
 
 WINDOW_STEP = 1024
