@@ -20,15 +20,13 @@ value head dim.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from moefit.errors import MoefitError
 from moefit.families.deepseek_v3 import dims
 from moefit.models.glm4_moe import Glm4Moe
 from moefit.models.layers import (RopeTable, Weights, apply_rope, apply_rope_interleaved, attend_state, linear,
-                                  rms_norm)
+                                  rms_norm, yarn_mscale)
 
 
 class DeepseekV3(Glm4Moe):
@@ -74,6 +72,4 @@ def _yarn_mscale_squared(rope: dict) -> float:
     """DeepSeek scales the softmax by mscale(factor, mscale_all_dim)^2 under YaRN."""
     if rope.get("rope_type", "default") == "default" or not rope.get("mscale_all_dim"):
         return 1.0
-    factor = rope["factor"]
-    m = 1.0 if factor <= 1 else 0.1 * rope["mscale_all_dim"] * math.log(factor) + 1.0
-    return m * m
+    return yarn_mscale(rope["factor"], rope["mscale_all_dim"]) ** 2

@@ -53,16 +53,20 @@ def rope_inv_freq(rope: dict, dim: int, max_position_embeddings: int) -> tuple[t
     raise ValueError(f"rope type {kind!r} is not supported (default, linear, yarn)")
 
 
+def yarn_mscale(scale: float, m: float = 1.0) -> float:
+    """YaRN's magnitude correction for a context stretched by `scale`."""
+    return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+
 def _yarn(rope: dict, dim: int, base: float, max_pos: int) -> tuple[torch.Tensor, float]:
     """YaRN (Peng et al. 2023): interpolate low frequencies, keep high ones, with a
     linear ramp between; cos/sin are scaled by the attention factor."""
     factor = rope["factor"]
     orig = rope.get("original_max_position_embeddings") or max_pos
-    mscale = lambda s, m=1.0: 1.0 if s <= 1 else 0.1 * m * math.log(s) + 1.0  # noqa: E731
     attn = rope.get("attention_factor")
     if attn is None:
         m, m_all = rope.get("mscale"), rope.get("mscale_all_dim")
-        attn = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+        attn = yarn_mscale(factor, m) / yarn_mscale(factor, m_all) if m and m_all else yarn_mscale(factor)
     beta_fast, beta_slow = rope.get("beta_fast") or 32, rope.get("beta_slow") or 1
     corr = lambda rot: dim * math.log(orig / (rot * 2 * math.pi)) / (2 * math.log(base))  # noqa: E731
     low, high = corr(beta_fast), corr(beta_slow)
@@ -155,7 +159,7 @@ def attend_state(state, i: int, q: torch.Tensor, start: int, mask: torch.Tensor 
     rk, rv = state.rotations(i)
     if rk is not None:
         q = q @ rk.to(device=q.device, dtype=q.dtype)
-    if state.window(i) is not None and parts[0][2] is None:       # this layer's own window
+    if state.own_window(i) and parts[0][2] is None:               # this layer's own window, not the shared mask
         mask = causal_mask(start, t, state.window(i), q.device)
     if sinks is not None:
         pos = [p if p is not None else torch.arange(k.shape[1]) for k, _, p in parts]

@@ -59,12 +59,12 @@ class GGUFSource:
     def __init__(self, path: Path):
         from gguf import GGUFReader
         self.path = Path(path)
+        self.files = split_files(self.path)
         try:
-            readers = [GGUFReader(p) for p in split_files(self.path)]
+            readers = [GGUFReader(p) for p in self.files]
         except (ValueError, OSError) as e:
             raise PackError(f"{self.path}: not a readable GGUF file ({e})") from None
         self.reader = readers[0]                                      # the metadata is in the first part
-        self.files = split_files(self.path)
         self.arch = self.meta("general.architecture")
         if self.arch not in ARCHS:
             raise PackError(f"{self.path}: GGUF architecture {self.arch!r} is not supported yet "

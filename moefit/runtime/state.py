@@ -39,6 +39,7 @@ class AttentionState:
         self.kc, self.vc = codec(kd, decl.head_dim), codec(vd, decl.v_head_dim)
         self.compute_dtype, self.ctx = compute_dtype, ctx
         self.window = decl.window or mask_window
+        self.own_window = decl.window is not None          # the family's per-layer window, not the model-wide mask
         held = decl.tokens_held(ctx, chunk)
         if resident is not None and decl.streams:
             held = min(held, max(resident, chunk))
@@ -184,6 +185,10 @@ class SequenceState:
 
     def window(self, layer: int) -> int | None:
         return self.layers[layer].window
+
+    def own_window(self, layer: int) -> bool:
+        """Whether layer's window is its own (gpt-oss's sliding layers) rather than the mask every layer shares."""
+        return self.layers[layer].own_window
 
     def truncate(self, pos: int) -> None:
         for layer in self.layers:
