@@ -9,6 +9,7 @@ import pytest
 
 from moefit.config import ModelConfig, ServeConfig
 from moefit.experts.profile import Profile
+from moefit.experts.slots import slots_bytes
 from moefit.memory import ledger as L
 from moefit.memory.devices import DeviceSnapshot, ProcessUsage
 from moefit.memory.footprint import dense_shapes, from_config, from_pack_header
@@ -47,8 +48,9 @@ def test_ledger_lines_are_in_order_and_add_up_to_the_card():
 
 def test_expert_cache_n_is_a_byte_budget_so_mixed_blobs_load_more_slots():
     p, fp = qwen_plan(recipe="mixed", expert_cache="400")
-    assert p.cache_budget == 400 * fp.largest_blob
-    assert p.slots > 400 and p.cache_used <= 400 * fp.largest_blob
+    assert p.cache_budget == slots_bytes(400, fp.largest_blob)              # 400 slots of the largest blob
+    assert 400 * fp.largest_blob < p.cache_budget < 1.01 * 400 * fp.largest_blob
+    assert p.slots > 400 and p.cache_used <= p.cache_budget
 
 
 def test_auto_takes_what_is_left_and_a_dirty_card_gets_less():

@@ -1,6 +1,7 @@
 """Make the demo's simulated card: a 12 GB-class card scaled down to the demo model. The
 desktop holds the seed's baseline share of it, and after the dense weights, the resident
 window of the KV cache (--kv-resident) and the reserve, about a quarter of the experts fit.
+Its allocator model is exact: CUDA's 2 MiB and 20 MiB segments do not scale down.
 
     python -m moefit.demo.card        # rewrites moefit/demo/card.json
 """
@@ -30,7 +31,8 @@ def main() -> None:
     total = (moefit + 16 * 1024) / (1 - desktop_share) / MIB            # a few KiB of slack
     scale = total / SEED_TOTAL_MIB
     procs = [(pid, name, round(mib * scale, 4)) for pid, name, mib in SEED_DESKTOP]
-    write_card(CARD, f"RTX 4070 12 GB (simulated, scaled 1:{1 / scale:.0f} to the demo model)", round(total, 4), procs)
+    write_card(CARD, f"RTX 4070 12 GB (simulated, scaled 1:{1 / scale:.0f} to the demo model)", round(total, 4), procs,
+               allocator="exact")      # scaled 1:481: a 2 MiB CUDA segment would be 8 % of it
     print(f"wrote {CARD}: {total:.2f} MiB, desktop {sum(p[2] for p in procs):.2f} MiB; {ctx} tokens of context, {resident} on the card")
 
 

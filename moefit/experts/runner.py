@@ -19,13 +19,13 @@ import torch.nn.functional as F
 
 from moefit import kernels
 from moefit.experts.cache import CacheBook, Key
+from moefit.errors import DeviceOutOfMemory
 from moefit.experts.lookahead import LookAhead
+from moefit.experts.pool import SlotPool
 from moefit.experts.profile import Profile
 from moefit.pack.quant import blob_views, qlinear
 from moefit.pack.reader import Pack
 from moefit.runtime.placement import DeviceMemory
-
-LINE = "expert cache"
 
 
 class Groups:
@@ -53,11 +53,12 @@ def expert_forward(x: torch.Tensor, parts: dict[str, torch.Tensor], quant: str) 
 
 
 class ExpertRunner:
-    def __init__(self, pack: Pack, mem: DeviceMemory, book: CacheBook, profile: Profile,
+    def __init__(self, pack: Pack, mem: DeviceMemory, book: CacheBook, profile: Profile, pool: SlotPool,
                  host_dtype: torch.dtype = torch.float32):
         self.pack, self.mem, self.book, self.profile = pack, mem, book, profile
         self.host_dtype = host_dtype
-        self.slots: dict[Key, tuple[torch.Tensor, dict]] = {}
+        self.pool = pool
+        self.slots: dict[Key, dict] = {}        # a resident expert's part views into its pool slot
         self._host_parts: dict[Key, dict] = {}
         self._addresses: dict[Key, list[int]] = {}  # the kernel's four part addresses, where the expert is now
         self._shapes: dict[str, tuple[int, int]] = {}
@@ -88,39 +89,57 @@ class ExpertRunner:
             self.ahead.fetched_for(layer, e)
 
     def _make_room(self, key: Key) -> bool:
-        """Evict the coldest slots no prediction wants so that key fits the budget; nothing
-        is evicted when they cannot free enough."""
-        need = self.book.used + self.book.sizes[key] - self.book.budget
-        keep, victims, freed = self.ahead.wanted(key[0]), [], 0
+        """A free slot of key's size class: there is one, or the coldest resident of that
+        class that no prediction wants is evicted for it; False when every one is wanted."""
+        if self.pool.free_slots(key):
+            return True
+        keep, size = self.ahead.wanted(key[0]), self.book.sizes[key]
         for victim in self.book.coldest():
-            if freed >= need:
-                break
-            if victim not in keep:
-                victims.append(victim)
-                freed += self.book.resident[victim]
-        if freed < need:
-            return False
-        for victim in victims:
-            self.unload(victim)
-        return True
+            if victim not in keep and self.book.sizes[victim] == size:
+                self.unload(victim)
+                return True
+        return False
 
     # -- placement ---------------------------------------------------------------
     def load(self, key: Key) -> None:
+        """Copy an expert into a free slot of the pool (DeviceOutOfMemory when its class has none)."""
+        view = self.pool.acquire(key)
+        if view is None:
+            raise DeviceOutOfMemory(f"no free expert slot of {self.book.sizes[key]} bytes")
         self._addresses.pop(key, None)
-        blob = self.mem.copy_in(LINE, self.pack.blob(*key))
-        self.slots[key] = (blob, blob_views(blob, self.pack.layouts[self.pack.blobs[key].quant]))
+        view.copy_(self.pack.blob(*key), non_blocking=True)
+        self.pool.ready(key)
+        self.slots[key] = blob_views(view, self.pack.layouts[self.pack.blobs[key].quant])
         self.book.admit(key)
 
     def unload(self, key: Key) -> None:
         self._addresses.pop(key, None)
-        blob, _ = self.slots.pop(key)
-        self.mem.free(LINE, blob)
+        del self.slots[key]
+        self.pool.release(key)
         self.book.evict(key)
 
     def swap(self, evict: Key, admit: Key) -> None:
         self.unload(evict)
         self.load(admit)
         self.book.swaps += 1
+
+    def give_back(self, need_bytes: int) -> int:
+        """Evict the coldest experts until chunks holding need_bytes are freed (residents of a
+        chunk that can go move to free slots elsewhere); returns the bytes freed."""
+        freed = self._trim()
+        for key in self.book.coldest():
+            if freed >= need_bytes:
+                break
+            self.unload(key)
+            freed += self._trim()
+        return freed
+
+    def _trim(self) -> int:
+        freed, moved = self.pool.trim()
+        for key, view in moved:
+            self._addresses.pop(key, None)
+            self.slots[key] = blob_views(view, self.pack.layouts[self.pack.blobs[key].quant])
+        return freed
 
     # -- compute -----------------------------------------------------------------
     def run(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -170,7 +189,7 @@ class ExpertRunner:
             key = (layer, e)
             if key not in self._addresses:
                 slot = self.slots.get(key)
-                self._addresses[key] = kernels.addresses(slot[1] if slot is not None else self._host(layer, e))
+                self._addresses[key] = kernels.addresses(slot if slot is not None else self._host(layer, e))
             out += self._addresses[key]
         return out
 
@@ -179,7 +198,7 @@ class ExpertRunner:
         quant = self.pack.blobs[(layer, e)].quant
         forward = (lambda xs, parts, q: self.expert_fn(layer, e, xs, parts, q)) if self.expert_fn else expert_forward
         if (layer, e) in self.slots:
-            y = forward(x[rows], self.slots[(layer, e)][1], quant)
+            y = forward(x[rows], self.slots[(layer, e)], quant)
         else:
             xh = x[rows].to("cpu", self.host_dtype)
             y = forward(xh, self._host(layer, e), quant).to(x.device, x.dtype)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from moefit.config import ServeConfig
 from moefit.experts.cache import fill
+from moefit.experts.slots import fit, pool_bytes, slots_bytes, slots_fitting
 from moefit.memory import ledger as L
 from moefit.memory.devices import DeviceSnapshot
 from moefit.memory.footprint import Footprint, Key
@@ -157,8 +158,9 @@ def plan(fp: Footprint, cfg: ServeConfig, snap: DeviceSnapshot, order: list[Key]
     other = snap.total_bytes - snap.free_bytes
     available = snap.free_bytes - dense - kv - reserve.total
     budget = _cache_budget(cfg, fp, available)
-    keys = fill(order, fp.blob_sizes, max(0, min(budget, available)))
-    used = sum(fp.blob_sizes[k] for k in keys)
+    room = max(0, min(budget, available))
+    keys = fit(fill(order, fp.blob_sizes, room), fp.blob_sizes, room)
+    used = pool_bytes(keys, fp.blob_sizes)            # the slot pool's allocation, chunk by chunk
     lines = [L.Line(L.OTHER, other), L.Line(L.DENSE, dense), _state_line(kv, cfg.ctx, kv_dtype, resident, host),
              _reserve_line(reserve), L.Line(L.CACHE, used, note=f"{len(keys)} experts"),
              L.Line(L.FREE, snap.free_bytes - dense - kv - reserve.total - used)]
@@ -183,7 +185,7 @@ def resident_window(fp: Footprint, cfg: ServeConfig, snap: DeviceSnapshot, kv_dt
     streaming_per_token = sum(s.bytes_per_token(kv_dtype) for s in fp.states if s.streams) * cfg.sessions
     if not streaming_per_token:
         return None
-    need = min_slots * fp.largest_blob
+    need = slots_bytes(min_slots, fp.largest_blob)
     left = lambda w: (snap.free_bytes - fp.dense_bytes - fp.rope_bytes(cfg.ctx)  # noqa: E731
                       - fp.state_bytes(cfg.ctx, kv_dtype, cfg.prefill_chunk, w) * cfg.sessions
                       - plan_reserve(fp, cfg, kv_dtype, spec_on, w).total)
@@ -217,7 +219,7 @@ def _host_check(status, message, fixes, cfg: ServeConfig, resident, host: int, h
 def _cache_budget(cfg: ServeConfig, fp: Footprint, available: int) -> int:
     if cfg.expert_cache == "auto":
         return max(0, min(available, sum(fp.blob_sizes.values())))
-    return int(cfg.expert_cache) * fp.largest_blob
+    return slots_bytes(int(cfg.expert_cache), fp.largest_blob)
 
 
 def _reserve_line(r: Reserve) -> L.Line:
@@ -256,7 +258,7 @@ def _serve_check(fp, cfg, snap, reserve, budget, available, slots, min_slots, kv
 
 def refusal_fixes(fp, cfg, snap, reserve, min_slots, kv_dtype, available) -> list[str]:
     """Concrete ways to fit, with numbers."""
-    need = min_slots * fp.largest_blob if cfg.expert_cache == "auto" else int(cfg.expert_cache) * fp.largest_blob
+    need = slots_bytes(min_slots if cfg.expert_cache == "auto" else int(cfg.expert_cache), fp.largest_blob)
     short = need - available
     fixes = [f"close pid {p.pid} ({p.name}) holding {L.mib(p.bytes):.0f} MiB"
              for p in sorted(snap.processes, key=lambda p: -p.bytes)[:3] if p.bytes >= short]
@@ -273,5 +275,5 @@ def refusal_fixes(fp, cfg, snap, reserve, min_slots, kv_dtype, available) -> lis
     if cfg.kv_resident != "auto":
         fixes.append("--kv-resident auto streams the older KV to host memory when the context does not fit")
     if cfg.expert_cache != "auto" and available > 0 and fp.largest_blob:
-        fixes.append(f"--expert-cache {available // fp.largest_blob} fits (or --expert-cache auto)")
+        fixes.append(f"--expert-cache {slots_fitting(available, fp.largest_blob)} fits (or --expert-cache auto)")
     return fixes

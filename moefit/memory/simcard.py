@@ -2,11 +2,13 @@
 
     {"name": "RTX 4070 (simulated)", "total_mib": 12282,
      "processes": [{"pid": 2101, "name": "gnome-shell", "used_mib": 587}, ...],
-     "unattributed_mib": 0}
+     "unattributed_mib": 0, "allocator": "cuda"}
 
 The file is re-read at every snapshot and every charge, so a test (or an operator) can
-make the card dirty mid-run. What this process allocates on the card is charged here;
-an allocation past the card's free memory raises DeviceOutOfMemory, as CUDA would.
+make the card dirty mid-run. What this process allocates on the card is charged here, by
+the card's allocator model (memory/allocator.py: "cuda" charges the segments PyTorch's
+caching allocator would reserve, "exact" the bytes asked; a card that does not say is
+exact); an allocation past the card's free memory raises DeviceOutOfMemory, as CUDA would.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import threading
 from pathlib import Path
 
 from moefit.errors import DeviceOutOfMemory, DeviceUnavailable
+from moefit.memory.allocator import AllocatorModel
 from moefit.memory.devices import MIB, DeviceSnapshot, ProcessUsage
 
 THIS_PROCESS = "moefit (this process)"
@@ -25,14 +28,21 @@ THIS_PROCESS = "moefit (this process)"
 class SimCard:
     def __init__(self, path: Path):
         self.path = Path(path)
-        self.charged = 0
         self._lock = threading.Lock()
-        self._read()                     # fail early on a missing or malformed card
+        card = self._read()              # fail early on a missing or malformed card
+        self.allocator = AllocatorModel(card.get("allocator", "exact"))
+
+    @property
+    def charged(self) -> int:
+        """What this process holds on the card: the allocator's reserved bytes."""
+        return self.allocator.reserved
 
     def _read(self) -> dict:
         try:
             card = json.loads(self.path.read_text())
             card["total_mib"] = float(card["total_mib"])
+            if card.get("allocator", "exact") not in ("exact", "cuda"):
+                raise ValueError(f"allocator must be exact or cuda, not {card['allocator']!r}")
             for p in card.setdefault("processes", []):
                 p["used_mib"] = float(p["used_mib"])
             return card
@@ -52,13 +62,14 @@ class SimCard:
         return DeviceSnapshot(card.get("name", "simulated card"), total, free, tuple(procs),
                               card.get("uuid", f"sim:{self.path.name}"), "sim", unattributed)
 
-    def charge(self, nbytes: int, what: str) -> None:
+    def charge(self, nbytes: int, what: str) -> int:
+        """Allocate nbytes for `what`; returns the handle release() takes."""
         with self._lock:
-            free = self.snapshot().free_bytes
-            if nbytes > free:
+            free, cost = self.snapshot().free_bytes, self.allocator.cost(nbytes)
+            if cost > free:
                 raise DeviceOutOfMemory(f"out of memory on {self.path.name}: {what} needs "
-                                        f"{nbytes / MIB:.1f} MiB, {free / MIB:.1f} MiB free")
-            self.charged += nbytes
+                                        f"{cost / MIB:.1f} MiB, {free / MIB:.1f} MiB free")
+            return self.allocator.allocate(nbytes)
 
     def check_fits(self) -> None:
         """Raise DeviceOutOfMemory when the card holds more than it has: what a CUDA
@@ -70,15 +81,20 @@ class SimCard:
             raise DeviceOutOfMemory(f"out of memory on {self.path.name}: the card holds "
                                     f"{used / MIB:.1f} MiB of {card['total_mib']:.1f} MiB")
 
-    def release(self, nbytes: int) -> None:
+    def release(self, handle: int) -> None:
+        """Free an allocation; under the cuda model its bytes stay reserved until empty_cache()."""
         with self._lock:
-            self.charged = max(0, self.charged - nbytes)
+            self.allocator.free(handle)
+
+    def empty_cache(self) -> int:
+        with self._lock:
+            return self.allocator.empty_cache()
 
 
 def write_card(path: Path, name: str, total_mib: float, processes: list[tuple[int, str, float]],
-               unattributed_mib: float = 0) -> None:
+               unattributed_mib: float = 0, allocator: str = "exact") -> None:
     """Write a card file atomically (tests and the demo use this)."""
-    card = {"name": name, "total_mib": total_mib, "unattributed_mib": unattributed_mib,
+    card = {"name": name, "total_mib": total_mib, "unattributed_mib": unattributed_mib, "allocator": allocator,
             "processes": [{"pid": pid, "name": n, "used_mib": mib} for pid, n, mib in processes]}
     tmp = Path(path).with_suffix(".tmp")
     tmp.write_text(json.dumps(card, indent=1))

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 from moefit.errors import DeviceOutOfMemory
+from moefit.experts.cache import fill
+from moefit.experts.slots import stride
 from moefit.memory.devices import MIB
 
 log = logging.getLogger("moefit.guard")
@@ -76,38 +79,41 @@ class Guard:
         return sum(self.engine.runner.book.sizes.values())
 
     def shrink(self, need_bytes: int, why: str) -> int:
-        """Give back the coldest slots until need_bytes are freed; returns bytes freed."""
-        runner, freed, before = self.engine.runner, 0, len(self.engine.runner.slots)
-        for key in runner.book.coldest():
-            if freed >= need_bytes:
-                break
-            freed += runner.book.resident[key]
-            runner.unload(key)
+        """Give back the coldest experts' pool chunks until need_bytes are freed (to the
+        driver: the chunks are freed and the allocator's cache emptied); returns bytes freed."""
+        runner, before = self.engine.runner, len(self.engine.runner.slots)
+        freed = runner.give_back(need_bytes)
         runner.book.budget = runner.book.used
         self.engine.loaded.mem.release_cached()
-        if before != len(runner.slots):
+        if before != len(runner.slots) or freed:
             self.resizes += 1
             self._event("shrink", f"expert cache shrank ({why}): {before} -> {len(runner.slots)} experts, "
                         f"{freed / MIB:.1f} MiB given back")
         return freed
 
     def grow(self, room_bytes: int) -> None:
-        """Load the hottest missing experts, within room_bytes and the target budget."""
+        """Load the hottest missing experts within room_bytes and the target budget: free
+        slots first, then new chunks, each allocated only while the card keeps its floor."""
         runner, plan = self.engine.runner, self.engine.loaded.plan
         target = self.target_budget()
-        limit = min(target, runner.book.used + room_bytes)
-        before, loaded = len(runner.slots), 0
-        for key in self._hottest_missing():
-            size = runner.book.sizes[key]
-            if runner.book.used + size > limit:
-                continue
-            try:
+        chosen = fill(self._hottest_missing(), runner.book.sizes, max(0, min(target - runner.book.used, room_bytes)))
+        free = Counter()
+        for c in runner.pool.chunks:
+            free[c.slot_stride] += c.slots - c.used
+        needs_slot = []
+        for key in chosen:
+            s = stride(runner.book.sizes[key])
+            if free[s]:
+                free[s] -= 1
+            else:
+                needs_slot.append(key)
+        runner.pool.reserve(needs_slot, keep_free=self._keep_free())
+        before = len(runner.slots)
+        for key in chosen:
+            if runner.pool.free_slots(key):
                 runner.load(key)
-            except DeviceOutOfMemory:
-                break
-            loaded += 1
-        runner.book.budget = max(runner.book.used, min(target, limit))
-        if loaded:
+        runner.book.budget = max(runner.book.used, min(target, runner.book.used + room_bytes))
+        if len(runner.slots) > before:
             self.resizes += 1
             self._event("grow", f"expert cache grew back: {before} -> {len(runner.slots)} experts "
                         f"(planned {plan.slots})")

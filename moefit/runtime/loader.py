@@ -16,6 +16,7 @@ from moefit.experts.cache import CacheBook, SwapPolicy
 from moefit.experts.profile import Profile, no_profile_note
 from moefit import kernels
 from moefit.experts.lookahead import LookAhead
+from moefit.experts.pool import SlotPool
 from moefit.experts.runner import ExpertRunner
 from moefit.families.common import rope_dim
 from moefit.memory import ledger as L
@@ -87,7 +88,7 @@ def _place(pack: Pack, cfg: ServeConfig, mem: DeviceMemory, cdt: str, the_plan: 
     book = CacheBook({k: b.nbytes for k, b in pack.blobs.items()}, m.num_layers, m.num_experts,
                      the_plan.cache_budget if the_plan else 0,
                      SwapPolicy(cfg.swap_period, cfg.swap_decay, cfg.max_swaps))
-    runner = ExpertRunner(pack, mem, book, profile)
+    runner = ExpertRunner(pack, mem, book, profile, SlotPool(mem, book.sizes, m.num_layers, m.num_experts))
     runner.expert_fn = getattr(model, "expert", None)      # a family's own expert (gpt-oss), else SwiGLU
     notes = []
     if the_plan is not None:
@@ -120,24 +121,24 @@ def _rope(m, ctx: int, mem: DeviceMemory, dtype) -> RopeTable:
 
 
 def fill_cache(runner: ExpertRunner, the_plan: Plan, kind: str, log) -> list[str]:
-    """Load the planned experts hottest first. If the card filled up since the plan, stop
-    there, and give slots back until the reserve is free again: the reserve is free memory
-    held back for the prompt path and the verify arena (only a draft head is allocated in it)."""
+    """Allocate the planned pool and load the planned experts into it, hottest first. If the
+    card filled up since the plan, the pool stops at the chunk that would eat into the reserve
+    (free memory held back for the prompt path and the verify arena; only a draft head is
+    allocated in it), and chunks are given back while the reserve is short."""
     notes = []
     keep_free = the_plan.reserve.total - the_plan.reserve.draft
-    for i, key in enumerate(the_plan.cache_keys):
-        try:
-            if runner.mem.snapshot().free_bytes - runner.book.sizes[key] < keep_free:
-                raise DeviceOutOfMemory("the next expert would eat into the reserve")
+    made = runner.pool.reserve(the_plan.cache_keys, keep_free)
+    for key in the_plan.cache_keys:
+        if runner.pool.free_slots(key):
             runner.load(key)
-        except DeviceOutOfMemory as e:
-            notes.append(f"the card filled up while the cache loaded ({e}); "
-                         f"started with {i} of {the_plan.slots} planned experts")
-            break
-    while runner.slots and runner.mem.snapshot().free_bytes < keep_free:
-        runner.unload(runner.book.coldest()[0])
-        if not notes:
-            notes.append("free memory fell below the reserve after the cache loaded; the cache shrank")
+    if made < len(the_plan.cache_keys):
+        notes.append(f"the card filled up while the cache loaded (its slot pool got {made} of "
+                     f"{len(the_plan.cache_keys)} slots); started with {len(runner.slots)} of {the_plan.slots} planned experts")
+    short = keep_free - runner.mem.snapshot().free_bytes
+    if short > 0:
+        runner.give_back(short)
+        runner.mem.release_cached()
+        notes.append("free memory fell below the reserve after the cache loaded; the cache shrank")
     runner.book.budget = runner.book.used if notes else runner.book.budget
     if len(runner.slots) < the_plan.min_slots:
         raise RefusedError(refusal_text(the_plan, extra=notes[0] if notes else ""), the_plan)

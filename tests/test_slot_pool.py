@@ -1,0 +1,93 @@
+"""The expert cache's slot pool on a simulated card that charges like PyTorch's CUDA caching
+allocator: what a per-expert allocation costs, and that the pool's ledger line is what the
+card reserves for it, given back chunk by chunk."""
+
+import torch
+
+from moefit.experts.pool import FREE, RESIDENT, SlotPool
+from moefit.experts.slots import chunk_plan, pool_bytes, slots_bytes, stride
+from moefit.memory.allocator import MIB, AllocatorModel
+from moefit.memory.devices import open_device
+from moefit.memory.simcard import write_card
+from moefit.runtime.placement import DeviceMemory
+
+# a Qwen3-30B-A3B int4 expert: gate_up [1536, 2048] and down [2048, 768] in 4 bits, fp16 scales per 32
+BLOB = 1536 * 2048 // 2 + 2048 * 768 // 2 + 1536 * 64 * 2 + 2048 * 24 * 2          # 2.53 MiB
+
+
+def cuda_card(tmp_path, total_mib=12282):
+    path = tmp_path / "card.json"
+    write_card(path, "RTX 4070 (simulated)", total_mib, [(2101, "gnome-shell", 587)], allocator="cuda")
+    return DeviceMemory(open_device(f"sim:{path}"))
+
+
+def test_the_cuda_model_rounds_blocks_and_reserves_segments():
+    a = AllocatorModel("cuda")
+    small = a.allocate(1000)                        # a 512-byte multiple, in a 2 MiB small segment
+    assert (a.allocated, a.reserved) == (1024, 2 * MIB)
+    mid = [a.allocate(BLOB) for _ in range(7)]      # 1-10 MiB blocks share 20 MiB segments: 7 of these
+    assert a.reserved == 2 * MIB + 20 * MIB
+    mid.append(a.allocate(BLOB))
+    assert a.reserved == 2 * MIB + 40 * MIB
+    a.allocate(33 * MIB + 1)                        # 10 MiB and up: its own segment, 2 MiB rounded
+    assert a.reserved == 2 * MIB + 40 * MIB + 34 * MIB
+    for h in mid[:6]:
+        a.free(h)
+    assert a.empty_cache() == 0                     # each segment still holds a block: nothing returns
+    a.free(mid[6])
+    a.free(small)
+    assert a.empty_cache() == 22 * MIB
+
+
+def test_experts_allocated_one_by_one_reserve_more_than_the_ledger_and_evicting_returns_nothing(tmp_path):
+    """The problem the pool solves, in the model's arithmetic."""
+    mem = cuda_card(tmp_path)
+    blobs = [mem.empty("expert cache", (BLOB,), torch.uint8) for _ in range(80)]
+    sim = mem.device.sim
+    assert mem.charged["expert cache"] == 80 * BLOB
+    assert sim.charged == 12 * 20 * MIB > 1.18 * 80 * BLOB   # 7 a segment: 12 segments of 20 MiB
+    for t in blobs[::2]:                                      # the guard evicts half of them
+        mem.free("expert cache", t)
+    mem.release_cached()
+    assert sim.charged == 12 * 20 * MIB                       # every segment still holds a block
+
+
+def test_the_pool_reserves_exactly_its_ledger_line_and_gives_back_whole_chunks(tmp_path):
+    mem = cuda_card(tmp_path)
+    keys = [(layer, e) for layer in range(12) for e in range(40)]
+    sizes = {k: BLOB for k in keys}
+    pool = SlotPool(mem, sizes, 12, 128)
+    free_before = mem.snapshot().free_bytes
+    assert pool.reserve(keys) == len(keys)
+    assert pool.allocated == pool_bytes(keys, sizes) == slots_bytes(len(keys), BLOB) == mem.charged["expert cache"]
+    assert mem.device.sim.charged == pool.allocated                # reserved == allocated: no segment slack
+    assert free_before - mem.snapshot().free_bytes == pool.allocated
+    assert all(c.storage.numel() >= 10 * MIB for c in pool.chunks)
+    assert len(pool.chunks) == len(chunk_plan(len(keys), stride(BLOB))) >= 16
+
+    for i, k in enumerate(keys):
+        pool.acquire(k).fill_(i % 251)
+        pool.ready(k)
+    assert pool.state(keys[0]) == RESIDENT and (pool.table >= 0).sum() == len(keys)
+    for k in keys[::3]:                                           # evict a third, spread over every chunk
+        pool.release(k)
+    assert pool.state(keys[0]) == FREE
+    freed, moved = pool.trim()
+    mem.release_cached()
+    assert freed > 0 and moved                                     # residents moved out of the freed chunks
+    assert mem.device.sim.charged == pool.allocated == slots_bytes(len(keys), BLOB) - freed
+    assert free_before - mem.snapshot().free_bytes == pool.allocated
+    for i, k in enumerate(keys):                                  # every resident kept its bytes
+        if i % 3:
+            assert int(pool.view(k)[0]) == i % 251 and int(pool.view(k)[-1]) == i % 251
+    assert (pool.table >= 0).sum() == len(keys) - len(keys[::3])
+
+
+def test_a_pool_that_does_not_fit_takes_the_largest_last_chunk_that_does(tmp_path):
+    mem = cuda_card(tmp_path, total_mib=587 + 100)
+    keys = [(0, e) for e in range(80)]
+    pool = SlotPool(mem, {k: BLOB for k in keys}, 1, 80)
+    made = pool.reserve(keys, keep_free=20 * MIB)
+    assert 0 < made < 80
+    assert mem.snapshot().free_bytes >= 20 * MIB
+    assert sum(c.slots for c in pool.chunks) >= made
