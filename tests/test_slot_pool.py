@@ -2,6 +2,7 @@
 allocator: what a per-expert allocation costs, and that the pool's ledger line is what the
 card reserves for it, given back chunk by chunk."""
 
+import pytest
 import torch
 
 from moefit.experts.pool import FREE, RESIDENT, SlotPool
@@ -91,3 +92,32 @@ def test_a_pool_that_does_not_fit_takes_the_largest_last_chunk_that_does(tmp_pat
     assert 0 < made < 80
     assert mem.snapshot().free_bytes >= 20 * MIB
     assert sum(c.slots for c in pool.chunks) >= made
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_the_split_path_resident_on_the_device_and_misses_on_the_host_gives_the_same_sum(family, tokens, packs,
+                                                                                      card):
+    """What CUDA runs (resident experts from their pool slots through torch, misses through the
+    host's call, joined by the hand-off) equals the one host call, on the same experts."""
+    from moefit.config import ServeConfig
+    from moefit.experts.runner import Groups
+    from moefit.runtime.engine import Engine
+    engine = Engine.open(packs(family, "int8"), ServeConfig(device=f"sim:{card(64)}", ctx=64, vram_reserve_mib=1,
+                                                            low_headroom_mib=0, min_expert_slots=0, expert_cache="5"))
+    runner, m = engine.runner, engine.pack.model
+    layer = m.moe_layers[0]
+    gen = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, m.hidden_size, generator=gen)
+    ids = torch.stack([torch.randperm(m.num_experts, generator=gen)[: m.top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, m.top_k, generator=gen)
+    for e in ids.unique().tolist()[:2]:                       # make two of the routed experts resident
+        if (layer, e) not in runner.slots:
+            runner.give_back(0) if runner.pool.free_slots((layer, e)) else runner.unload(runner.book.coldest()[0])
+            runner.load((layer, e))
+    groups = Groups.of(ids, weights)
+    resident = [(layer, e) in runner.slots for e in groups.experts]
+    assert 0 < sum(resident) < len(resident)
+    split = (runner._device_experts(layer, x, groups.subset(resident))
+             + runner.handoff.to_device(runner._host_experts(layer, x, groups.subset([not r for r in resident])), x))
+    torch.testing.assert_close(split, runner._host_experts(layer, x, groups), rtol=2e-2, atol=2e-3)

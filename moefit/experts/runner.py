@@ -3,9 +3,10 @@ misses on the host straight from the pack's map.
 
 The host part is one native call per layer (kernels.moe_layer) for all its experts. Where the
 device's memory is host memory (cpu, a simulated card), resident experts go through that same
-call, so the numbers do not depend on the cache size. On CUDA, resident experts are launched
-first so that the device works while the host computes the misses. Outputs are summed in
-expert-id order whatever the placement.
+call, so the numbers do not depend on the cache size. On CUDA, the layer's routing and hidden
+rows come to the host in one hand-off (experts/handoff.py), the resident experts are queued on
+the device from their pool slots, and the host computes the misses meanwhile; its sum goes
+back without a wait. Each side sums in expert-id order.
 
 Legend: T tokens, E hidden, k top-k.
 """
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 from moefit import kernels
 from moefit.experts.cache import CacheBook, Key
 from moefit.errors import DeviceOutOfMemory
+from moefit.experts.handoff import Handoff
 from moefit.experts.lookahead import LookAhead
 from moefit.experts.pool import SlotPool
 from moefit.experts.profile import Profile
@@ -45,6 +47,21 @@ class Groups:
         rows = (order // ids.shape[1]).to(torch.int32)
         return Groups(experts.tolist(), start, rows, weights.reshape(-1)[order].float())
 
+    def rows_of(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """experts[i]'s token rows (int64) and router weights."""
+        a, b = self.start[i], self.start[i + 1]
+        return self.rows[a:b].long(), self.weights[a:b]
+
+    def subset(self, keep: list[bool]) -> "Groups":
+        """The groups of the experts where keep is true, in the same order."""
+        idx = [i for i, k in enumerate(keep) if k]
+        pick = [torch.arange(self.start[i], self.start[i + 1]) for i in idx]
+        sel = torch.cat(pick) if pick else torch.zeros(0, dtype=torch.long)
+        start = [0]
+        for i in idx:
+            start.append(start[-1] + self.start[i + 1] - self.start[i])
+        return Groups([self.experts[i] for i in idx], start, self.rows[sel], self.weights[sel])
+
 
 def expert_forward(x: torch.Tensor, parts: dict[str, torch.Tensor], quant: str) -> torch.Tensor:
     """SwiGLU expert on x [T, E] from a blob's parts (gate_up [2I, E], down [E, I])."""
@@ -64,7 +81,7 @@ class ExpertRunner:
         self._shapes: dict[str, tuple[int, int]] = {}
         self.dump = None                       # an open file: every token's routing as JSON lines
         self.ahead: LookAhead | None = None    # set by the loader when look-ahead is on
-        self.handoffs = 0                      # device <-> host synchronisations (DESIGN: handoffs_per_token)
+        self.handoff = Handoff()               # device <-> host synchronisations (DESIGN: handoffs_per_token)
         self.tokens = 0                        # token positions run through the MoE layers (engine.forward)
         # a family whose experts are not plain SwiGLU (gpt-oss: biases, a clamped gate) gives its own
         # expert(layer, e, x, parts, quant); the native call computes SwiGLU only, so it is not used then
@@ -144,34 +161,64 @@ class ExpertRunner:
     # -- compute -----------------------------------------------------------------
     def run(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Sum over each token's top-k experts of weight * expert(x): [T, E]."""
-        ids_host = ids.cpu()
-        self.profile.record(layer, ids_host.numpy())
+        xh, ids_h, w_h = self.handoff.to_host(x, ids, weights)        # the layer's one synchronisation
+        self.profile.record(layer, ids_h.numpy())
         if self.dump is not None:
-            self._dump(layer, ids_host, weights)
-        groups = Groups.of(ids_host, weights)
-        experts = groups.experts
+            self._dump(layer, ids_h, w_h)
+        groups = Groups.of(ids_h, w_h)
         if self.ahead is not None:
-            self.ahead.score(layer, experts)
-        resident = [(layer, e) in self.slots for e in experts]
-        self.book.record(layer, experts, resident)
-        quant = self.pack.blobs[(layer, experts[0])].quant
-        # host memory: one native call per layer; a GPU: the routing comes to the host, and each
-        # miss goes down and back (issue 12 replaces that with one hand-off per layer)
-        self.handoffs += 1 if x.device.type == "cpu" else 1 + 2 * (len(resident) - sum(resident))
-        if x.device.type == "cpu" and kernels.usable(x, quant) and self.expert_fn is None:
-            out = kernels.moe_call(x, quant, self._shape(quant), self._pointers(layer, experts), groups.start,
+            self.ahead.score(layer, groups.experts)
+        resident = [(layer, e) in self.slots for e in groups.experts]
+        self.book.record(layer, groups.experts, resident)
+        if x.device.type == "cpu":             # slots and the pack's map are both host memory: one call
+            return self._host_experts(layer, x, groups)
+        out = self._device_experts(layer, x, groups.subset(resident))   # queued on the device ...
+        misses = groups.subset([not r for r in resident])
+        if misses.experts:                     # ... while the host computes the misses
+            out = out + self.handoff.to_device(self._host_experts(layer, xh.float(), misses), x)
+        return out
+
+    @property
+    def handoffs(self) -> int:
+        return self.handoff.syncs
+
+    def _host_experts(self, layer: int, x: torch.Tensor, groups: "Groups") -> torch.Tensor:
+        """The experts of `groups` on host memory (a slot of a simulated card, or the pack's
+        map): one native call, summed in expert order; torch per expert where it cannot."""
+        quant = self.pack.blobs[(layer, groups.experts[0])].quant
+        if kernels.usable(x, quant) and self.expert_fn is None:
+            out = kernels.moe_call(x, quant, self._shape(quant), self._pointers(layer, groups.experts), groups.start,
                                    groups.rows, groups.weights)
             if out is not None:
                 return out
-        order = [e for e, r in zip(experts, resident) if r] + [e for e, r in zip(experts, resident) if not r]
-        outputs = {e: self._one(layer, e, x, ids, weights) for e in order}
-        if x.shape[0] == 1:                    # decode: every expert's row is row 0
-            return sum(outputs[e][1] for e in experts)
         out = torch.zeros_like(x)
-        for e in experts:                      # fixed summation order
-            rows, y = outputs[e]
-            out.index_add_(0, rows, y)
+        for i, e in enumerate(groups.experts):                  # fixed summation order
+            rows, w = groups.rows_of(i)
+            parts = self.slots.get((layer, e)) or self._host(layer, e)
+            y = self._forward(layer, e)(x[rows], parts, self.pack.blobs[(layer, e)].quant)
+            out.index_add_(0, rows, y * w[:, None].to(y.dtype))
         return out
+
+    def _device_experts(self, layer: int, x: torch.Tensor, groups: "Groups") -> torch.Tensor:
+        """Resident experts on the device from their pool slots; every launch is queued (the
+        rows and weights go down from pinned memory without a wait). Decode needs no rows."""
+        out = torch.zeros_like(x)
+        for i, e in enumerate(groups.experts):
+            rows, w = groups.rows_of(i)
+            parts, quant = self.slots[(layer, e)], self.pack.blobs[(layer, e)].quant
+            if x.shape[0] == 1:
+                out += self._forward(layer, e)(x, parts, quant) * float(w[0])
+                continue
+            rows_d, w_d = _down(rows, x.device), _down(w, x.device)
+            y = self._forward(layer, e)(x[rows_d], parts, quant)
+            out.index_add_(0, rows_d, (y * w_d[:, None]).to(x.dtype))
+        return out
+
+    def _forward(self, layer: int, e: int):
+        """The expert function: the family's own (gpt-oss) or SwiGLU."""
+        if self.expert_fn is None:
+            return expert_forward
+        return lambda xs, parts, q: self.expert_fn(layer, e, xs, parts, q)
 
     def _shape(self, quant: str) -> tuple[int, int]:
         """(intermediate size, int4 group size or 0) of this quant's blobs, from the layout."""
@@ -193,17 +240,6 @@ class ExpertRunner:
             out += self._addresses[key]
         return out
 
-    def _one(self, layer: int, e: int, x, ids, weights) -> tuple[torch.Tensor, torch.Tensor]:
-        rows, kpos = torch.where(ids == e)
-        quant = self.pack.blobs[(layer, e)].quant
-        forward = (lambda xs, parts, q: self.expert_fn(layer, e, xs, parts, q)) if self.expert_fn else expert_forward
-        if (layer, e) in self.slots:
-            y = forward(x[rows], self.slots[(layer, e)], quant)
-        else:
-            xh = x[rows].to("cpu", self.host_dtype)
-            y = forward(xh, self._host(layer, e), quant).to(x.device, x.dtype)
-        return rows, y * weights[rows, kpos, None]
-
     def _host(self, layer: int, e: int) -> dict:
         parts = self._host_parts.get((layer, e))
         if parts is None:
@@ -217,3 +253,8 @@ class ExpertRunner:
             if guesses is not None:
                 row["predicted"] = guesses[t]
             self.dump.write(json.dumps(row) + "\n")
+
+
+def _down(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on the device without a wait (through pinned memory on CUDA)."""
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)

@@ -1,0 +1,51 @@
+"""One MoE layer's hand-off between the device and the host: the only place a layer's
+experts synchronise with the device, and where that is counted.
+
+    rows = handoff.to_host(x, ids, weights)   # one copy of the routing and the hidden rows
+    ...                                        # the device runs resident experts (queued, async)
+    ...                                        # while the host computes the misses
+    out = out_device + handoff.to_device(y)    # the host's sum goes back without a sync
+
+On CUDA the router's ids and weights and the hidden rows go into pinned host buffers with
+non-blocking copies, and one event is waited on: one synchronisation per MoE layer. The
+host's result goes back through pinned memory with a non-blocking copy that the stream
+orders before the add, so the device never waits for the host. On the host (cpu, a
+simulated card) the tensors are already there; the exchange is still counted, once a layer,
+so `expert_cache.handoffs_per_token` reads the same on every device kind (DESIGN.md).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class Handoff:
+    def __init__(self):
+        self.syncs = 0                         # device -> host waits: one per MoE layer forward
+        self._pinned: dict[str, torch.Tensor] = {}
+
+    def to_host(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor):
+        """(x, ids, weights) on the host; at most one wait."""
+        self.syncs += 1
+        if x.device.type == "cpu":
+            return x, ids, weights
+        out = tuple(self._pin(name, t).copy_(t, non_blocking=True)
+                    for name, t in (("x", x), ("ids", ids), ("weights", weights)))
+        event = torch.cuda.Event()
+        event.record()
+        event.synchronize()
+        return out
+
+    def to_device(self, y: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """The host's result [T, E] on like's device and dtype, without waiting."""
+        if like.device.type == "cpu":
+            return y.to(like.dtype)
+        # pin_memory() takes a block from torch's caching host allocator, which is not reused
+        # before the copy that reads it has run: no wait here, and no buffer overwritten early
+        return y.pin_memory().to(like.device, non_blocking=True).to(like.dtype)
+
+    def _pin(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        buf = self._pinned.get(name)
+        if buf is None or buf.numel() < t.numel() or buf.dtype != t.dtype:
+            buf = self._pinned[name] = torch.empty(max(t.numel(), 1), dtype=t.dtype, pin_memory=True)
+        return buf[: t.numel()].view(t.shape)
