@@ -29,7 +29,7 @@ from moefit.pack.convert import write_pack  # noqa: E402
 class RandomSource:
     """The tensor-source interface of pack.convert, drawing random weights on demand."""
 
-    def __init__(self, model: ModelConfig, seed: int):
+    def __init__(self, model: ModelConfig, seed: int, distinct: int = 0):
         shapes = dense_shapes(model)
         if not model.tie_word_embeddings:
             shapes["model.embed_tokens.weight"] = (model.vocab_size, model.hidden_size)
@@ -37,6 +37,8 @@ class RandomSource:
         self.dense_keys = list(shapes)
         self.model = model
         self.seed = seed
+        self.distinct = distinct              # > 0: cycle through this many random experts (faster to make)
+        self._drawn = {}
 
     def float_dtype(self) -> str:
         return "bf16"
@@ -50,6 +52,14 @@ class RandomSource:
         return self._randn(self.shapes[key], hash(key) % 100_000)
 
     def expert(self, layer: int, expert: int):
+        if self.distinct:
+            n = (layer * 10_000 + expert) % self.distinct
+            if n not in self._drawn:
+                self._drawn[n] = self._expert(n // 10_000, n % 10_000)
+            return self._drawn[n]
+        return self._expert(layer, expert)
+
+    def _expert(self, layer: int, expert: int):
         m = self.model
         salt = 100_000 + layer * 10_000 + expert
         return (self._randn((2 * m.expert_size, m.hidden_size), salt),
@@ -63,6 +73,25 @@ def word_tokenizer(vocab: int):
     return tok
 
 
+def build_pack(config: Path, out: Path, quant: str = "int4", group_size: int = 32, layers: int | None = None,
+               seed: int = 0, distinct: int = 0, progress: bool = False) -> Path:
+    """Write the pack; returns its path."""
+    raw = json.loads(Path(config).read_text())
+    if layers:
+        raw["num_hidden_layers"] = layers
+        raw["max_window_layers"] = min(raw.get("max_window_layers", layers), layers)
+    model = ModelConfig.from_hf(raw)
+
+    def tokenizer(out: Path) -> None:
+        dest = out / fmt.TOKENIZER_DIR
+        dest.mkdir(parents=True, exist_ok=True)
+        word_tokenizer(model.vocab_size).save(str(dest / "tokenizer.json"))
+        (dest / "tokenizer_config.json").write_text(json.dumps({"eos_token": None}))
+    write_pack(RandomSource(model, seed, distinct), raw, Path(out), quant, group_size, tokenizer, progress=progress,
+               name=Path(config).stem)
+    return Path(out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("config", help="an HF config.json")
@@ -71,22 +100,13 @@ def main() -> None:
     ap.add_argument("--group-size", type=int, default=32)
     ap.add_argument("--layers", type=int, help="keep only the first N layers")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--distinct", type=int, default=0, help="cycle through N random experts (faster)")
     args = ap.parse_args()
-    raw = json.loads(Path(args.config).read_text())
-    if args.layers:
-        raw["num_hidden_layers"] = args.layers
-        raw["max_window_layers"] = min(raw.get("max_window_layers", args.layers), args.layers)
-    model = ModelConfig.from_hf(raw)
-
-    def tokenizer(out: Path) -> None:
-        dest = out / fmt.TOKENIZER_DIR
-        dest.mkdir(parents=True, exist_ok=True)
-        word_tokenizer(model.vocab_size).save(str(dest / "tokenizer.json"))
-        (dest / "tokenizer_config.json").write_text(json.dumps({"eos_token": None}))
-    header = write_pack(RandomSource(model, args.seed), raw, Path(args.output), args.quant, args.group_size,
-                        tokenizer, progress=True, name=Path(args.config).stem)
+    out = build_pack(Path(args.config), Path(args.output), args.quant, args.group_size, args.layers, args.seed,
+                     args.distinct, progress=True)
     from moefit.commands.pack import describe
-    print(describe(header))
+    from moefit.pack.format import read_header
+    print(describe(read_header(out)))
 
 
 if __name__ == "__main__":

@@ -121,3 +121,25 @@ def test_the_split_path_resident_on_the_device_and_misses_on_the_host_gives_the_
     split = (runner._device_experts(layer, x, groups.subset(resident))
              + runner.handoff.to_device(runner._host_experts(layer, x, groups.subset([not r for r in resident])), x))
     torch.testing.assert_close(split, runner._host_experts(layer, x, groups), rtol=2e-2, atol=2e-3)
+
+
+def test_the_device_check_runs_its_checks_on_the_simulated_card(tmp_path):
+    """bench/gpu_check.py is what a GPU session runs once: here the same checks on the demo's
+    simulated card, so the script is known to work before a GPU is at hand."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    card = tmp_path / "card.json"
+    shutil.copy(root / "moefit" / "demo" / "card.json", card)
+    out = tmp_path / "gpu_check.json"
+    run = subprocess.run([sys.executable, str(root / "bench" / "gpu_check.py"), "--device", f"sim:{card}", "--quick",
+                          "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    checks = json.loads(out.read_text())["checks"]
+    assert {k: v["ok"] for k, v in checks.items()} == {"greedy": True, "cache": True, "syncs": True, "ledger": True,
+                                                         "auto": True, "guard": True, "oom": True, "decode": None}
+    assert checks["syncs"]["handoffs_per_moe_layer_token"] == 1.0
+    assert checks["guard"]["driver_saw_mib"] == checks["guard"]["freed_by_pool_mib"] > 0

@@ -36,6 +36,13 @@ class Handoff:
         event.synchronize()
         return out
 
+    def fetch(self, t: torch.Tensor) -> torch.Tensor:
+        """A small device tensor on the host (the look-ahead's predicted ids): a wait, counted."""
+        if t.device.type == "cpu":
+            return t
+        self.syncs += 1
+        return t.cpu()
+
     def to_device(self, y: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         """The host's result [T, E] on like's device and dtype, without waiting."""
         if like.device.type == "cpu":

@@ -95,7 +95,7 @@ class ExpertRunner:
         """The next layer's predicted top-k [T, k]: record it, bring the most confident
         missing experts into the cache (at most the budget), and ask for the pages of the
         other missing ones, which the host will compute from the pack's map."""
-        order = self.ahead.expect(layer, ids.cpu().tolist())
+        order = self.ahead.expect(layer, self.handoff.fetch(ids).tolist())
         missing = [e for e in order if (layer, e) not in self.slots]
         for n, e in enumerate(missing):
             if n >= self.ahead.budget or not self._make_room((layer, e)):

@@ -8,6 +8,7 @@ Sources:  sim:CARD.json  a simulated card, re-read at every snapshot
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -90,7 +91,7 @@ def nvml_snapshot(index: int) -> DeviceSnapshot:
     except Exception as e:  # noqa: BLE001 - NVML raises its own error types, or ImportError
         raise DeviceUnavailable(f"NVML is not available ({type(e).__name__}: {e}); no NVIDIA driver on "
                                 "this machine? Use --device sim:CARD.json to simulate a card") from None
-    handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+    handle = _nvml_handle(pynvml, index)
     mem = pynvml.nvmlDeviceGetMemoryInfo(handle)
     procs = _nvml_processes(pynvml, handle)
     name = pynvml.nvmlDeviceGetName(handle)
@@ -98,6 +99,41 @@ def nvml_snapshot(index: int) -> DeviceSnapshot:
     held = sum(p.bytes for p in procs)
     return DeviceSnapshot(_text(name), mem.total, mem.free, tuple(procs), _text(uuid), "nvml",
                           max(0, mem.used - held))
+
+
+def _nvml_handle(pynvml, index: int):
+    """NVML's handle of CUDA device `index`. CUDA numbers devices fastest first and after
+    CUDA_VISIBLE_DEVICES, NVML by PCI bus over all of them: the two indices agree only by
+    chance, so the device is found by its UUID (a MIG instance's own, where it is one)."""
+    for uuid in cuda_uuids(index):
+        try:
+            return pynvml.nvmlDeviceGetHandleByUUID(uuid)
+        except Exception:  # noqa: BLE001 - NVMLError_NotFound and kin
+            continue
+    visible = visible_devices()
+    if visible is not None and index < len(visible) and visible[index].isdigit():
+        return pynvml.nvmlDeviceGetHandleByIndex(int(visible[index]))
+    return pynvml.nvmlDeviceGetHandleByIndex(index)
+
+
+def visible_devices() -> list[str] | None:
+    """CUDA_VISIBLE_DEVICES as a list (indices, GPU-/MIG- UUIDs), or None when unset."""
+    value = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return None if value is None else [v.strip() for v in value.split(",") if v.strip()]
+
+
+def cuda_uuids(index: int) -> list[str]:
+    """The UUIDs NVML may know CUDA device `index` by: what CUDA_VISIBLE_DEVICES names there,
+    and, where torch has already started CUDA, the device's own UUID as GPU- and MIG-."""
+    out = []
+    visible = visible_devices()
+    if visible is not None and index < len(visible) and not visible[index].isdigit():
+        out.append(visible[index])
+    torch = sys.modules.get("torch")              # this module stays torch-free: use it only if loaded
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        uuid = str(torch.cuda.get_device_properties(index).uuid)
+        out += [uuid if uuid.startswith(("GPU-", "MIG-")) else f"{prefix}-{uuid}" for prefix in ("GPU", "MIG")]
+    return out
 
 
 def _nvml_processes(pynvml, handle) -> list[ProcessUsage]:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from moefit.config import ServeConfig
-from moefit.errors import DeviceOutOfMemory, RefusedError
+from moefit.errors import DeviceOutOfMemory, RefusedError, UsageError
 from moefit.experts.cache import CacheBook, SwapPolicy
 from moefit.experts.profile import Profile, no_profile_note
 from moefit import kernels
@@ -52,6 +52,10 @@ def compute_dtype_for(cfg: ServeConfig, kind: str) -> str:
 def load(pack: Pack, cfg: ServeConfig, log=lambda msg: None) -> Loaded:
     """Place the pack on cfg.device as the plan says; RefusedError when it does not fit."""
     device = open_device(cfg.device)
+    if device.kind == "cuda" and cfg.dense_quant != "off":
+        raise UsageError(f"--dense-quant {cfg.dense_quant} runs the dense matrices in the host kernel; on CUDA it "
+                         "would build a bf16 copy of each matrix per call (594 MiB for Qwen3's lm_head) that the "
+                         "ledger does not hold: leave it off on CUDA (the dense weights are bf16 there)")
     mem = DeviceMemory(device)
     if device.kind == "cuda":
         torch.zeros(1, device=mem.torch_device)          # create the context before the snapshot

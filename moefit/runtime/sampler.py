@@ -68,10 +68,14 @@ class Sampler:
         self.counts[token] += 1
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
-        """The distribution the next token is drawn from, [V] on the host (one-hot when greedy)."""
-        logits = logits.float().cpu()
+        """The distribution the next token is drawn from, [V] (one-hot when greedy), on the
+        logits' device: only the drawn token id comes back to the host (and the grammar's mask,
+        which is built on the host, takes the logits there)."""
+        logits = logits.float()
         if self.constraint is not None:                 # the grammar first: forbidden tokens never come back
-            logits = self.constraint.mask(logits)
+            logits = self.constraint.mask(logits.cpu())
+        if self.seen.device != logits.device:
+            self.seen, self.counts = self.seen.to(logits.device), self.counts.to(logits.device)
         logits = self._penalised(logits)
         if self.p.greedy:
             return torch.nn.functional.one_hot(logits.argmax(), logits.shape[-1]).float()

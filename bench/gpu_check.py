@@ -1,0 +1,276 @@
+"""The device check: what only a GPU can answer, in one run of under 8 minutes, offline.
+
+    python bench/gpu_check.py                       # on the GPU machine (make gpu-check)
+    python bench/gpu_check.py --device sim:moefit/demo/card.json --quick   # the same checks, simulated
+
+It needs torch and the engine only (no fastapi, uvicorn or pydantic) and writes
+bench/results/gpu_check.json and a table. Each check records what it measured and
+passes or fails on the issue's goal; a check that raises is recorded with its error and
+the others still run:
+
+  greedy       the demo's greedy tokens on the device equal the cpu's
+  cache        ... and do not change with the expert cache size (0, 8, auto)
+  syncs        device->host waits per MoE layer per decode token: the hand-off's count, and
+               on CUDA torch.cuda.set_sync_debug_mode's warnings (goal: <= 2)
+  ledger       the plan against memory_allocated, memory_reserved and NVML (goal: within 2 %)
+  auto         an --expert-cache auto start: slots, and free memory left against the reserve
+  guard        shrink by 25 % of the cache and grow back: bytes given back to the driver
+  oom          another allocation takes the card mid-request: the request fails cleanly, the
+               guard shrinks, the next request works
+  decode       tok/s of a Qwen3-30B-A3B-shaped int4 pack (the first 12 of its 48 layers) under
+               an emulated 12 GiB card with 25 / 50 / 100 % of its experts cached; a 48-layer
+               figure is extrapolated as 12 / 48 of the per-token time (experts and attention
+               scale with layers; the lm_head, ~4 % of a token, is counted 4 times: a lower bound)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from moefit.config import ServeConfig  # noqa: E402
+from moefit.demo import SIM_FLAGS, demo_pack  # noqa: E402
+from moefit.memory import ledger as L  # noqa: E402
+from moefit.runtime.engine import Engine  # noqa: E402
+from moefit.runtime.guard import Guard  # noqa: E402
+from moefit.runtime.sampler import SamplingParams  # noqa: E402
+
+MIB = 1 << 20
+PROMPT = "a small domesticated carnivorous mammal with soft fur"
+GREEDY = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+
+
+def cfg(device: str, **over) -> ServeConfig:
+    base = dict(device=device, ctx=2048, prefill_chunk=128)
+    if device.startswith("sim:"):                       # the demo card's small-card flags
+        flags = dict(zip(SIM_FLAGS[::2], SIM_FLAGS[1::2]))
+        base.update(vram_reserve_mib=int(flags["--vram-reserve-mib"]), low_headroom_mib=1, min_free_vram_mib=1,
+                    grow_margin_mib=1)
+    return ServeConfig(**{**base, **over})
+
+
+def tokens(engine: Engine, n: int = 32) -> list[int]:
+    prompt = engine.codec.encode(PROMPT)
+    engine.generate(prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+    return list(engine.last.generated)
+
+
+def check_greedy(device: str, pack) -> dict:
+    want = tokens(Engine.open(pack, cfg("cpu")))
+    got = tokens(Engine.open(pack, cfg(device)))
+    first = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), None)
+    return {"ok": want == got, "cpu": want, "device": got, "first_difference": first}
+
+
+def check_cache(device: str, pack) -> dict:
+    runs = {size: tokens(Engine.open(pack, cfg(device, expert_cache=size, min_expert_slots=0)))
+            for size in ("0", "8", "auto")}
+    return {"ok": len({tuple(v) for v in runs.values()}) == 1, "tokens": runs}
+
+
+def check_syncs(device: str, pack) -> dict:
+    engine = Engine.open(pack, cfg(device))
+    engine.generate(engine.codec.encode(PROMPT), SamplingParams(max_tokens=4, temperature=0))   # warm
+    runner, layers = engine.runner, len(engine.pack.model.moe_layers)
+    before, tokens_before = runner.handoffs, runner.tokens
+    cuda = device.startswith("cuda")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if cuda:
+            torch.cuda.set_sync_debug_mode("warn")
+        try:
+            engine.generate(engine.codec.encode(PROMPT), GREEDY)
+        finally:
+            if cuda:
+                torch.cuda.set_sync_debug_mode("default")
+    decoded = runner.tokens - tokens_before
+    per_layer = (runner.handoffs - before) / decoded / layers
+    synced = [str(w.message)[:120] for w in caught if "synchroniz" in str(w.message).lower()]
+    out = {"handoffs_per_moe_layer_token": per_layer, "tokens": decoded}
+    if cuda:
+        out["sync_debug_warnings_per_token"] = len(synced) / max(1, len(engine.last.generated))
+        out["sync_debug_warnings_per_moe_layer_token"] = len(synced) / decoded / layers
+        out["sync_debug_samples"] = sorted(set(synced))[:8]
+        out["ok"] = per_layer <= 2 and out["sync_debug_warnings_per_moe_layer_token"] <= 2
+    else:
+        out["ok"] = per_layer <= 2
+    return out
+
+
+def check_ledger(device: str, pack) -> dict:
+    engine = Engine.open(pack, cfg(device, expert_cache="auto"))
+    engine.generate(engine.codec.encode(PROMPT), GREEDY)
+    plan, mem = engine.loaded.plan, engine.loaded.mem
+    out = {"planned_device_bytes": plan.planned_device_bytes(), "charged_bytes": mem.total_charged(),
+           "cache_line_bytes": plan.line(L.CACHE).bytes, "pool_bytes": engine.runner.pool.allocated}
+    if device.startswith("cuda"):
+        snap = mem.snapshot()
+        out.update(memory_allocated=torch.cuda.memory_allocated(), memory_reserved=torch.cuda.memory_reserved(),
+                   nvml_this_process=next((p.bytes for p in snap.processes if p.pid == _pid()), None))
+        seen = out["nvml_this_process"] or out["memory_reserved"]
+        out["ledger_vs_nvml"] = (seen - plan.planned_device_bytes()) / seen
+        out["ok"] = abs(out["ledger_vs_nvml"]) <= 0.02 and out["cache_line_bytes"] == out["pool_bytes"]
+    else:
+        out["card_charged"] = mem.device.sim.charged
+        out["ok"] = out["cache_line_bytes"] == out["pool_bytes"] and out["charged_bytes"] == plan.planned_device_bytes()
+    return out
+
+
+def check_auto(device: str, pack) -> dict:
+    engine = Engine.open(pack, cfg(device, expert_cache="auto"))
+    plan = engine.loaded.plan
+    free = engine.loaded.mem.snapshot().free_bytes
+    return {"ok": len(engine.runner.slots) >= plan.min_slots and free >= plan.reserve.total - plan.reserve.draft,
+            "slots": len(engine.runner.slots), "planned_slots": plan.slots, "free_mib": free / MIB,
+            "reserve_mib": plan.reserve.total / MIB, "notes": engine.loaded.notes}
+
+
+def check_guard(device: str, pack) -> dict:
+    engine = Engine.open(pack, cfg(device, expert_cache="auto"))
+    guard = _guard(engine)
+    mem, pool = engine.loaded.mem, engine.runner.pool
+    free0, slots0 = mem.snapshot().free_bytes, len(engine.runner.slots)
+    freed = guard.shrink(pool.allocated // 4, "gpu_check")
+    free1, slots1 = mem.snapshot().free_bytes, len(engine.runner.slots)
+    guard.grow(free1 - free0 + pool.allocated)
+    free2, slots2 = mem.snapshot().free_bytes, len(engine.runner.slots)
+    back = free1 - free0
+    return {"ok": freed > 0 and back >= 0.9 * freed and slots2 > slots1, "slots": [slots0, slots1, slots2],
+            "freed_by_pool_mib": freed / MIB, "driver_saw_mib": back / MIB, "free_after_grow_mib": free2 / MIB,
+            "tokens_after": tokens(engine, 8)}
+
+
+def check_oom(device: str, pack) -> dict:
+    engine = Engine.open(pack, cfg(device, expert_cache="auto"))
+    guard = _guard(engine)
+    want = tokens(engine, 8)
+    hog = _take_the_card(engine)
+    error = None
+    try:
+        tokens(engine, 8)
+    except Exception as e:  # noqa: BLE001 - what a request sees is the point
+        error = f"{type(e).__name__}: {e}"[:200]
+        if "OutOfMemory" in type(e).__name__:
+            guard.after_oom(e)
+    hog.release()
+    after = tokens(engine, 8)
+    return {"ok": error is not None and "OutOfMemory" in error and after == want, "error": error,
+            "slots_after": len(engine.runner.slots), "tokens_match_after": after == want}
+
+
+def _guard(engine: Engine) -> Guard:
+    return Guard(engine, engine.cfg.min_free_vram_mib * MIB, engine.cfg.grow_margin_mib * MIB)
+
+
+class _Hog:
+    def __init__(self, release):
+        self.release = release
+
+
+def _take_the_card(engine: Engine) -> _Hog:
+    """Another program takes all but 1 MiB of free memory (and the engine's cached blocks)."""
+    mem = engine.loaded.mem
+    if mem.device.kind == "cuda":
+        torch.cuda.empty_cache()
+        free, _ = torch.cuda.mem_get_info(mem.device.index)
+        block = torch.empty(max(0, free - MIB), dtype=torch.uint8, device=mem.torch_device)
+        return _Hog(lambda: (block.set_(), torch.cuda.empty_cache()))
+    card = json.loads(mem.device.sim.path.read_text())
+    original = json.dumps(card)
+    card["processes"].append({"pid": 99999, "name": "gpu_check hog",
+                              "used_mib": mem.snapshot().free_bytes / MIB + 0.5})
+    mem.device.sim.path.write_text(json.dumps(card))
+    return _Hog(lambda: mem.device.sim.path.write_text(original))
+
+
+def check_decode(device: str, quick: bool) -> dict:
+    """tok/s of a Qwen3-30B-A3B-shaped int4 pack's first 12 layers under a 12 GiB cap."""
+    if quick or not device.startswith("cuda"):
+        return {"ok": None, "skipped": "needs CUDA and a few minutes (not --quick)"}
+    from bench.synthetic_pack import build_pack
+    pack = build_pack(ROOT / "configs" / "qwen3-30b-a3b.json", Path(tempfile.mkdtemp()) / "q30-12.pack",
+                      "int4", layers=12, distinct=16)
+    total = None
+    cap = 12 * 1024 * MIB
+    torch.cuda.set_per_process_memory_fraction(min(1.0, cap / torch.cuda.get_device_properties(0).total_memory))
+    rows = {}
+    for share in (0.25, 0.5, 1.0):
+        e = Engine.open(pack, cfg(device, expert_cache="0"))
+        total = total or len(e.pack.blobs)
+        e = Engine.open(pack, cfg(device, expert_cache=str(int(share * total))))
+        prompt = list(range(100, 164))
+        e.generate(prompt, SamplingParams(max_tokens=4, temperature=1.0, seed=1, ignore_eos=True))
+        e.generate(prompt, SamplingParams(max_tokens=64, temperature=1.0, seed=2, ignore_eos=True))
+        dt = 1 / e.last.decode_tokens_per_s
+        rows[f"{int(share * 100)}%"] = {"slots": len(e.runner.slots), "tok_s_12_layers": 1 / dt,
+                                        "tok_s_48_layers_extrapolated": 1 / (dt * 4),
+                                        "hit_rate": e.runner.book.hit_rate()}
+        del e
+        torch.cuda.empty_cache()
+    return {"ok": rows["25%"]["tok_s_48_layers_extrapolated"] >= 40, "rows": rows}
+
+
+def _pid() -> int:
+    import os
+    return os.getpid()
+
+
+CHECKS = {"greedy": check_greedy, "cache": check_cache, "syncs": check_syncs, "ledger": check_ledger,
+          "auto": check_auto, "guard": check_guard, "oom": check_oom}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--quick", action="store_true", help="skip the 30B-shaped decode measurement")
+    ap.add_argument("--only", help="comma-separated checks")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "gpu_check.json"))
+    args = ap.parse_args(argv)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print("no CUDA device here: run it on the GPU machine, or with --device sim:moefit/demo/card.json")
+        return 2
+    pack = demo_pack(log=print)
+    started, results = time.time(), {}
+    names = args.only.split(",") if args.only else list(CHECKS) + ["decode"]
+    for name in names:
+        t = time.time()
+        try:
+            results[name] = check_decode(args.device, args.quick) if name == "decode" else CHECKS[name](args.device,
+                                                                                                        pack)
+        except Exception as e:  # noqa: BLE001 - one broken check must not hide the others
+            results[name] = {"ok": False, "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-2000:]}
+        results[name]["seconds"] = round(time.time() - t, 1)
+        print(f"{name:<8} {_verdict(results[name]['ok']):<5} {results[name]['seconds']:>6.1f} s  "
+              f"{_summary(results[name])}", flush=True)
+    report = {"device": args.device, "torch": torch.__version__, "seconds": round(time.time() - started, 1),
+              "gpu": torch.cuda.get_device_name(0) if args.device.startswith("cuda") else None, "checks": results}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=1, default=str))
+    print(f"wrote {args.out} ({report['seconds']} s)")
+    return 0 if all(r["ok"] is not False for r in results.values()) else 1
+
+
+def _verdict(ok) -> str:
+    return {True: "ok", False: "FAIL", None: "skip"}[ok]
+
+
+def _summary(r: dict) -> str:
+    keep = {k: v for k, v in r.items() if k not in ("ok", "seconds", "trace", "tokens", "cpu", "device", "rows")}
+    if "rows" in r:
+        keep["rows"] = {k: round(v["tok_s_48_layers_extrapolated"], 1) for k, v in r["rows"].items()}
+    return json.dumps(keep, default=str)[:200]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
