@@ -20,7 +20,7 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     """One flag per ServeConfig field; the field's help is the flag's help."""
     for f in serve_config_fields():
         flag = "--" + f.name.replace("_", "-")
-        kind = {"int": int, "float": float, "int | None": int}.get(str(f.type), str)
+        kind = {"int": int, "float": float, "int | None": int, "float | None": float}.get(str(f.type), str)
         p.add_argument(flag, dest=f.name, type=kind, default=f.default, choices=f.metadata.get("choices"),
                        help=f.metadata["help"] + (f" (default: {f.default})" if f.default is not None else ""))
 

@@ -59,6 +59,11 @@ class ServeConfig:
     max_swaps: int = _opt(4, "adaptive cache: most swaps per round (0 = static placement)")
     prefetch_per_layer: int = _opt(2, "look-ahead: experts a layer may bring into the cache ahead of use, "
                                    "predicted by the next layer's own router (0 = no look-ahead)")
+    pcie_gbps: float | None = _opt(None, "PCIe GB/s for copying a missed expert of a prefill chunk or verify "
+                                   "window into the cache instead of computing it on the host (default: measured "
+                                   "on CUDA at start; 0 = never; a simulated card has none unless given)")
+    host_expert_gbps: float | None = _opt(None, "host expert weight-streaming GB/s for that choice (default: "
+                                          "measured at start)")
     threads: int | None = _opt(None, "host threads for expert and dense compute (default: the physical cores)")
 
     def resident_tokens(self) -> int | None:

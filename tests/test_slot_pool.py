@@ -143,3 +143,25 @@ def test_the_device_check_runs_its_checks_on_the_simulated_card(tmp_path):
                                                          "auto": True, "guard": True, "oom": True, "decode": None}
     assert checks["syncs"]["handoffs_per_moe_layer_token"] == 1.0
     assert checks["guard"]["driver_saw_mib"] == checks["guard"]["freed_by_pool_mib"] > 0
+
+
+def test_prefill_misses_go_over_pcie_when_that_is_cheaper_and_the_tokens_do_not_change(packs, card):
+    """A fast PCIe (given) admits a prefill chunk's misses into the cache; a slow one or none
+    leaves them on the host; the greedy tokens are the same either way."""
+    from moefit.config import ServeConfig
+    from moefit.runtime.engine import Engine
+    from moefit.runtime.report import cache_json
+    from moefit.runtime.sampler import SamplingParams
+    path = card(64)
+    prompt = [5, 17, 42, 99, 7, 3, 150, 220, 31, 64, 12, 8, 77, 19, 23, 101]
+    runs = {}
+    for gbps in (None, 0.000001, 1000.0):
+        engine = Engine.open(packs("qwen3_moe", "int8"), ServeConfig(
+            device=f"sim:{path}", ctx=64, vram_reserve_mib=1, low_headroom_mib=0, min_expert_slots=0,
+            expert_cache="4", prefetch_per_layer=0, pcie_gbps=gbps, host_expert_gbps=1.0))
+        engine.generate(prompt, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+        runs[gbps] = (list(engine.last.generated), engine.runner.pcie_loads, cache_json(engine))
+    assert runs[None][0] == runs[0.000001][0] == runs[1000.0][0]
+    assert runs[None][1] == runs[0.000001][1] == 0 and runs[1000.0][1] > 0
+    assert runs[1000.0][2]["pcie_gbps"] == 1000.0 and runs[None][2]["pcie_gbps"] == 0.0
+    assert len(runs[1000.0][2]) and runs[1000.0][2]["slots"] == 4         # admitted in place of cold ones

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from moefit import kernels
 from moefit.experts.cache import CacheBook, Key
 from moefit.errors import DeviceOutOfMemory
+from moefit.experts.costs import MissCosts, measure_host
 from moefit.experts.handoff import Handoff
 from moefit.experts.lookahead import LookAhead
 from moefit.experts.pool import SlotPool
@@ -82,6 +83,8 @@ class ExpertRunner:
         self.dump = None                       # an open file: every token's routing as JSON lines
         self.ahead: LookAhead | None = None    # set by the loader when look-ahead is on
         self.handoff = Handoff()               # device <-> host synchronisations (DESIGN: handoffs_per_token)
+        self.costs = MissCosts()               # PCIe or host for a multi-token step's misses (off until set)
+        self.pcie_loads = 0                    # misses copied into the cache because that was cheaper
         self.tokens = 0                        # token positions run through the MoE layers (engine.forward)
         # a family whose experts are not plain SwiGLU (gpt-oss: biases, a clamped gate) gives its own
         # expert(layer, e, x, parts, quant); the native call computes SwiGLU only, so it is not used then
@@ -105,12 +108,13 @@ class ExpertRunner:
             self.book.swaps += 1
             self.ahead.fetched_for(layer, e)
 
-    def _make_room(self, key: Key) -> bool:
+    def _make_room(self, key: Key, keep: set | None = None) -> bool:
         """A free slot of key's size class: there is one, or the coldest resident of that
-        class that no prediction wants is evicted for it; False when every one is wanted."""
+        class not in `keep` (default: what the predictions want) is evicted for it; False
+        when every one is kept."""
         if self.pool.free_slots(key):
             return True
-        keep, size = self.ahead.wanted(key[0]), self.book.sizes[key]
+        keep, size = self.ahead.wanted(key[0]) if keep is None else keep, self.book.sizes[key]
         for victim in self.book.coldest():
             if victim not in keep and self.book.sizes[victim] == size:
                 self.unload(victim)
@@ -170,6 +174,8 @@ class ExpertRunner:
             self.ahead.score(layer, groups.experts)
         resident = [(layer, e) in self.slots for e in groups.experts]
         self.book.record(layer, groups.experts, resident)
+        if x.shape[0] > 1 and self.costs.enabled:
+            resident = self._copy_cheap_misses(layer, groups, resident)
         if x.device.type == "cpu":             # slots and the pack's map are both host memory: one call
             return self._host_experts(layer, x, groups)
         out = self._device_experts(layer, x, groups.subset(resident))   # queued on the device ...
@@ -177,6 +183,37 @@ class ExpertRunner:
         if misses.experts:                     # ... while the host computes the misses
             out = out + self.handoff.to_device(self._host_experts(layer, xh.float(), misses), x)
         return out
+
+    def _copy_cheap_misses(self, layer: int, groups: "Groups", resident: list[bool]) -> list[bool]:
+        """Admit the misses that are cheaper to copy over PCIe than to compute on the host
+        (experts/costs.py), into free slots or in place of cold ones this step does not use."""
+        inter, _ = self._shape(self.pack.blobs[(layer, groups.experts[0])].quant)
+        macs = 3 * inter * self.pack.model.hidden_size
+        busy = {(layer, e) for e in groups.experts}
+        out = list(resident)
+        for i, e in enumerate(groups.experts):
+            key, rows = (layer, e), groups.start[i + 1] - groups.start[i]
+            if out[i] or not self.costs.copy_is_cheaper(self.book.sizes[key], rows, macs):
+                continue
+            if self._make_room(key, busy):
+                self.load(key)
+                self.pcie_loads += 1
+                out[i] = True
+        return out
+
+    def measure_host(self) -> tuple[float, float]:
+        """(bytes/s, MACs/s) of the host path on this pack's experts (experts/costs.py)."""
+        layer = self.pack.model.moe_layers[0]
+        quant = self.pack.blobs[(layer, 0)].quant
+        inter, _ = self._shape(quant)
+        hidden, n = self.pack.model.hidden_size, self.pack.model.num_experts
+        calls = iter(range(10 ** 9))
+
+        def run_one(rows: int) -> None:
+            e = next(calls) % n                       # a different expert each call: its weights come from memory
+            ids = torch.full((rows, 1), e, dtype=torch.int64)
+            self._host_experts(layer, torch.randn(rows, hidden), Groups.of(ids, torch.ones(rows, 1)))
+        return measure_host(run_one, self.book.sizes[(layer, 0)], 3 * inter * hidden)
 
     @property
     def handoffs(self) -> int:

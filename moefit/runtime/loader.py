@@ -16,6 +16,7 @@ from moefit.experts.cache import CacheBook, SwapPolicy
 from moefit.experts.profile import Profile, no_profile_note
 from moefit import kernels
 from moefit.experts.lookahead import LookAhead
+from moefit.experts.costs import MissCosts, measure_pcie
 from moefit.experts.pool import SlotPool
 from moefit.experts.runner import ExpertRunner
 from moefit.families.common import rope_dim
@@ -99,7 +100,21 @@ def _place(pack: Pack, cfg: ServeConfig, mem: DeviceMemory, cdt: str, the_plan: 
         notes = fill_cache(runner, the_plan, kind, log)
         if cfg.prefetch_per_layer > 0:            # a device with an expert cache: look ahead
             runner.ahead = LookAhead(m.num_layers, cfg.prefetch_per_layer)
+        runner.costs = miss_costs(runner, cfg, mem)
     return Loaded(pack, mem, the_plan, model, kv, runner, cdt, notes)
+
+
+def miss_costs(runner: ExpertRunner, cfg: ServeConfig, mem: DeviceMemory) -> MissCosts:
+    """The rates the PCIe-or-host choice uses: given, or measured here (experts/costs.py)."""
+    costs = MissCosts()
+    if cfg.pcie_gbps is not None:
+        costs.pcie_bytes_per_s = cfg.pcie_gbps * 1e9
+    elif mem.device.kind == "cuda":
+        costs.pcie_bytes_per_s = measure_pcie(mem.torch_device)
+    if costs.enabled:
+        measured_bw, costs.host_macs_per_s = runner.measure_host()
+        costs.host_bytes_per_s = cfg.host_expert_gbps * 1e9 if cfg.host_expert_gbps else measured_bw
+    return costs
 
 
 def set_threads(cfg: ServeConfig) -> None:

@@ -18,6 +18,8 @@ def cache_json(engine) -> dict:
         "planned_slots": plan.slots if plan else 0,
         "hits": hits, "misses": misses, "hit_rate": book.hit_rate(),
         "layer_hit_rates": book.layer_hit_rates(), "swaps": book.swaps, "bytes_moved": book.bytes_moved,
+        "pool_bytes": engine.runner.pool.allocated, "pool_chunks": len(engine.runner.pool.chunks),
+        "pcie_loads": engine.runner.pcie_loads, **engine.runner.costs.to_json(),
         "handoffs_per_token": engine.runner.handoffs / engine.runner.tokens if engine.runner.tokens else 0.0,
         "handoffs_per_moe_layer_token": (engine.runner.handoffs / engine.runner.tokens / len(engine.pack.model.moe_layers)
                                          if engine.runner.tokens else 0.0),

@@ -1,0 +1,70 @@
+"""PCIe or host: where a missed expert of a multi-token step (a prefill chunk, a verify
+window) is cheaper to run.
+
+A miss computed on the host reads its weights once and does rows x its MACs:
+    host_s = blob_bytes / host_bytes_per_s + rows * macs / host_macs_per_s
+A miss copied into a free or evictable slot over PCIe (from the pack's pages) is admitted
+and then runs on the device, whose time is small next to either (not counted):
+    pcie_s = blob_bytes / pcie_bytes_per_s
+Copying wins when pcie_s < host_s: at decode (one row) the host wins on a 12 GB card's PCIe,
+for a prefill chunk that routes dozens of rows to an expert the copy does. The rates are
+measured at start (host: one native call on a real expert; PCIe: a pinned copy to the card)
+or given (--pcie-gbps, --host-expert-gbps); with no PCIe rate (a simulated card, unless
+given) nothing is copied. Both paths give the same numbers: the copied expert runs from its
+slot as any resident one does.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class MissCosts:
+    pcie_bytes_per_s: float = 0.0            # 0: never copy
+    host_bytes_per_s: float = 20e9
+    host_macs_per_s: float = 100e9
+
+    @property
+    def enabled(self) -> bool:
+        return self.pcie_bytes_per_s > 0
+
+    def copy_is_cheaper(self, blob_bytes: int, rows: int, macs_per_row: int) -> bool:
+        host = blob_bytes / self.host_bytes_per_s + rows * macs_per_row / self.host_macs_per_s
+        return self.enabled and blob_bytes / self.pcie_bytes_per_s < host
+
+    def to_json(self) -> dict:
+        return {"pcie_gbps": self.pcie_bytes_per_s / 1e9, "host_expert_gbps": self.host_bytes_per_s / 1e9,
+                "host_expert_gmacs": self.host_macs_per_s / 1e9}
+
+
+def measure_pcie(device: torch.device, nbytes: int = 64 << 20) -> float:
+    """Host-to-device bytes per second from pinned memory (best of 3)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    best = float("inf")
+    for _ in range(3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src, non_blocking=True)
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    del dst
+    return nbytes / best
+
+
+def measure_host(run_one, blob_bytes: int, macs_per_row: int, rows: int = 64) -> tuple[float, float]:
+    """(bytes/s, MACs/s) of the host path from two timed calls of run_one(rows) on one expert:
+    1 row (weight streaming) and `rows` rows (compute)."""
+    def timed(n: int) -> float:
+        run_one(n)
+        t = time.perf_counter()
+        run_one(n)
+        return time.perf_counter() - t
+    one, many = timed(1), timed(rows)
+    per_row = max(1e-9, (many - one) / (rows - 1))
+    return blob_bytes / max(one, 1e-9), macs_per_row / per_row
