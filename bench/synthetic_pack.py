@@ -78,8 +78,11 @@ def build_pack(config: Path, out: Path, quant: str = "int4", group_size: int = 3
     """Write the pack; returns its path."""
     raw = json.loads(Path(config).read_text())
     if layers:
-        raw["num_hidden_layers"] = layers
-        raw["max_window_layers"] = min(raw.get("max_window_layers", layers), layers)
+        text = raw.get("text_config", raw)                 # Qwen3.6 nests its text model's config
+        text["num_hidden_layers"] = layers
+        text["max_window_layers"] = min(text.get("max_window_layers", layers), layers)
+        if isinstance(text.get("layer_types"), list):
+            text["layer_types"] = text["layer_types"][:layers]
     model = ModelConfig.from_hf(raw)
 
     def tokenizer(out: Path) -> None:

@@ -32,7 +32,8 @@ def test_chunked_and_recurrent_delta_rule_match_transformers():
 def test_a_rejected_draft_across_deltanet_layers_keeps_greedy_output(packs, monkeypatch):
     """An oracle draft source that knows the greedy continuation and spoils each window's last
     draft: every window is cut short after its DeltaNet layers consumed the rejected token, so
-    each one exercises the rollback to the window's start and the recompute of the kept tokens."""
+    each one exercises the way back: each DeltaNet layer's checkpoint after the kept tokens
+    (no extra forward of the model), taken in the verify arena and given back."""
     from moefit.runtime import decoding
     pack = packs("qwen3_5_moe")
     want = Engine.open(pack, ServeConfig(ctx=256)).generate(LOOPY, GREEDY)[1].generated
@@ -47,6 +48,20 @@ def test_a_rejected_draft_across_deltanet_layers_keeps_greedy_output(packs, monk
     got = engine.generate(LOOPY, GREEDY)[1].generated
     assert engine.spec_stats.drafted > engine.spec_stats.accepted > 0          # windows were cut short
     assert got == want
+    assert engine.forwards == engine.spec_stats.windows + 1 + (len(got) - 1 - engine.spec_stats.accepted
+                                                              - engine.spec_stats.windows)   # no re-forward
+    assert engine.loaded.mem.charged["verify arena"] == 0                   # every window's checkpoints freed
+
+
+def test_the_verify_arena_holds_a_checkpoint_per_draft_of_every_deltanet_layer():
+    import json
+    from pathlib import Path
+    from moefit.config import ModelConfig
+    from moefit.memory.footprint import from_config
+    raw = json.loads((Path(__file__).parent.parent / "configs" / "qwen3.6-35b-a3b.json").read_text())
+    fp = from_config(ModelConfig.from_hf(raw), "int4", "bf16")
+    plain = 5 * (fp.activation_bytes_per_token() + 4 * fp.model.vocab_size)
+    assert fp.verify_arena_bytes(4) - plain == 4 * 30 * 32 * 128 * 128 * 4              # 240 MiB
 
 
 def test_prefix_reuse_resumes_only_where_the_recurrent_state_is(packs):

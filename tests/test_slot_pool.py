@@ -111,10 +111,14 @@ def test_the_split_path_resident_on_the_device_and_misses_on_the_host_gives_the_
     x = torch.randn(tokens, m.hidden_size, generator=gen)
     ids = torch.stack([torch.randperm(m.num_experts, generator=gen)[: m.top_k] for _ in range(tokens)])
     weights = torch.rand(tokens, m.top_k, generator=gen)
-    for e in ids.unique().tolist()[:2]:                       # make two of the routed experts resident
-        if (layer, e) not in runner.slots:
-            runner.give_back(0) if runner.pool.free_slots((layer, e)) else runner.unload(runner.book.coldest()[0])
-            runner.load((layer, e))
+    routed = ids.unique().tolist()
+    for e in routed[1:]:                                      # the first routed expert resident, the rest not
+        if (layer, e) in runner.slots:
+            runner.unload((layer, e))
+    if (layer, routed[0]) not in runner.slots:
+        if not runner.pool.free_slots((layer, routed[0])):
+            runner.unload(runner.book.coldest()[0])
+        runner.load((layer, routed[0]))
     groups = Groups.of(ids, weights)
     resident = [(layer, e) in runner.slots for e in groups.experts]
     assert 0 < sum(resident) < len(resident)

@@ -104,8 +104,11 @@ class RecurrentState:
         """The state and the conv window, twice: the second copy is the snapshot taken at the start
         of each multi-token forward, which a rejected speculative window or a reused prefix
         resumes from (runtime/state.py)."""
-        one = 4 * self.heads * self.k_dim * self.v_dim + compute_bytes * self.conv_channels * (self.conv_kernel - 1)
-        return 2 * one
+        return 2 * (self.recurrent_bytes() + compute_bytes * self.conv_channels * (self.conv_kernel - 1))
+
+    def recurrent_bytes(self) -> int:
+        """The fp32 state matrix alone: what a verify window checkpoints per position."""
+        return 4 * self.heads * self.k_dim * self.v_dim
 
     streams = False
 

@@ -85,7 +85,10 @@ class Footprint:
         return chunk * self.activation_bytes_per_token() + 4 * m.vocab_size + dequant
 
     def verify_arena_bytes(self, window: int) -> int:
-        return (window + 1) * (self.activation_bytes_per_token() + 4 * self.model.vocab_size)
+        """A verify window's activations and logits, and each recurrent layer's state after every
+        position but the last (runtime/state.py: checkpoints, so a rejection costs one copy)."""
+        checkpoints = sum(s.recurrent_bytes() for s in self.states if s.kind == "recurrent")
+        return (window + 1) * (self.activation_bytes_per_token() + 4 * self.model.vocab_size) + window * checkpoints
 
 
 def dense_shapes(m: ModelConfig) -> dict[str, tuple[int, ...]]:

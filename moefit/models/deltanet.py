@@ -35,11 +35,14 @@ def causal_conv(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) -> t
     return F.silu(y).T.to(x.dtype)
 
 
-def recurrent(q, k, v, g, beta, s: torch.Tensor) -> torch.Tensor:
+def recurrent(q, k, v, g, beta, s: torch.Tensor, after=None) -> torch.Tensor:
     """q, k [H, T, Dk], v [H, T, Dv], g, beta [H, T] (fp32, q already scaled); s [H, Dk, Dv]
-    updated in place -> o [H, T, Dv]."""
+    updated in place -> o [H, T, Dv]. after(t), if given, is called once s holds positions
+    0..t, for every t but the last (a verify window's checkpoints)."""
     out = torch.empty_like(v)
     for t in range(q.shape[1]):
+        if after is not None and t > 0:
+            after(t - 1)
         s.mul_(g[:, t].exp()[:, None, None])
         predicted = torch.einsum("hkv,hk->hv", s, k[:, t])
         delta = (v[:, t] - predicted) * beta[:, t, None]

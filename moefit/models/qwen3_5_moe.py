@@ -85,9 +85,14 @@ class Qwen3_5Moe(DecoderModel):
         k = deltanet.l2norm(heads(k, hk, dk))
         beta = b.float().sigmoid().T                                                      # [Hv, T]
         g = (-layer["a_log"].float().exp() * F.softplus(a.float() + layer["dt_bias"])).T  # log decay
-        rule = deltanet.chunked if t > 1 else deltanet.recurrent
-        o = rule(q, k, heads(v, hv, dv), g, beta, state.s).transpose(0, 1).to(x.dtype)    # [T, Hv, Dv]
-        o = rms_norm(o, layer["gated_norm"], self.cfg.rms_norm_eps) * F.silu(z.view(t, hv, dv).float())
+        v = heads(v, hv, dv)
+        if state.saved is not None:            # a verify window: the recurrent form, the state kept per position
+            state.conv_inputs = mixed
+            o = deltanet.recurrent(q, k, v, g, beta, state.s, after=state.save)
+        else:
+            o = (deltanet.chunked if t > 1 else deltanet.recurrent)(q, k, v, g, beta, state.s)
+        o = rms_norm(o.transpose(0, 1).to(x.dtype), layer["gated_norm"], self.cfg.rms_norm_eps)   # [T, Hv, Dv]
+        o = o * F.silu(z.view(t, hv, dv).float())
         return linear(o.to(x.dtype).reshape(t, -1), layer["out"])
 
     def mlp(self, i, layer, x, experts) -> torch.Tensor:

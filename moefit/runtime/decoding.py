@@ -61,7 +61,11 @@ def verify(engine, token: int, pos: int, drafts: list[int], sampler: Sampler) ->
     book = engine.runner.book
     hits0, misses0 = int(book.hits.sum()), int(book.misses.sum())
     t0 = time.perf_counter()
-    logits = engine.forward([token] + drafts, pos)                           # [k+1, V]
+    engine.loaded.kv.checkpoint(True)                 # recurrent layers keep the state after each position
+    try:
+        logits = engine.forward([token] + drafts, pos)                       # [k+1, V]
+    finally:
+        engine.loaded.kv.checkpoint(False)
     out = []
     for i, d in enumerate(drafts):
         t = _take(sampler, sampler.probs(logits[i]))
@@ -71,8 +75,8 @@ def verify(engine, token: int, pos: int, drafts: list[int], sampler: Sampler) ->
     else:
         out.append((_take(sampler, sampler.probs(logits[len(drafts)])), logits[len(drafts)]))
     accepted = len(out) - 1
-    if accepted < len(drafts) and engine.loaded.kv.recurrent:
-        engine.forward([token] + drafts[:accepted], pos)     # recurrent layers: back to pos, kept tokens again
+    if engine.loaded.kv.recurrent:                    # back to the kept tokens; the checkpoints freed
+        engine.keep(pos, [token] + drafts[:accepted])      # recurrent layers: back to pos, kept tokens again
     engine.last_hidden = engine.hidden[accepted]
     engine.kv_tokens = engine.kv_tokens[:pos] + [token] + drafts[:accepted]
     distinct = int(book.hits.sum()) + int(book.misses.sum()) - hits0 - misses0

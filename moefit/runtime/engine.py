@@ -21,6 +21,7 @@ from moefit.config import ServeConfig
 from moefit.errors import DeviceOutOfMemory, UsageError
 from moefit.pack.reader import Pack
 from moefit.runtime.loader import Loaded, load
+from moefit.runtime.state import StateLost
 from moefit.runtime.decoding import token_stream
 from moefit.runtime.draft_head import load_draft_head
 from moefit.runtime.grammar import Constraint, GrammarTokenizer
@@ -171,6 +172,14 @@ class Engine:
             raise DeviceOutOfMemory(f"CUDA out of memory in a forward of {len(tokens)} tokens") from None
 
     @torch.inference_mode()
+    def keep(self, pos: int, tokens: list[int]) -> None:
+        """After a verify window at pos only `tokens` (its first ones) stay: recurrent layers go
+        back to their checkpoint after them, or, where they have none, the kept tokens run again."""
+        try:
+            self.loaded.kv.keep(len(tokens))
+        except StateLost:
+            self.forward(tokens, pos)
+
     def prefill(self, prompt: list[int]) -> tuple[torch.Tensor, int]:
         """Logits of the last prompt token, reusing the previous request's KV for the
         longest common prefix; returns (logits [V], reused tokens)."""

@@ -152,7 +152,8 @@ def fill_cache(runner: ExpertRunner, the_plan: Plan, kind: str, log) -> list[str
             runner.load(key)
     if made < len(the_plan.cache_keys):
         notes.append(f"the card filled up while the cache loaded (its slot pool got {made} of "
-                     f"{len(the_plan.cache_keys)} slots); started with {len(runner.slots)} of {the_plan.slots} planned experts")
+                     f"{len(the_plan.cache_keys)} slots); started with {len(runner.slots)} of {the_plan.slots} "
+                     "planned experts")
     short = keep_free - runner.mem.snapshot().free_bytes
     if short > 0:
         runner.give_back(short)

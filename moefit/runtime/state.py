@@ -110,24 +110,42 @@ class StateLost(MoefitError):
     """A recurrent layer asked to resume from a position it holds no state for."""
 
 
+CHECKPOINT_LINE = "verify arena"        # a verify window's per-position states live in the reserve's arena
+
+
 class RecurrentLayerState:
     """Gated DeltaNet's state of one layer: s [H, Dk, Dv] fp32 and the conv window [C, K-1].
     A recurrence cannot be cut at an arbitrary position, so each multi-token forward first
-    snapshots the state at its start: a rejected speculative window, or a prompt that shares a
-    prefix up to that point, resumes from it. Position 0 is always resumable (zeros)."""
+    snapshots the state at its start: a prompt that shares a prefix up to that point resumes
+    from it. Position 0 is always resumable (zeros).
+
+    A verify window (checkpoint() before its forward) also keeps the state after each of its
+    positions but the last, and its conv inputs: keep(n) then puts the layer at the window's
+    start + n at the price of one copy. bench/rollback.py measured the ways back on the host
+    (Qwen3.6's shape, 3 DeltaNet layers, 4 drafts; bench/results/rollback.txt): with checkpoints
+    a rejection costs 0.9 ms and the window's forward is no slower (the recurrent form is
+    faster than the chunked one on 5 rows); replaying the kept tokens through the DeltaNet
+    layers would cost 11-40 ms, running them through the whole model again (the first round's
+    way) 33-80 ms. The price is memory: k state matrices per layer
+    during a window, in the verify arena (240 MiB for Qwen3.6-35B-A3B at 4 drafts)."""
 
     def __init__(self, decl: RecurrentState, compute_dtype: torch.dtype, mem: DeviceMemory):
         def two(shape, dtype):
             return [mem.empty(LINE, shape, dtype).zero_() for _ in range(2)]
+        self.mem = mem
         self.s, self.snap_s = two((decl.heads, decl.k_dim, decl.v_dim), torch.float32)
         self.conv, self.snap_conv = two((decl.conv_channels, decl.conv_kernel - 1), compute_dtype)
         self.pos, self.snap_pos = 0, None
+        self.checkpointing = False             # set for a verify window's forward
+        self.saved: torch.Tensor | None = None  # [T-1, H, Dk, Dv]: s after positions 1..T-1 of the window
+        self.conv_inputs: torch.Tensor | None = None
 
     rotations = (None, None)
     window = None
 
     def begin(self, start: int, t: int) -> None:
         """Called by the layer before it consumes tokens start..start+t."""
+        self._drop_saved()
         if start == 0:
             self.s.zero_()
             self.conv.zero_()
@@ -140,7 +158,30 @@ class RecurrentLayerState:
             self.snap_s.copy_(self.s)
             self.snap_conv.copy_(self.conv)
             self.snap_pos = start
+            if self.checkpointing:
+                self.saved = self.mem.empty(CHECKPOINT_LINE, (t - 1, *self.s.shape), torch.float32)
         self.pos = start + t
+
+    def save(self, i: int) -> None:
+        """The layer's recurrence has consumed position i of the window (i < T-1)."""
+        self.saved[i].copy_(self.s)
+
+    def keep(self, kept: int) -> None:
+        """Only the window's first `kept` tokens stay: the state after them, from its checkpoint
+        (s) and the conv inputs (the conv window is the last K-1 of them, after the snapshot's)."""
+        if self.saved is None or self.pos != self.snap_pos + self.saved.shape[0] + 1:
+            raise StateLost("no checkpointed window to go back into")
+        if kept <= self.saved.shape[0]:
+            self.s.copy_(self.saved[kept - 1])
+            seq = torch.cat((self.snap_conv, self.conv_inputs[:kept].T.to(self.conv.dtype)), dim=1)
+            self.conv.copy_(seq[:, -self.conv.shape[1]:])
+            self.pos = self.snap_pos + kept
+        self._drop_saved()
+
+    def _drop_saved(self) -> None:
+        if self.saved is not None:
+            self.mem.free(CHECKPOINT_LINE, self.saved)
+        self.saved = self.conv_inputs = None
 
     def resumable(self, upto: int) -> int:
         return max(p for p in (0, self.pos, self.snap_pos) if p is not None and p <= upto)
@@ -200,6 +241,18 @@ class SequenceState:
     @property
     def recurrent(self) -> bool:
         return any(isinstance(layer, RecurrentLayerState) for layer in self.layers)
+
+    def checkpoint(self, on: bool) -> None:
+        """Recurrent layers keep per-position states during the next forwards (a verify window)."""
+        for layer in self.layers:
+            if isinstance(layer, RecurrentLayerState):
+                layer.checkpointing = on
+
+    def keep(self, kept: int) -> None:
+        """After a checkpointed verify window: every recurrent layer at its start + kept."""
+        for layer in self.layers:
+            if isinstance(layer, RecurrentLayerState):
+                layer.keep(kept)
 
     def resumable(self, upto: int) -> int:
         """The longest prefix <= upto every layer can resume after (attention: any)."""
