@@ -7,7 +7,8 @@ Q4_0 experts packed as int4 (group 32) keep their blocks: Q4_0 is moefit's int4 
 codes offset by 8, one fp16 scale per 32) up to the order of the nibbles, so the codes are
 reshuffled, not re-quantised, and the pack holds llama.cpp's exact weights. Every other type
 (or recipe) is dequantised to float, then packed in the recipe the user asks for (`--quant`).
-Families: qwen3moe (Qwen3-MoE). Others are named in the error.
+Architectures: pack/gguf_archs.py (qwen3moe, llama as Mixtral, olmoe, glm4moe, deepseek2);
+others are named in the error.
 
 Usage: source = GGUFSource("model.gguf"); source.hf_config(); source.write_tokenizer(out)
 """
@@ -22,17 +23,9 @@ import numpy as np
 import torch
 
 from moefit.errors import PackError
+from moefit.pack.gguf_archs import ARCHS, TOP, common_config
 
-ARCHS = {"qwen3moe": "qwen3_moe"}
 LAYER = re.compile(r"blk\.(\d+)\.(.+)$")
-TOP = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-       "output.weight": "lm_head.weight"}
-PER_LAYER = {"attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
-             "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
-             "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
-             "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
-             "ffn_gate_inp.weight": "mlp.gate.weight", "ffn_gate.weight": "mlp.gate_proj.weight",
-             "ffn_up.weight": "mlp.up_proj.weight", "ffn_down.weight": "mlp.down_proj.weight"}
 EXPERTS = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
 # GPT-2's and Qwen2's pre-tokenizer splits (tokenizer.ggml.pre), as their tokenizer.json files give them
 SPLITS = {"qwen2": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
@@ -69,9 +62,12 @@ class GGUFSource:
         if self.arch not in ARCHS:
             raise PackError(f"{self.path}: GGUF architecture {self.arch!r} is not supported yet "
                             f"(supported: {', '.join(ARCHS)})")
+        self.spec = ARCHS[self.arch]
         self.tensors = {t.name: t for r in readers for t in r.tensors}
-        self.by_hf = {self.hf_name(n): n for n in self.tensors if not n.endswith(EXPERTS)}
+        self.layers = self.spec.layers(self._m)
+        self.by_hf = self._hf_names()
         self.dense_keys = list(self.by_hf)                             # HF names, as the pack stores them
+        self._config = None
 
     # -- metadata ---------------------------------------------------------------
     def meta(self, key: str, default=None):
@@ -81,21 +77,22 @@ class GGUFSource:
         value = field.contents()
         return value
 
+    def _m(self, key: str, default=None):
+        return self.meta(f"{self.arch}.{key}", default)
+
     def hf_config(self) -> dict:
-        a = self.arch
-        m = lambda k, d=None: self.meta(f"{a}.{k}", d)  # noqa: E731
-        heads = m("attention.head_count")
-        return {"model_type": ARCHS[a], "architectures": ["Qwen3MoeForCausalLM"],
-                "vocab_size": len(self.meta("tokenizer.ggml.tokens")), "hidden_size": m("embedding_length"),
-                "num_hidden_layers": m("block_count"), "num_attention_heads": heads,
-                "num_key_value_heads": m("attention.head_count_kv", heads),
-                "head_dim": m("attention.key_length", m("embedding_length") // heads),
-                "num_experts": m("expert_count"), "num_experts_per_tok": m("expert_used_count"),
-                "moe_intermediate_size": m("expert_feed_forward_length"),
-                "intermediate_size": m("feed_forward_length", m("expert_feed_forward_length")),
-                "norm_topk_prob": True, "rms_norm_eps": m("attention.layer_norm_rms_epsilon", 1e-6),
-                "rope_theta": m("rope.freq_base", 10000.0), "max_position_embeddings": m("context_length", 4096),
-                "tie_word_embeddings": "output.weight" not in self.tensors,
+        if self._config is None:
+            self._config = self._hf_config()
+        return self._config
+
+    def _hf_config(self) -> dict:
+        cfg = {"model_type": self.spec.model_type, "architectures": [self.spec.architecture],
+               "vocab_size": len(self.meta("tokenizer.ggml.tokens")), "num_hidden_layers": self.layers,
+               **common_config(self._m), **self.spec.config(self._m)}
+        if "use_qk_norm" in cfg:                      # GLM: what the file holds says
+            cfg["use_qk_norm"] = "blk.0.attn_q_norm.weight" in self.tensors
+            cfg["attention_bias"] = "blk.0.attn_q.bias" in self.tensors
+        return {**cfg, "tie_word_embeddings": "output.weight" not in self.tensors,
                 "bos_token_id": self.meta("tokenizer.ggml.bos_token_id"),
                 "eos_token_id": self.meta("tokenizer.ggml.eos_token_id"),
                 "moefit_source": {"gguf": self.path.name, "files": [f.name for f in self.files],
@@ -119,17 +116,36 @@ class GGUFSource:
         return out
 
     # -- tensors ----------------------------------------------------------------
+    def _hf_names(self) -> dict[str, tuple[str, ...]]:
+        """HF name -> the GGUF tensor(s) it is made of; MTP layers past the model's own are skipped."""
+        out, joined = {}, {g for names, _ in self.spec.joins.values() for g in names}
+        for name in self.tensors:
+            m = LAYER.match(name)
+            if name.endswith(EXPERTS) or (m and (int(m[1]) >= self.layers or m[2] in joined)):
+                continue
+            out[self.hf_name(name)] = (name,)
+        for layer in range(self.layers):
+            for hf, (names, _) in self.spec.joins.items():
+                parts = tuple(f"blk.{layer}.{n}" for n in names)
+                if all(p in self.tensors for p in parts):
+                    out[f"model.layers.{layer}.{hf}"] = parts
+        return out
+
     def hf_name(self, name: str) -> str:
         if name in TOP:
             return TOP[name]
         m = LAYER.match(name)
-        if not m or m[2] not in PER_LAYER:
+        if not m or m[2] not in self.spec.names:
             raise PackError(f"{self.path}: tensor {name} has no place in a {self.arch} model")
-        return f"model.layers.{m[1]}.{PER_LAYER[m[2]]}"
+        return f"model.layers.{m[1]}.{self.spec.names[m[2]]}"
 
     def get(self, hf_name: str) -> torch.Tensor:
-        t = self.tensors[self.by_hf[hf_name]]
-        return _dequantised(t.data, t.tensor_type, _shape(t))
+        parts = [self.tensors[n] for n in self.by_hf[hf_name]]
+        tensors = [_dequantised(t.data, t.tensor_type, _shape(t)) for t in parts]
+        if len(tensors) > 1:
+            suffix = hf_name.split(".", 3)[3]
+            return self.spec.joins[suffix][1](*tensors)
+        return self.spec.fix(hf_name, tensors[0], self.hf_config()) if self.spec.fix else tensors[0]
 
     def float_dtype(self) -> str:
         return "fp32"

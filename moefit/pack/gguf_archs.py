@@ -1,0 +1,153 @@
+"""What each llama.cpp architecture in a GGUF file means to moefit: the family it is, the
+HF config.json its metadata becomes, its tensor names, and the transforms llama.cpp's
+converter applied that moefit undoes. One entry per architecture; gguf_source.py reads them.
+
+    llama      Mixtral (converter permuted q/k rows for GGML's interleaved RoPE: undone)
+    qwen3moe   Qwen3-MoE
+    olmoe      OLMoE
+    glm4moe    GLM-4.5 / 4.6 / 4.7 (block_count includes the MTP layers: not read)
+    deepseek2  DeepSeek-V3 / Kimi-K2 (MLA's kv_b split into k_b (transposed) and v_b: joined back)
+
+Every mapping is checked against llama.cpp's own converter and llama.cpp's logits
+(bench/gguf_families.py) and, in CI, on files written the same way (tests/test_gguf.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from moefit.errors import PackError
+
+Meta = Callable[[str, object], object]           # m(key without the "ARCH." prefix, default)
+
+TOP = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+       "output.weight": "lm_head.weight"}
+ATTENTION = {"attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
+             "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
+             "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
+             "attn_q.bias": "self_attn.q_proj.bias", "attn_k.bias": "self_attn.k_proj.bias",
+             "attn_v.bias": "self_attn.v_proj.bias",
+             "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight"}
+ROUTER = {"ffn_gate_inp.weight": "mlp.gate.weight", "exp_probs_b.bias": "mlp.gate.e_score_correction_bias"}
+DENSE_MLP = {"ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
+             "ffn_down.weight": "mlp.down_proj.weight"}
+SHARED = {"ffn_gate_shexp.weight": "mlp.shared_experts.gate_proj.weight",
+          "ffn_up_shexp.weight": "mlp.shared_experts.up_proj.weight",
+          "ffn_down_shexp.weight": "mlp.shared_experts.down_proj.weight"}
+MLA = {"attn_q_a.weight": "self_attn.q_a_proj.weight", "attn_q_a_norm.weight": "self_attn.q_a_layernorm.weight",
+       "attn_q_b.weight": "self_attn.q_b_proj.weight", "attn_q.weight": "self_attn.q_proj.weight",
+       "attn_kv_a_mqa.weight": "self_attn.kv_a_proj_with_mqa.weight",
+       "attn_kv_a_norm.weight": "self_attn.kv_a_layernorm.weight", "attn_kv_b.weight": "self_attn.kv_b_proj.weight",
+       "attn_output.weight": "self_attn.o_proj.weight", "attn_norm.weight": "input_layernorm.weight",
+       "ffn_norm.weight": "post_attention_layernorm.weight"}
+GATING = {1: "softmax", 2: "sigmoid"}                     # llama.cpp's expert_gating_func
+
+
+@dataclass(frozen=True)
+class Arch:
+    model_type: str
+    architecture: str
+    names: dict[str, str]                                  # per-layer GGUF name -> HF name (after model.layers.N.)
+    config: Callable[[Meta], dict]                         # HF config keys of this family, from the metadata
+    fix: Callable[[str, torch.Tensor, dict], torch.Tensor] | None = None     # undo a converter transform
+    joins: dict[str, tuple[tuple[str, ...], Callable]] = field(default_factory=dict)  # HF <- several GGUF tensors
+    layers: Callable[[Meta], int] = lambda m: m("block_count", None)          # the model's own layers
+
+
+def common_config(m: Meta) -> dict:
+    heads = m("attention.head_count", None)
+    hidden = m("embedding_length", None)
+    return {"hidden_size": hidden, "num_attention_heads": heads,
+            "num_key_value_heads": m("attention.head_count_kv", heads),
+            "head_dim": m("attention.key_length", hidden // heads),
+            "num_experts_per_tok": m("expert_used_count", None),
+            "rms_norm_eps": m("attention.layer_norm_rms_epsilon", 1e-6),
+            "rope_theta": m("rope.freq_base", 10000.0), "max_position_embeddings": m("context_length", 4096)}
+
+
+def _qwen3moe(m: Meta) -> dict:
+    return {"num_experts": m("expert_count", None), "moe_intermediate_size": m("expert_feed_forward_length", None),
+            "intermediate_size": m("feed_forward_length", m("expert_feed_forward_length", None)),
+            "norm_topk_prob": True}
+
+
+def _mixtral(m: Meta) -> dict:
+    if not m("expert_count", 0):
+        raise PackError("a dense llama model: moefit runs mixture-of-experts models (Mixtral is llama with experts)")
+    return {"num_local_experts": m("expert_count", None), "intermediate_size": m("feed_forward_length", None)}
+
+
+def _olmoe(m: Meta) -> dict:
+    return {"num_experts": m("expert_count", None), "intermediate_size": m("feed_forward_length", None),
+            "norm_topk_prob": False, "clip_qkv": None}
+
+
+def _routing(m: Meta, default_gating: str) -> dict:
+    gating = GATING.get(m("expert_gating_func", None), default_gating)
+    if gating != "sigmoid":
+        raise PackError(f"expert gating {gating!r}: moefit runs the sigmoid routing of DeepSeek-V3 and GLM-4.5 "
+                        "(DeepSeek-V2's softmax routing is not supported)")
+    return {"n_routed_experts": m("expert_count", None), "moe_intermediate_size": m("expert_feed_forward_length", None),
+            "intermediate_size": m("feed_forward_length", None), "n_shared_experts": m("expert_shared_count", 0),
+            "first_k_dense_replace": m("leading_dense_block_count", 0),
+            "routed_scaling_factor": m("expert_weights_scale", 1.0), "norm_topk_prob": bool(m("expert_weights_norm", False)),
+            "n_group": m("expert_group_count", 1) or 1, "topk_group": m("expert_group_used_count", 1) or 1,
+            "scoring_func": "sigmoid", "topk_method": "noaux_tc"}
+
+
+def _glm4moe(m: Meta) -> dict:
+    head_dim = m("attention.key_length", m("embedding_length", None) // m("attention.head_count", None))
+    return {**_routing(m, "sigmoid"), "partial_rotary_factor": m("rope.dimension_count", head_dim) / head_dim,
+            "attention_bias": True, "use_qk_norm": None}      # both from the tensors present (GGUFSource)
+
+
+def _deepseek2(m: Meta) -> dict:
+    rope = m("rope.dimension_count", None)
+    cfg = {**_routing(m, "softmax"), "q_lora_rank": m("attention.q_lora_rank", None),
+           "kv_lora_rank": m("attention.kv_lora_rank", None), "qk_rope_head_dim": rope,
+           "qk_nope_head_dim": m("attention.key_length_mla", None) - rope,
+           "v_head_dim": m("attention.value_length_mla", None), "rope_interleave": True,
+           "head_dim": rope, "num_key_value_heads": m("attention.head_count", None)}
+    if m("rope.scaling.type", None) == "yarn":
+        cfg["rope_scaling"] = {"type": "yarn", "factor": m("rope.scaling.factor", 1.0),
+                               "original_max_position_embeddings": m("rope.scaling.original_context_length", None),
+                               "mscale": 1.0, "mscale_all_dim": m("rope.scaling.yarn_log_multiplier", 0.0) / 0.1,
+                               "beta_fast": m("rope.scaling.yarn_beta_fast", 32), "beta_slow": m("rope.scaling.yarn_beta_slow", 1)}
+    return cfg
+
+
+def unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """Undo convert_hf_to_gguf's LlamaModel.permute: rows per head back from GGML's interleaved
+    RoPE pairs to HF's two halves."""
+    return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _llama_fix(name: str, t: torch.Tensor, cfg: dict) -> torch.Tensor:
+    if name.endswith("self_attn.q_proj.weight"):
+        return unpermute(t, cfg["num_attention_heads"])
+    if name.endswith("self_attn.k_proj.weight"):
+        return unpermute(t, cfg["num_key_value_heads"])
+    return t
+
+
+def join_kv_b(k_b: torch.Tensor, v_b: torch.Tensor) -> torch.Tensor:
+    """DeepSeek's kv_b_proj [H * (nope + v), rank] from llama.cpp's k_b [H, rank, nope] (transposed)
+    and v_b [H, v, rank]."""
+    rank = k_b.shape[1]
+    return torch.cat((k_b.transpose(1, 2), v_b), dim=1).reshape(-1, rank)
+
+
+ARCHS: dict[str, Arch] = {
+    "qwen3moe": Arch("qwen3_moe", "Qwen3MoeForCausalLM", {**ATTENTION, **ROUTER, **DENSE_MLP}, _qwen3moe),
+    "llama": Arch("mixtral", "MixtralForCausalLM", {**ATTENTION, **ROUTER}, _mixtral, fix=_llama_fix),
+    "olmoe": Arch("olmoe", "OlmoeForCausalLM", {**ATTENTION, **ROUTER}, _olmoe),
+    "glm4moe": Arch("glm4_moe", "Glm4MoeForCausalLM",
+                    {**ATTENTION, **ROUTER, **DENSE_MLP, **SHARED,
+                     "post_attention_norm.weight": "post_attention_layernorm.weight"}, _glm4moe,
+                    layers=lambda m: m("block_count", None) - (m("nextn_predict_layers", 0) or 0)),
+    "deepseek2": Arch("deepseek_v3", "DeepseekV3ForCausalLM", {**MLA, **ROUTER, **DENSE_MLP, **SHARED}, _deepseek2,
+                      joins={"self_attn.kv_b_proj.weight": (("attn_k_b.weight", "attn_v_b.weight"), join_kv_b)}),
+}

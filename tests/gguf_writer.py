@@ -1,0 +1,123 @@
+"""A tiny HF checkpoint written as llama.cpp's convert_hf_to_gguf.py writes it, for CI (where
+llama.cpp is absent): tensor names from gguf-py's own TensorNameMap (llama.cpp's table, not
+moefit's), the converter's transforms (llama's q/k RoPE permutation, DeepSeek's kv_b split into
+k_b transposed and v_b, experts merged per layer) and its metadata keys. bench/gguf_families.py
+checks the same families on files from llama.cpp's converter itself, against llama.cpp.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import torch
+
+from moefit.pack.convert import _TensorSource
+
+ARCH = {"qwen3_moe": gguf.MODEL_ARCH.QWEN3MOE, "mixtral": gguf.MODEL_ARCH.LLAMA, "olmoe": gguf.MODEL_ARCH.OLMOE,
+        "glm4_moe": gguf.MODEL_ARCH.GLM4_MOE, "deepseek_v3": gguf.MODEL_ARCH.DEEPSEEK2}
+EXPERT_TENSORS = (gguf.MODEL_TENSOR.FFN_GATE_EXP, gguf.MODEL_TENSOR.FFN_UP_EXP, gguf.MODEL_TENSOR.FFN_DOWN_EXP)
+
+
+def write_gguf(hf_dir: Path, path: Path, family: str, expert_type=None) -> Path:
+    hf_dir = Path(hf_dir)
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    src = _TensorSource(hf_dir)
+    arch = ARCH[family]
+    n = cfg["num_hidden_layers"]
+    w = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
+    _metadata(w, cfg, family)
+    _tokenizer(w, hf_dir)
+    names = gguf.get_tensor_name_map(arch, n)
+    for key in src.dense_keys:
+        for name, t in _converted(key, src.get(key).float(), cfg, family):
+            gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
+            assert gguf_name is not None, f"gguf-py's map has no name for {name}"
+            w.add_tensor(gguf_name, t.numpy())
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts")
+    inner = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
+    first = cfg.get("first_k_dense_replace", 0) or 0
+    for layer in range(first, n):
+        if f"model.layers.{layer}.mlp.down_proj.weight" in src.dense_keys:
+            continue                                            # a dense layer
+        parts = [src.expert(layer, e) for e in range(experts)]
+        rows = ([g[:inner] for g, _ in parts], [g[inner:] for g, _ in parts], [d for _, d in parts])
+        for kind, stack in zip(EXPERT_TENSORS, rows):
+            name = gguf.TENSOR_NAMES[kind].format(bid=layer) + ".weight"
+            arr = torch.stack(stack).float().numpy()
+            if expert_type is None:
+                w.add_tensor(name, arr)
+            else:
+                w.add_tensor(name, gguf.quants.quantize(arr, expert_type), raw_dtype=expert_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return Path(path)
+
+
+def _converted(key: str, t: torch.Tensor, cfg: dict, family: str):
+    """(HF name as the converter names it, tensor) after the converter's transforms."""
+    if family == "mixtral" and key.endswith(("q_proj.weight", "k_proj.weight")):
+        heads = cfg["num_attention_heads"] if "q_proj" in key else cfg["num_key_value_heads"]
+        yield key, t.reshape(heads, 2, t.shape[0] // heads // 2, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)
+    elif family == "deepseek_v3" and key.endswith("kv_b_proj.weight"):
+        heads, nope, v = cfg["num_attention_heads"], cfg["qk_nope_head_dim"], cfg["v_head_dim"]
+        k_b, v_b = torch.split(t.view(heads, nope + v, t.shape[-1]), [nope, v], dim=1)
+        yield key.replace("kv_b_proj", "k_b_proj"), k_b.transpose(1, 2).contiguous()
+        yield key.replace("kv_b_proj", "v_b_proj"), v_b.contiguous()
+    elif key.endswith("e_score_correction_bias"):
+        yield key.replace("e_score_correction_bias", "e_score_correction.bias"), t
+    else:
+        yield key, t
+
+
+def _metadata(w: gguf.GGUFWriter, cfg: dict, family: str) -> None:
+    heads = cfg["num_attention_heads"]
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(cfg.get("num_key_value_heads") or heads)
+    w.add_rope_freq_base((cfg.get("rope_parameters") or {}).get("rope_theta") or cfg.get("rope_theta") or 10000.0)
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_expert_count(cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts"))
+    w.add_expert_used_count(cfg["num_experts_per_tok"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    if cfg.get("head_dim") and family != "deepseek_v3":
+        w.add_key_length(cfg["head_dim"])
+        w.add_value_length(cfg["head_dim"])
+    if family in ("qwen3_moe", "glm4_moe", "deepseek_v3"):
+        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    if family in ("glm4_moe", "deepseek_v3"):
+        w.add_expert_shared_count(cfg.get("n_shared_experts", 0))
+        w.add_leading_dense_block_count(cfg.get("first_k_dense_replace", 0))
+        w.add_expert_weights_scale(cfg["routed_scaling_factor"])
+        w.add_expert_weights_norm(bool(cfg["norm_topk_prob"]))
+        w.add_expert_group_count(cfg.get("n_group", 1))
+        w.add_expert_group_used_count(cfg.get("topk_group", 1))
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    if family == "glm4_moe":
+        factor = (cfg.get("rope_parameters") or {}).get("partial_rotary_factor", 0.5)
+        w.add_rope_dimension_count(int(cfg["head_dim"] * factor))
+    if family == "deepseek_v3":
+        w.add_q_lora_rank(cfg["q_lora_rank"])
+        w.add_kv_lora_rank(cfg["kv_lora_rank"])
+        w.add_key_length(cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"])
+        w.add_value_length(cfg["kv_lora_rank"])
+        w.add_key_length_mla(cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"])
+        w.add_value_length_mla(cfg["v_head_dim"])
+        w.add_rope_dimension_count(cfg["qk_rope_head_dim"])
+
+
+def _tokenizer(w: gguf.GGUFWriter, hf_dir: Path) -> None:
+    tok = json.loads((hf_dir / "tokenizer.json").read_text())
+    vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt-2")
+    w.add_token_list([t for t, _ in vocab])
+    w.add_token_types([3 if t in ("<unk>", "<|endoftext|>") else 1 for t, _ in vocab])
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
+    w.add_eos_token_id(tok["model"]["vocab"]["<|endoftext|>"])
+    w.add_chat_template(json.loads((hf_dir / "tokenizer_config.json").read_text())["chat_template"])
