@@ -16,7 +16,8 @@ import torch
 from moefit.pack.convert import _TensorSource
 
 ARCH = {"qwen3_moe": gguf.MODEL_ARCH.QWEN3MOE, "mixtral": gguf.MODEL_ARCH.LLAMA, "olmoe": gguf.MODEL_ARCH.OLMOE,
-        "glm4_moe": gguf.MODEL_ARCH.GLM4_MOE, "deepseek_v3": gguf.MODEL_ARCH.DEEPSEEK2}
+        "glm4_moe": gguf.MODEL_ARCH.GLM4_MOE, "deepseek_v3": gguf.MODEL_ARCH.DEEPSEEK2,
+        "gpt_oss": gguf.MODEL_ARCH.GPT_OSS}
 EXPERT_TENSORS = (gguf.MODEL_TENSOR.FFN_GATE_EXP, gguf.MODEL_TENSOR.FFN_UP_EXP, gguf.MODEL_TENSOR.FFN_DOWN_EXP)
 
 
@@ -32,7 +33,7 @@ def write_gguf(hf_dir: Path, path: Path, family: str, expert_type=None) -> Path:
     names = gguf.get_tensor_name_map(arch, n)
     for key in src.dense_keys:
         for name, t in _converted(key, src.get(key).float(), cfg, family):
-            gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
+            gguf_name = name if name.startswith("blk.") else names.get_name(name, try_suffixes=(".weight", ".bias"))
             assert gguf_name is not None, f"gguf-py's map has no name for {name}"
             w.add_tensor(gguf_name, t.numpy())
     experts = cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts")
@@ -67,6 +68,12 @@ def _converted(key: str, t: torch.Tensor, cfg: dict, family: str):
         k_b, v_b = torch.split(t.view(heads, nope + v, t.shape[-1]), [nope, v], dim=1)
         yield key.replace("kv_b_proj", "k_b_proj"), k_b.transpose(1, 2).contiguous()
         yield key.replace("kv_b_proj", "v_b_proj"), v_b.contiguous()
+    elif key.endswith("mlp.experts.gate_up_proj_bias"):         # gpt-oss: interleaved gate / up, split
+        layer = key.split(".")[2]
+        yield f"blk.{layer}.ffn_gate_exps.bias", t[:, 0::2].contiguous()
+        yield f"blk.{layer}.ffn_up_exps.bias", t[:, 1::2].contiguous()
+    elif key.endswith("mlp.experts.down_proj_bias"):
+        yield f"blk.{key.split('.')[2]}.ffn_down_exps.bias", t
     elif key.endswith("e_score_correction_bias"):
         yield key.replace("e_score_correction_bias", "e_score_correction.bias"), t
     else:
@@ -85,6 +92,15 @@ def _metadata(w: gguf.GGUFWriter, cfg: dict, family: str) -> None:
     w.add_expert_count(cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts"))
     w.add_expert_used_count(cfg["num_experts_per_tok"])
     w.add_feed_forward_length(cfg["intermediate_size"])
+    if family == "gpt_oss":
+        rope = cfg["rope_parameters"]
+        w.add_expert_feed_forward_length(cfg["intermediate_size"])
+        w.add_sliding_window(cfg["sliding_window"])
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        w.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+        w.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
     if cfg.get("head_dim") and family != "deepseek_v3":
         w.add_key_length(cfg["head_dim"])
         w.add_value_length(cfg["head_dim"])

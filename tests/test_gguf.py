@@ -176,7 +176,7 @@ def test_a_split_gguf_packs_from_any_of_its_parts(hf, tmp_path):
 # the families llama.cpp names otherwise: written as its converter writes them (tests/gguf_writer.py);
 # each as llama.cpp's converter really writes it is checked by bench/gguf_families.py against llama.cpp
 ARCH_FIXTURES = {"mixtral": {}, "olmoe": {"num_key_value_heads": 4, "rms_norm_eps": 1e-5},
-                 "glm4_moe": {}, "deepseek_v3": {}}
+                 "glm4_moe": {}, "deepseek_v3": {}, "gpt_oss": {}}
 
 
 @pytest.mark.parametrize("family", list(ARCH_FIXTURES))

@@ -82,3 +82,26 @@ def test_a_single_matrix_matches_the_reference(quant, tokens):
     want = q8(x).double() @ dequantize(parts, "w", quant, torch.float64).T
     got = kernels.qlinear(x, parts, "w", quant)
     assert (got - want).norm() / want.norm() < 1e-5
+
+
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+def test_gpt_oss_experts_run_in_the_native_call_as_in_torch(quant, packs):
+    """gpt-oss's experts (biases, clamped and alpha-scaled gate) in the one native call per layer
+    equal the family's torch expert on the same blobs (the native call rounds activations to 8 bits)."""
+    from moefit.config import ServeConfig
+    from moefit.experts.runner import Groups
+    from moefit.runtime.engine import Engine
+    engine = Engine.open(packs("gpt_oss", quant), ServeConfig(ctx=64))
+    runner, m = engine.runner, engine.pack.model
+    gen = torch.Generator().manual_seed(3)
+    x = 3 * torch.randn(6, m.hidden_size, generator=gen)                 # large enough to reach the clamps
+    ids = torch.stack([torch.randperm(m.num_experts, generator=gen)[: m.top_k] for _ in range(6)])
+    groups = Groups.of(ids, torch.rand(6, m.top_k, generator=gen))
+    native = runner._host_experts(0, x, groups)
+    act, runner.native_act = runner.native_act, None                     # the torch path
+    try:
+        torch_path = runner._host_experts(0, x, groups)
+    finally:
+        runner.native_act = act
+    assert act is not None and not torch.equal(native, torch_path)      # two different computations ...
+    torch.testing.assert_close(native, torch_path, rtol=3e-2, atol=3e-2)  # ... that agree

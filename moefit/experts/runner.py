@@ -87,8 +87,9 @@ class ExpertRunner:
         self.pcie_loads = 0                    # misses copied into the cache because that was cheaper
         self.tokens = 0                        # token positions run through the MoE layers (engine.forward)
         # a family whose experts are not plain SwiGLU (gpt-oss: biases, a clamped gate) gives its own
-        # expert(layer, e, x, parts, quant); the native call computes SwiGLU only, so it is not used then
+        # expert(layer, e, x, parts, quant) (the torch path) and native_act(layer, experts) (the native call)
         self.expert_fn = None
+        self.native_act = None                 # ... and, where the native call can run it, its activation
 
     @property
     def look_ahead(self) -> bool:
@@ -223,9 +224,11 @@ class ExpertRunner:
         """The experts of `groups` on host memory (a slot of a simulated card, or the pack's
         map): one native call, summed in expert order; torch per expert where it cannot."""
         quant = self.pack.blobs[(layer, groups.experts[0])].quant
-        if kernels.usable(x, quant) and self.expert_fn is None:
+        native = self.expert_fn is None or self.native_act is not None
+        if kernels.usable(x, quant) and native:
+            act = self.native_act(layer, groups.experts) if self.native_act is not None else None
             out = kernels.moe_call(x, quant, self._shape(quant), self._pointers(layer, groups.experts), groups.start,
-                                   groups.rows, groups.weights)
+                                   groups.rows, groups.weights, act)
             if out is not None:
                 return out
         out = torch.zeros_like(x)

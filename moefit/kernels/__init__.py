@@ -15,6 +15,7 @@ and measured, in runtime/loader.py (set_threads).
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 import importlib.machinery
 import logging
 import os
@@ -49,6 +50,9 @@ def _load() -> ctypes.CDLL | None:
     lib.moe_layer.argtypes = [c_ptr, c_i64, c_i64, c_i64, ctypes.c_int, c_i64, c_i64, c_ptr, c_ptr, c_ptr, c_ptr,
                               c_ptr]
     lib.moe_linear.argtypes = [c_ptr, c_i64, c_i64, c_i64, ctypes.c_int, c_i64, c_ptr, c_ptr, c_ptr]
+    if hasattr(lib, "moe_layer_act"):               # gpt-oss's experts (a library built before it lacks it)
+        lib.moe_layer_act.restype = ctypes.c_int
+        lib.moe_layer_act.argtypes = lib.moe_layer.argtypes + [ctypes.c_float, ctypes.c_float, c_ptr, c_ptr]
     lib.moe_isa.restype = ctypes.c_char_p
     lib.moe_set_threads(default_threads())
     return lib
@@ -105,19 +109,37 @@ def addresses(parts: dict) -> list[int]:
     return [parts[name].data_ptr() for name in PARTS]
 
 
+@dataclass(frozen=True)
+class GptOssAct:
+    """gpt-oss's expert activation for moe_call: the clamped, alpha-scaled gate, and each
+    expert's biases (addresses of fp32 rows: gate_up [2I] gate then up, down [E])."""
+    alpha: float
+    limit: float
+    gate_up_bias: list[int]
+    down_bias: list[int]
+
+
 def moe_call(x: torch.Tensor, quant: str, shape: tuple[int, int], pointers: list[int], start: list[int],
-             rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor | None:
+             rows: torch.Tensor, weights: torch.Tensor, act: GptOssAct | None = None) -> torch.Tensor | None:
     """One layer's experts on the host: expert i (its four part addresses at pointers[4i:4i+4])
     takes the tokens rows[start[i]:start[i+1]] (int32) with their router weights (fp32).
     shape is (intermediate size, int4 group size or 0). Returns [T, E] fp32 summed in expert
-    order, or None for shapes the kernel does not take."""
+    order, or None for shapes the kernel does not take (or an activation it was built without)."""
     x = x.contiguous()
     t, e = x.shape
     inter, group = shape
     n = len(start) - 1
     out = torch.zeros(t, e, dtype=torch.float32)
-    ok = library().moe_layer(_p(x), t, e, inter, Q[quant], group, n, (ctypes.c_int64 * len(pointers))(*pointers),
-                             (ctypes.c_int64 * len(start))(*start), _p(rows), _p(weights), _p(out))
+    lib = library()
+    args = [_p(x), t, e, inter, Q[quant], group, n, (ctypes.c_int64 * len(pointers))(*pointers),
+            (ctypes.c_int64 * len(start))(*start), _p(rows), _p(weights), _p(out)]
+    if act is None:
+        ok = lib.moe_layer(*args)
+    elif hasattr(lib, "moe_layer_act"):
+        ok = lib.moe_layer_act(*args, act.alpha, act.limit, (ctypes.c_int64 * n)(*act.gate_up_bias),
+                               (ctypes.c_int64 * n)(*act.down_bias))
+    else:
+        return None
     return out if ok == 0 else None
 
 

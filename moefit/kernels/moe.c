@@ -358,6 +358,14 @@ const char *moe_isa(void) {
 }
 
 /* ---- one layer ------------------------------------------------------------------------- */
+/* gpt-oss's experts: gate_up = W x + b (gate columns, then up), gate clamped above at limit, up
+ * clamped to [-limit, limit], h = (up + 1) * gate * sigmoid(alpha * gate), down = W h + b. */
+typedef struct {
+    float alpha, limit;
+    const float *const *gu_bias;        /* [n_exp] -> [2I] */
+    const float *const *dn_bias;        /* [n_exp] -> [E] */
+} act_params;
+
 typedef struct {
     int64_t E, I, group, n_exp;
     int quant;                          /* 8 or 4 */
@@ -375,6 +383,7 @@ typedef struct {
     float *y;                           /* [pairs, E] down outputs */
     int64_t *task_expert, *task_row;    /* task -> (expert, first weight row) */
     int64_t chunk;                      /* weight rows a task */
+    const act_params *act;              /* NULL: SwiGLU; else gpt-oss's biases and clamped gate */
 } layer;
 
 static dot_fn dot_for(int quant) { return quant == 8 ? dot_q8 : dot_q4; }
@@ -399,10 +408,11 @@ static void gate_up_task(void *ctx, int64_t task) {
     for (int64_t r = r0; r < r1 && r < 2 * L->I; r++) {
         const void *w = (const char *)x->gu + r * row_bytes(L->quant, L->E);
         const void *ws = scale_of(L->quant, x->gu_scale, r, L->E, L->group);
+        const float b = L->act ? L->act->gu_bias[e][r] : 0.0f;
         for (int64_t p = L->start[e]; p < L->start[e + 1]; p++) {
             const int64_t t = L->rows[p];
-            L->h[p * 2 * L->I + r] = dot(w, ws, L->xq + t * L->E, L->xs + t * (L->E / QK),
-                                         L->xsum + t * (L->E / QK), L->E, L->group);
+            L->h[p * 2 * L->I + r] = b + dot(w, ws, L->xq + t * L->E, L->xs + t * (L->E / QK),
+                                             L->xsum + t * (L->E / QK), L->E, L->group);
         }
     }
 }
@@ -410,7 +420,15 @@ static void gate_up_task(void *ctx, int64_t task) {
 static void act_task(void *ctx, int64_t p) {
     const layer *L = ctx;
     float *g = L->h + p * 2 * L->I, *u = g + L->I;
-    for (int64_t i = 0; i < L->I; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    if (L->act) {
+        const float a = L->act->alpha, lim = L->act->limit;
+        for (int64_t i = 0; i < L->I; i++) {
+            const float gi = g[i] < lim ? g[i] : lim, ui = u[i] < -lim ? -lim : (u[i] > lim ? lim : u[i]);
+            g[i] = (ui + 1.0f) * gi / (1.0f + expf(-a * gi));
+        }
+    } else {
+        for (int64_t i = 0; i < L->I; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
     quantize_row(g, L->I, L->hq + p * L->I, L->hs + p * (L->I / QK), L->hsum + p * (L->I / QK), L->quant == 4);
 }
 
@@ -422,9 +440,10 @@ static void down_task(void *ctx, int64_t task) {
     for (int64_t r = r0; r < r1 && r < L->E; r++) {
         const void *w = (const char *)x->dn + r * row_bytes(L->quant, L->I);
         const void *ws = scale_of(L->quant, x->dn_scale, r, L->I, L->group);
+        const float b = L->act ? L->act->dn_bias[e][r] : 0.0f;
         for (int64_t p = L->start[e]; p < L->start[e + 1]; p++)
-            L->y[p * L->E + r] = dot(w, ws, L->hq + p * L->I, L->hs + p * (L->I / QK), L->hsum + p * (L->I / QK),
-                                     L->I, L->group);
+            L->y[p * L->E + r] = b + dot(w, ws, L->hq + p * L->I, L->hs + p * (L->I / QK),
+                                         L->hsum + p * (L->I / QK), L->I, L->group);
     }
 }
 
@@ -437,14 +456,16 @@ static int64_t plan_tasks(layer *L, int64_t rows) {
     return n;
 }
 
-/* Returns 0, or -1 when the shapes are not supported (the caller uses its portable path). */
-int moe_layer(const float *x, int64_t T, int64_t E, int64_t I, int quant, int64_t group, int64_t n_exp,
-              const expert_ptrs *ex, const int64_t *start, const int32_t *rows, const float *weights,
-              float *out) {
+/* Returns 0, or -1 when the shapes are not supported (the caller uses its portable path).
+ * act: NULL for SwiGLU experts, else gpt-oss's (moe_layer_act). */
+static int run_layer(const float *x, int64_t T, int64_t E, int64_t I, int quant, int64_t group, int64_t n_exp,
+                     const expert_ptrs *ex, const int64_t *start, const int32_t *rows, const float *weights,
+                     float *out, const act_params *act) {
     if (E % QK || I % QK || (quant == 4 && group % QK) || (quant != 4 && quant != 8)) return -1;
     choose_isa();
     const int64_t pairs = start[n_exp], most_rows = 2 * I > E ? 2 * I : E;
     layer L = {E, I, group, n_exp, quant, ex, start, rows, weights};
+    L.act = act;
     L.xq = malloc(T * E), L.xs = malloc(sizeof(float) * T * (E / QK)), L.xsum = malloc(4 * T * (E / QK));
     L.h = malloc(sizeof(float) * pairs * 2 * I), L.hq = malloc(pairs * I);
     L.hs = malloc(sizeof(float) * pairs * (I / QK)), L.y = malloc(sizeof(float) * pairs * E);
@@ -466,6 +487,21 @@ int moe_layer(const float *x, int64_t T, int64_t E, int64_t I, int quant, int64_
     free(L.y);
     free(L.task_expert), free(L.task_row);
     return 0;
+}
+
+int moe_layer(const float *x, int64_t T, int64_t E, int64_t I, int quant, int64_t group, int64_t n_exp,
+              const expert_ptrs *ex, const int64_t *start, const int32_t *rows, const float *weights,
+              float *out) {
+    return run_layer(x, T, E, I, quant, group, n_exp, ex, start, rows, weights, out, NULL);
+}
+
+/* moe_layer for gpt-oss's experts: biases per expert (gu_bias[i], dn_bias[i] for the i-th
+ * expert of this call), and the clamped, alpha-scaled gate. */
+int moe_layer_act(const float *x, int64_t T, int64_t E, int64_t I, int quant, int64_t group, int64_t n_exp,
+                  const expert_ptrs *ex, const int64_t *start, const int32_t *rows, const float *weights,
+                  float *out, float alpha, float limit, const float *const *gu_bias, const float *const *dn_bias) {
+    const act_params act = {alpha, limit, gu_bias, dn_bias};
+    return run_layer(x, T, E, I, quant, group, n_exp, ex, start, rows, weights, out, &act);
 }
 
 /* ---- one quantised matrix: y [T, R] = x [T, C] W^T, rows split over the pool ------------- */

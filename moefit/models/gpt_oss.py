@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from moefit.models.layers import (DecoderModel, RopeTable, Weights, apply_rope, attend_state, linear,
                                   output_weights)
+from moefit import kernels
 from moefit.pack.quant import qlinear
 
 
@@ -26,12 +27,15 @@ class GptOss(DecoderModel):
     def __init__(self, cfg, w: Weights, rope: RopeTable):
         self.cfg, self.rope = cfg, rope
         self.alpha, self.limit = float(cfg.raw.get("swiglu_alpha", 1.702)), float(cfg.raw.get("swiglu_limit", 7.0))
+        self.host_bias: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}    # for the native call, fp32 host
         self.layers = [self._layer(w, i) for i in range(cfg.num_layers)]
         self.embed, self.norm, self.lm_head = output_weights(cfg, w)
 
     def _layer(self, w: Weights, i: int) -> dict:
         p, a, e = f"model.layers.{i}.", f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp.experts."
         gate_up_bias = w.host(e + "gate_up_proj_bias")                                  # [N, 2I] interleaved
+        gate_up_bias = torch.cat([gate_up_bias[:, 0::2], gate_up_bias[:, 1::2]], dim=1).contiguous()
+        self.host_bias[i] = (gate_up_bias.float().contiguous(), w.host(e + "down_proj_bias").float().contiguous())
         return {
             "input_norm": w.get(p + "input_layernorm.weight"),
             "post_norm": w.get(p + "post_attention_layernorm.weight"),
@@ -39,8 +43,7 @@ class GptOss(DecoderModel):
             "qkv_bias": w.fused([a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"]),
             "o": w.get(a + "o_proj.weight"), "o_bias": w.get(a + "o_proj.bias"), "sinks": w.get(a + "sinks"),
             "router": w.get(p + "mlp.router.weight"), "router_bias": w.get(p + "mlp.router.bias"),
-            "gate_up_bias": w.place(e + "gate_up_proj_bias",
-                                    torch.cat([gate_up_bias[:, 0::2], gate_up_bias[:, 1::2]], dim=1).contiguous()),
+            "gate_up_bias": w.place(e + "gate_up_proj_bias", gate_up_bias),
             "down_bias": w.get(e + "down_proj_bias"),
         }
 
@@ -61,6 +64,12 @@ class GptOss(DecoderModel):
         top, ids = torch.topk(logits, self.cfg.top_k, dim=-1)
         weights = F.softmax(top.float(), dim=-1)
         return experts.run(i, x, ids, weights.to(x.dtype))
+
+    def native_act(self, layer: int, experts: list[int]) -> kernels.GptOssAct:
+        """The native call's activation for these experts of a layer (experts/runner.py)."""
+        gate_up, down = self.host_bias[layer]
+        return kernels.GptOssAct(self.alpha, self.limit, [gate_up[e].data_ptr() for e in experts],
+                                 [down[e].data_ptr() for e in experts])
 
     def expert(self, layer: int, e: int, x: torch.Tensor, parts: dict, quant: str) -> torch.Tensor:
         """One expert on x [T, E] from its blob parts, with its biases and the clamped gate."""

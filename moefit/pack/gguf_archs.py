@@ -7,6 +7,8 @@ converter applied that moefit undoes. One entry per architecture; gguf_source.py
     olmoe      OLMoE
     glm4moe    GLM-4.5 / 4.6 / 4.7 (block_count includes the MTP layers: not read)
     deepseek2  DeepSeek-V3 / Kimi-K2 (MLA's kv_b split into k_b (transposed) and v_b: joined back)
+    gpt-oss    gpt-oss (the experts' gate and up biases, split by the converter, interleaved back as
+               the HF checkpoint holds them; sliding attention on even layers, as llama.cpp has it)
 
 Every mapping is checked against llama.cpp's own converter and llama.cpp's logits
 (bench/gguf_families.py) and, in CI, on files written the same way (tests/test_gguf.py).
@@ -119,6 +121,25 @@ def _deepseek2(m: Meta) -> dict:
     return cfg
 
 
+def _gpt_oss(m: Meta) -> dict:
+    layers = m("block_count", None)
+    rope = {"rope_type": "default", "rope_theta": m("rope.freq_base", 150000.0)}
+    if m("rope.scaling.type", None) == "yarn":
+        rope.update(rope_type="yarn", factor=m("rope.scaling.factor", 1.0), truncate=False,
+                    original_max_position_embeddings=m("rope.scaling.original_context_length", None),
+                    beta_fast=m("rope.scaling.yarn_beta_fast", 32.0), beta_slow=m("rope.scaling.yarn_beta_slow", 1.0))
+    return {"num_local_experts": m("expert_count", None),
+            "intermediate_size": m("expert_feed_forward_length", m("feed_forward_length", None)),
+            "sliding_window": m("attention.sliding_window", None), "attention_bias": True,
+            "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+            "swiglu_alpha": 1.702, "swiglu_limit": 7.0, "rope_parameters": rope}    # llama.cpp's constants too
+
+
+def interleave(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gpt-oss's gate_up bias [N, 2I] with gate at even and up at odd columns, from the two halves."""
+    return torch.stack((gate, up), dim=-1).flatten(-2)
+
+
 def unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
     """Undo convert_hf_to_gguf's LlamaModel.permute: rows per head back from GGML's interleaved
     RoPE pairs to HF's two halves."""
@@ -150,4 +171,10 @@ ARCHS: dict[str, Arch] = {
                     layers=lambda m: m("block_count", None) - (m("nextn_predict_layers", 0) or 0)),
     "deepseek2": Arch("deepseek_v3", "DeepseekV3ForCausalLM", {**MLA, **ROUTER, **DENSE_MLP, **SHARED}, _deepseek2,
                       joins={"self_attn.kv_b_proj.weight": (("attn_k_b.weight", "attn_v_b.weight"), join_kv_b)}),
+    "gpt-oss": Arch("gpt_oss", "GptOssForCausalLM",
+                    {**ATTENTION, "attn_output.bias": "self_attn.o_proj.bias", "attn_sinks.weight": "self_attn.sinks",
+                     "post_attention_norm.weight": "post_attention_layernorm.weight",
+                     "ffn_gate_inp.weight": "mlp.router.weight", "ffn_gate_inp.bias": "mlp.router.bias",
+                     "ffn_down_exps.bias": "mlp.experts.down_proj_bias"}, _gpt_oss,
+                    joins={"mlp.experts.gate_up_proj_bias": (("ffn_gate_exps.bias", "ffn_up_exps.bias"), interleave)}),
 }

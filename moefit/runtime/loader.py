@@ -95,6 +95,7 @@ def _place(pack: Pack, cfg: ServeConfig, mem: DeviceMemory, cdt: str, the_plan: 
                      SwapPolicy(cfg.swap_period, cfg.swap_decay, cfg.max_swaps))
     runner = ExpertRunner(pack, mem, book, profile, SlotPool(mem, book.sizes, m.num_layers, m.num_experts))
     runner.expert_fn = getattr(model, "expert", None)      # a family's own expert (gpt-oss), else SwiGLU
+    runner.native_act = getattr(model, "native_act", None)
     notes = []
     if the_plan is not None:
         notes = fill_cache(runner, the_plan, kind, log)
