@@ -25,6 +25,7 @@ def write_gguf(hf_dir: Path, path: Path, family: str, expert_type=None) -> Path:
     hf_dir = Path(hf_dir)
     cfg = json.loads((hf_dir / "config.json").read_text())
     src = _TensorSource(hf_dir)
+    src.transposed_interleaved = family == "gpt_oss"        # as pack.convert reads gpt-oss's experts
     arch = ARCH[family]
     n = cfg["num_hidden_layers"]
     w = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
@@ -74,6 +75,8 @@ def _converted(key: str, t: torch.Tensor, cfg: dict, family: str):
         yield f"blk.{layer}.ffn_up_exps.bias", t[:, 1::2].contiguous()
     elif key.endswith("mlp.experts.down_proj_bias"):
         yield f"blk.{key.split('.')[2]}.ffn_down_exps.bias", t
+    elif key.endswith("self_attn.sinks"):                       # the converter names it sinks.weight
+        yield key + ".weight", t
     elif key.endswith("e_score_correction_bias"):
         yield key.replace("e_score_correction_bias", "e_score_correction.bias"), t
     else:
