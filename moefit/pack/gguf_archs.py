@@ -9,6 +9,10 @@ converter applied that moefit undoes. One entry per architecture; gguf_source.py
     deepseek2  DeepSeek-V3 / Kimi-K2 (MLA's kv_b split into k_b (transposed) and v_b: joined back)
     gpt-oss    gpt-oss (the experts' gate and up biases, split by the converter, interleaved back as
                the HF checkpoint holds them; sliding attention on even layers, as llama.cpp has it)
+    qwen35moe  Qwen3.5 / 3.6-MoE, and qwen3next (Qwen3-Next), both read into Qwen3.5's layout: the
+               converter stored zero-centred norms as 1 + w, A_log as -exp(A_log), the conv squeezed,
+               and (qwen35moe, when key heads < value heads) the value heads tiled instead of grouped;
+               all undone. Qwen3-Next's fused projections were already split into Qwen3.5's q/k/v and z.
 
 Every mapping is checked against llama.cpp's own converter and llama.cpp's logits
 (bench/gguf_families.py) and, in CI, on files written the same way (tests/test_gguf.py).
@@ -56,6 +60,7 @@ class Arch:
     config: Callable[[Meta], dict]                         # HF config keys of this family, from the metadata
     fix: Callable[[str, torch.Tensor, dict], torch.Tensor] | None = None     # undo a converter transform
     joins: dict[str, tuple[tuple[str, ...], Callable]] = field(default_factory=dict)  # HF <- several GGUF tensors
+    splits: dict[str, tuple[tuple[str, ...], Callable]] = field(default_factory=dict)  # one GGUF tensor -> HF
     layers: Callable[[Meta], int] = lambda m: m("block_count", None)          # the model's own layers
 
 
@@ -140,6 +145,81 @@ def interleave(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return torch.stack((gate, up), dim=-1).flatten(-2)
 
 
+HYBRID = {"attn_norm.weight": "input_layernorm.weight", "post_attention_norm.weight": "post_attention_layernorm.weight",
+          "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
+          "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
+          "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
+          "attn_qkv.weight": "linear_attn.in_proj_qkv.weight", "attn_gate.weight": "linear_attn.in_proj_z.weight",
+          "ssm_beta.weight": "linear_attn.in_proj_b.weight", "ssm_alpha.weight": "linear_attn.in_proj_a.weight",
+          "ssm_conv1d.weight": "linear_attn.conv1d.weight", "ssm_a": "linear_attn.A_log",
+          "ssm_dt.bias": "linear_attn.dt_bias", "ssm_norm.weight": "linear_attn.norm.weight",
+          "ssm_out.weight": "linear_attn.out_proj.weight", "ffn_gate_inp.weight": "mlp.gate.weight",
+          "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+          "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+          "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
+          "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight"}
+
+
+def _hybrid(m: Meta) -> dict:
+    layers, head_dim = m("block_count", None), m("attention.key_length", None)
+    recurrent = m("attention.recurrent_layers", None) or [(i + 1) % 4 != 0 for i in range(layers)]
+    value_heads = m("ssm.time_step_rank", None)
+    return {"layer_types": ["linear_attention" if r else "full_attention" for r in recurrent[:layers]],
+            "linear_conv_kernel_dim": m("ssm.conv_kernel", None), "linear_key_head_dim": m("ssm.state_size", None),
+            "linear_num_key_heads": m("ssm.group_count", None), "linear_num_value_heads": value_heads,
+            "linear_value_head_dim": m("ssm.inner_size", None) // value_heads,
+            "num_experts": m("expert_count", None), "moe_intermediate_size": m("expert_feed_forward_length", None),
+            "shared_expert_intermediate_size": m("expert_shared_feed_forward_length", 0),
+            "partial_rotary_factor": m("rope.dimension_count", head_dim) / head_dim, "norm_topk_prob": True,
+            "full_attention_interval": m("full_attention_interval", 4)}
+
+
+def hybrid_fix(tiled: bool) -> Callable[[str, torch.Tensor, dict], torch.Tensor]:
+    """The converter's transforms of a Qwen3-Next / 3.5 tensor, undone (tiled: value heads were
+    reordered from grouped by key head to tiled, qwen35moe's converter)."""
+    def fix(name: str, t: torch.Tensor, cfg: dict) -> torch.Tensor:
+        if name.endswith("norm.weight") and "linear_attn" not in name:
+            return t - 1                                            # stored as 1 + w
+        if name.endswith("A_log"):
+            t = torch.log(-t)                                       # stored as -exp(A_log)
+        if name.endswith("conv1d.weight"):
+            t = t.unsqueeze(1)                                      # [C, 1, K], as nn.Conv1d holds it
+        return _untile(name, t, cfg) if tiled else t
+    return fix
+
+
+def _untile(name: str, t: torch.Tensor, cfg: dict) -> torch.Tensor:
+    hk, hv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+    if hk == hv or "linear_attn" not in name:
+        return t
+    dk, dv, r = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"], hv // hk
+    group = lambda x, dim, d: _regroup(x, dim, hk, r, d)  # noqa: E731
+    if name.endswith(("in_proj_qkv.weight", "conv1d.weight")):
+        qk = 2 * hk * dk
+        return torch.cat([t[:qk], group(t[qk:], 0, dv)])
+    if name.endswith("in_proj_z.weight"):
+        return group(t, 0, dv)
+    if name.endswith(("in_proj_a.weight", "in_proj_b.weight", "A_log", "dt_bias")):
+        return group(t, 0, 1)
+    if name.endswith("out_proj.weight"):
+        return group(t, 1, dv)
+    return t
+
+
+def _regroup(t: torch.Tensor, dim: int, hk: int, r: int, d: int) -> torch.Tensor:
+    """Value heads from tiled order [K0 v0, K1 v0, ..., K0 v1, ...] back to grouped by key head."""
+    shape = list(t.shape)
+    tiled = t.reshape(*shape[:dim], r, hk, d, *shape[dim + 1:])
+    return tiled.transpose(dim, dim + 1).reshape(shape)
+
+
+def split_ba(ba: torch.Tensor, cfg: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3-Next's in_proj_ba rows, [b (r), a (r)] per key head, as Qwen3.5's in_proj_b and in_proj_a."""
+    hk, r = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"] // cfg["linear_num_key_heads"]
+    b, a = ba.view(hk, 2 * r, -1).split([r, r], dim=1)
+    return b.reshape(hk * r, -1), a.reshape(hk * r, -1)
+
+
 def unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
     """Undo convert_hf_to_gguf's LlamaModel.permute: rows per head back from GGML's interleaved
     RoPE pairs to HF's two halves."""
@@ -177,4 +257,9 @@ ARCHS: dict[str, Arch] = {
                      "ffn_gate_inp.weight": "mlp.router.weight", "ffn_gate_inp.bias": "mlp.router.bias",
                      "ffn_down_exps.bias": "mlp.experts.down_proj_bias"}, _gpt_oss,
                     joins={"mlp.experts.gate_up_proj_bias": (("ffn_gate_exps.bias", "ffn_up_exps.bias"), interleave)}),
+    "qwen35moe": Arch("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM", HYBRID, _hybrid, fix=hybrid_fix(tiled=True)),
+    "qwen3next": Arch("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM",
+                      HYBRID, _hybrid, fix=hybrid_fix(tiled=False),
+                      splits={"ssm_ba.weight": (("linear_attn.in_proj_b.weight", "linear_attn.in_proj_a.weight"),
+                                                split_ba)}),
 }

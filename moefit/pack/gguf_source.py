@@ -119,9 +119,15 @@ class GGUFSource:
     def _hf_names(self) -> dict[str, tuple[str, ...]]:
         """HF name -> the GGUF tensor(s) it is made of; MTP layers past the model's own are skipped."""
         out, joined = {}, {g for names, _ in self.spec.joins.values() for g in names}
+        self.split_of: dict[str, tuple[str, int]] = {}          # HF name -> (GGUF tensor, which part)
         for name in self.tensors:
             m = LAYER.match(name)
             if name.endswith(EXPERTS) or (m and (int(m[1]) >= self.layers or m[2] in joined)):
+                continue
+            if m and m[2] in self.spec.splits:
+                for j, hf in enumerate(self.spec.splits[m[2]][0]):
+                    out[f"model.layers.{m[1]}.{hf}"] = (name,)
+                    self.split_of[f"model.layers.{m[1]}.{hf}"] = (m[2], j)
                 continue
             out[self.hf_name(name)] = (name,)
         for layer in range(self.layers):
@@ -145,7 +151,11 @@ class GGUFSource:
         if len(tensors) > 1:
             suffix = hf_name.split(".", 3)[3]
             return self.spec.joins[suffix][1](*tensors)
-        return self.spec.fix(hf_name, tensors[0], self.hf_config()) if self.spec.fix else tensors[0]
+        t = tensors[0]
+        if hf_name in self.split_of:
+            gguf_suffix, j = self.split_of[hf_name]
+            t = self.spec.splits[gguf_suffix][1](t, self.hf_config())[j].contiguous()
+        return self.spec.fix(hf_name, t, self.hf_config()) if self.spec.fix else t
 
     def float_dtype(self) -> str:
         return "fp32"
