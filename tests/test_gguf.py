@@ -1,7 +1,6 @@
-"""GGUF import: a tiny Qwen3-MoE written as llama.cpp lays it out (gguf.GGUFWriter), packed by
-`moefit pack MODEL.gguf`, against transformers on the same weights."""
+"""GGUF import: tiny checkpoints written as llama.cpp lays them out (gguf.GGUFWriter,
+tests/gguf_writer.py), packed by `moefit pack MODEL.gguf`, against transformers on the same weights."""
 
-import json
 
 import numpy as np
 import pytest
@@ -9,74 +8,20 @@ import torch
 
 from moefit.config import ServeConfig
 from moefit.errors import PackError
-from moefit.pack.convert import _TensorSource, convert
+from moefit.pack.convert import convert
 from moefit.runtime.engine import Engine
 
 import tiny
 
 gguf = pytest.importorskip("gguf")
 PROMPT = torch.randint(3, 300, (30,), generator=torch.Generator().manual_seed(9)).tolist()
-LAYER_NAMES = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
-               "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
-               "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
-               "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
-               "mlp.gate.weight": "ffn_gate_inp.weight"}
 
 
 def write_gguf(hf_dir, path, expert_type=None):
     """The checkpoint as convert_hf_to_gguf.py would write a qwen3moe file (F32, or experts in
-    `expert_type`)."""
-    cfg = json.loads((hf_dir / "config.json").read_text())
-    tok = json.loads((hf_dir / "tokenizer.json").read_text())
-    src = _TensorSource(hf_dir)
-    w = gguf.GGUFWriter(str(path), "qwen3moe")
-    n = cfg["num_hidden_layers"]
-    w.add_block_count(n)
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(cfg["num_attention_heads"])
-    w.add_head_count_kv(cfg["num_key_value_heads"])
-    w.add_key_length(cfg["head_dim"])
-    w.add_rope_freq_base((cfg.get("rope_parameters") or {}).get("rope_theta") or cfg["rope_theta"])
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    experts = cfg.get("num_experts") or cfg["num_local_experts"]
-    w.add_expert_count(experts)
-    w.add_expert_used_count(cfg["num_experts_per_tok"])
-    w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
-    vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt-2")
-    w.add_token_list([t for t, _ in vocab])
-    w.add_token_types([3 if t in ("<unk>", "<|endoftext|>") else 1 for t, _ in vocab])
-    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
-    w.add_eos_token_id(tok["model"]["vocab"]["<|endoftext|>"])
-    w.add_chat_template(json.loads((hf_dir / "tokenizer_config.json").read_text())["chat_template"])
-    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-           "lm_head.weight": "output.weight"}
-    for key in src.dense_keys:
-        if key in top:
-            name = top[key]
-        else:
-            i, rest = key[len("model.layers."):].split(".", 1)
-            name = f"blk.{i}.{LAYER_NAMES[rest]}"
-        w.add_tensor(name, src.get(key).float().numpy())
-    for layer in range(n):
-        parts = [src.expert(layer, e) for e in range(experts)]
-        inner = cfg["moe_intermediate_size"]
-        for name, rows in (("ffn_gate_exps", [g[:inner] for g, _ in parts]),
-                           ("ffn_up_exps", [g[inner:] for g, _ in parts]), ("ffn_down_exps", [d for _, d in parts])):
-            arr = torch.stack(rows).float().numpy()
-            if expert_type is None:
-                w.add_tensor(f"blk.{layer}.{name}.weight", arr)
-            else:
-                w.add_tensor(f"blk.{layer}.{name}.weight", gguf.quants.quantize(arr, expert_type),
-                             raw_dtype=expert_type)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    `expert_type`): tests/gguf_writer.py."""
+    from gguf_writer import write_gguf as write
+    return write(hf_dir, path, "qwen3_moe", expert_type)
 
 
 @pytest.fixture(scope="module")
