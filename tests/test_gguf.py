@@ -69,20 +69,21 @@ def test_an_unsupported_architecture_is_named(tmp_path):
         convert(tmp_path / "x.gguf", tmp_path / "pack", "int8", progress=False)
 
 
-def test_q4_0_experts_keep_their_blocks_in_an_int4_pack(hf, tmp_path):
-    """Q4_0 is moefit's int4 layout up to nibble order: packed as int4, the experts are bit for
-    bit llama.cpp's weights (dequantised by the pack's own code against gguf.quants)."""
+@pytest.mark.parametrize("kind, quant", [("Q4_0", "int4"), ("Q8_0", "q8_0")])
+def test_q4_0_and_q8_0_experts_keep_their_blocks(kind, quant, hf, tmp_path):
+    """Q4_0 is moefit's int4 layout up to nibble order, Q8_0 its q8_0 layout: packed so, the experts
+    are bit for bit llama.cpp's weights (dequantised by the pack's own code against gguf.quants)."""
     from moefit.pack.quant import dequantize
     from moefit.pack.reader import Pack
-    path = write_gguf(hf, tmp_path / "q4.gguf", gguf.GGMLQuantizationType.Q4_0)
-    convert(path, tmp_path / "pack", "int4", progress=False)
+    path = write_gguf(hf, tmp_path / "q.gguf", getattr(gguf.GGMLQuantizationType, kind))
+    convert(path, tmp_path / "pack", quant, progress=False)
     pack, reader = Pack.open(tmp_path / "pack"), gguf.GGUFReader(str(path))
     raw = {t.name: t for t in reader.tensors}
     for layer, e in ((0, 0), (2, 7)):
         parts = pack.expert_parts(layer, e)
         gate = raw[f"blk.{layer}.ffn_gate_exps.weight"]
         want = gguf.quants.dequantize(np.asarray(gate.data[e]), gate.tensor_type)
-        got = dequantize(parts, "gate_up", "int4", torch.float32)[:want.shape[0]]
+        got = dequantize(parts, "gate_up", quant, torch.float32)[:want.shape[0]]
         assert torch.equal(got, torch.from_numpy(np.array(want, dtype=np.float32)))
     engine = Engine.open(tmp_path / "pack", ServeConfig(ctx=64))
     assert torch.isfinite(engine.prefill(PROMPT)[0]).all()

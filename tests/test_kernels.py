@@ -43,7 +43,7 @@ def make(quant, hidden, inter, n_experts, tokens, seed):
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("tokens", [1, 3, 8, 64])
-@pytest.mark.parametrize("quant", ["int8", "int4"])
+@pytest.mark.parametrize("quant", ["int8", "int4", "q8_0"])
 def test_one_call_per_layer_matches_the_reference(quant, tokens, threads):
     kernels.set_threads(threads)
     try:
@@ -73,7 +73,7 @@ def test_shapes_the_kernel_does_not_take_return_none():
     assert kernels.moe_layer(x, "int8", experts, rows, weights) is None
 
 
-@pytest.mark.parametrize("quant", ["int8", "int4"])
+@pytest.mark.parametrize("quant", ["int8", "int4", "q8_0"])
 @pytest.mark.parametrize("tokens", [1, 5])
 def test_a_single_matrix_matches_the_reference(quant, tokens):
     g = torch.Generator().manual_seed(tokens)
@@ -84,7 +84,7 @@ def test_a_single_matrix_matches_the_reference(quant, tokens):
     assert (got - want).norm() / want.norm() < 1e-5
 
 
-@pytest.mark.parametrize("quant", ["int8", "int4"])
+@pytest.mark.parametrize("quant", ["int8", "int4", "q8_0"])
 def test_gpt_oss_experts_run_in_the_native_call_as_in_torch(quant, packs):
     """gpt-oss's experts (biases, clamped and alpha-scaled gate) in the one native call per layer
     equal the family's torch expert on the same blobs (the native call rounds activations to 8 bits)."""
@@ -105,3 +105,29 @@ def test_gpt_oss_experts_run_in_the_native_call_as_in_torch(quant, packs):
         runner.native_act = act
     assert act is not None and not torch.equal(native, torch_path)      # two different computations ...
     torch.testing.assert_close(native, torch_path, rtol=3e-2, atol=3e-2)  # ... that agree
+
+
+def check_every_quant() -> str:
+    """The layer call against the reference for every quant; the instruction set it ran on."""
+    for quant in ("int8", "int4", "q8_0"):
+        for tokens in (1, 5):
+            x, experts, rows, weights = make(quant, 160, 224, 5, tokens, seed=tokens)
+            got = kernels.moe_layer(x, quant, experts, rows, weights)
+            want = reference(x, quant, experts, rows, weights)
+            assert (got - want).norm() / want.norm() < 1e-3, (quant, tokens)
+    return kernels.isa()
+
+
+@pytest.mark.parametrize("isa", ["portable", "avx2"])
+def test_the_narrower_instruction_sets_match_the_reference_too(isa):
+    """Users' CPUs: AVX2 everywhere, AVX-VNNI or AVX512 on some; MOEFIT_ISA caps what the kernel
+    picks, so every path runs on this machine."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    code = "from test_kernels import check_every_quant; print(check_every_quant())"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         cwd=Path(__file__).parent, env={**os.environ, "MOEFIT_ISA": isa})
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip().splitlines()[-1] == isa

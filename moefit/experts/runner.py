@@ -264,7 +264,7 @@ class ExpertRunner:
         """(intermediate size, int4 group size or 0) of this quant's blobs, from the layout."""
         if quant not in self._shapes:
             parts = {p.name: p for p in self.pack.layouts[quant]}
-            group = self.pack.model.hidden_size // parts["gate_up.scale"].shape[1] if quant == "int4" else 0
+            group = self.pack.model.hidden_size // parts["gate_up.scale"].shape[1] if quant in kernels.GROUPED else 0
             self._shapes[quant] = (parts["gate_up"].shape[0] // 2, group)
         return self._shapes[quant]
 

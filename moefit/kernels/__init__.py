@@ -26,7 +26,8 @@ import torch
 log = logging.getLogger("moefit.kernels")
 HERE = Path(__file__).parent
 _lib: ctypes.CDLL | None | bool = None
-Q = {"int8": 8, "int4": 4}
+Q = {"int8": 8, "int4": 4, "q8_0": 9}            # the C side's quant codes
+GROUPED = ("int4", "q8_0")                      # a scale per (row, group of inputs)
 c_i64, c_ptr = ctypes.c_int64, ctypes.c_void_p
 
 
@@ -95,7 +96,7 @@ def qlinear(x: torch.Tensor, parts: dict, name: str, quant: str) -> torch.Tensor
     x = x.contiguous()
     w, scale = parts[name], parts[name + ".scale"]
     t, c, r = x.shape[0], x.shape[1], w.shape[0]
-    group = c // scale.shape[1] if quant == "int4" else 0
+    group = c // scale.shape[1] if quant in GROUPED else 0
     y = torch.empty(t, r, dtype=torch.float32)
     ok = library().moe_linear(_p(x), t, c, r, Q[quant], group, _p(w), _p(scale), _p(y))
     return y if ok == 0 else None
@@ -148,7 +149,7 @@ def moe_layer(x: torch.Tensor, quant: str, experts: list[dict], rows: list[torch
     """moe_call from part views and per-expert token rows and weights (tests, benchmarks)."""
     e = x.shape[1]
     inter = experts[0]["down"].shape[1] * (2 if quant == "int4" else 1)
-    group = e // experts[0]["gate_up.scale"].shape[1] if quant == "int4" else 0
+    group = e // experts[0]["gate_up.scale"].shape[1] if quant in GROUPED else 0
     start = torch.tensor([0] + [len(r) for r in rows]).cumsum(0).tolist()
     pointers = [a for p in experts for a in addresses(p)]
     return moe_call(x, quant, (inter, group), pointers, start, torch.cat(rows).to(torch.int32),

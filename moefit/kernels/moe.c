@@ -85,6 +85,21 @@ static float dot_q8_portable(const void *w, const void *ws, const int8_t *q, con
     return acc * *(const float *)ws;
 }
 
+/* Q8_0 (llama.cpp's): int8 codes, one fp16 scale per (row, block of 32). */
+static float dot_q8g_portable(const void *w, const void *ws, const int8_t *q, const float *qs,
+                              const int32_t *qsum, int64_t n, int64_t group) {
+    (void)group, (void)qsum;
+    const int8_t *c = w;
+    const uint16_t *s = ws;
+    float acc = 0.0f;
+    for (int64_t b = 0; b < n / QK; b++) {
+        int32_t isum = 0;
+        for (int i = 0; i < QK; i++) isum += c[b * QK + i] * q[b * QK + i];
+        acc += qs[b] * half_to_float(s[b]) * (float)isum;
+    }
+    return acc;
+}
+
 static float dot_q4_portable(const void *w, const void *ws, const int8_t *q, const float *qs,
                              const int32_t *qsum, int64_t n, int64_t group) {
     (void)qsum;
@@ -130,6 +145,24 @@ __attribute__((target("avx2,fma"))) static inline float hsum8(__m256 v) {
         return hsum8(acc) * *(const float *)ws;                                                \
     }
 
+/* Q8_0: as Q8_BODY, with each block's own fp16 scale. */
+#define Q8G_BODY(NAME, TARGET, DOT32)                                                         \
+    __attribute__((target(TARGET))) static float NAME(const void *w, const void *ws,           \
+            const int8_t *q, const float *qs, const int32_t *qsum, int64_t n, int64_t group) { \
+        (void)group, (void)qsum;                                                               \
+        const int8_t *c = w;                                                                   \
+        const uint16_t *s = ws;                                                                \
+        __m256 acc = _mm256_setzero_ps();                                                      \
+        for (int64_t b = 0; b < n / QK; b++) {                                                 \
+            const __m256i wv = _mm256_loadu_si256((const __m256i *)(c + b * QK));              \
+            const __m256i xv = _mm256_loadu_si256((const __m256i *)(q + b * QK));              \
+            const __m256i isum = DOT32(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv));    \
+            const float d = qs[b] * _cvtsh_ss(s[b]);                                           \
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(d), acc);           \
+        }                                                                                      \
+        return hsum8(acc);                                                                     \
+    }
+
 #define Q4_BODY(NAME, TARGET, DOT32)                                                          \
     __attribute__((target(TARGET))) static float NAME(const void *w, const void *ws,           \
             const int8_t *q, const float *qs, const int32_t *qsum, int64_t n, int64_t group) { \
@@ -155,15 +188,20 @@ __attribute__((target("avx2,fma"))) static inline float hsum8(__m256 v) {
 #define DOT_AVXVNNI(a, b) _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), (a), (b))
 
 Q8_BODY(dot_q8_avx2, "avx2,fma,f16c", DOT_AVX2)
+Q8G_BODY(dot_q8g_avx2, "avx2,fma,f16c", DOT_AVX2)
 Q4_BODY(dot_q4_avx2, "avx2,fma,f16c", DOT_AVX2)
 #if defined(__GNUC__) && (__GNUC__ >= 11 || defined(__clang__))
 Q8_BODY(dot_q8_avxvnni, "avx2,fma,f16c,avxvnni", DOT_AVXVNNI)
+Q8G_BODY(dot_q8g_avxvnni, "avx2,fma,f16c,avxvnni", DOT_AVXVNNI)
 Q4_BODY(dot_q4_avxvnni, "avx2,fma,f16c,avxvnni", DOT_AVXVNNI)
 #define HAVE_AVXVNNI 1
 #endif
 
 /* AVX512-VNNI: two blocks an instruction; lanes 0-7 hold block b, lanes 8-15 block b + 1. */
 #define AVX512 "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq,avx512vnni"
+/* AVX512-VNNI CPUs need not have AVX-VNNI (Zen 4 has not): its 256-bit dot, EVEX-encoded */
+#define DOT_VNNI256(a, b) _mm256_dpbusd_epi32(_mm256_setzero_si256(), (a), (b))
+Q8G_BODY(dot_q8g_vnni256, AVX512, DOT_VNNI256)
 
 __attribute__((target(AVX512))) static inline __m512 two_scales(float d0, float d1) {
     return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(d0)), _mm256_set1_ps(d1), 1);
@@ -248,25 +286,32 @@ __attribute__((target(AVX512))) static float dot_q4_vnni512(const void *w, const
 }
 #endif
 
-static dot_fn dot_q8 = dot_q8_portable, dot_q4 = dot_q4_portable;
+static dot_fn dot_q8 = dot_q8_portable, dot_q4 = dot_q4_portable, dot_q8g = dot_q8g_portable;
 static const char *isa = "portable";
 
+/* The best the CPU has, or at most MOEFIT_ISA (portable, avx2, avx-vnni): how the tests run
+ * every path on one machine. */
 static void choose_isa(void) {
 #if defined(__x86_64__)
+    const char *cap = getenv("MOEFIT_ISA");
+    if (cap && !strcmp(cap, "portable")) return;
+    const int below_512 = cap && (!strcmp(cap, "avx2") || !strcmp(cap, "avx-vnni"));
+    const int below_vnni = cap && !strcmp(cap, "avx2");
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
+    if (!below_512 && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
         __builtin_cpu_supports("avx512bw")) {
         dot_q8 = dot_q8_vnni512, dot_q4 = dot_q4_vnni512, isa = "avx512-vnni";
+        dot_q8g = dot_q8g_vnni256;                  /* Q8_0: the 256-bit body, EVEX-encoded VNNI */
         return;
     }
 #ifdef HAVE_AVXVNNI
-    if (__builtin_cpu_supports("avxvnni")) {
-        dot_q8 = dot_q8_avxvnni, dot_q4 = dot_q4_avxvnni, isa = "avx-vnni";
+    if (!below_vnni && __builtin_cpu_supports("avxvnni")) {
+        dot_q8 = dot_q8_avxvnni, dot_q4 = dot_q4_avxvnni, dot_q8g = dot_q8g_avxvnni, isa = "avx-vnni";
         return;
     }
 #endif
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
-        dot_q8 = dot_q8_avx2, dot_q4 = dot_q4_avx2, isa = "avx2";
+        dot_q8 = dot_q8_avx2, dot_q4 = dot_q4_avx2, dot_q8g = dot_q8g_avx2, isa = "avx2";
 #endif
 }
 
@@ -386,9 +431,10 @@ typedef struct {
     const act_params *act;              /* NULL: SwiGLU; else gpt-oss's biases and clamped gate */
 } layer;
 
-static dot_fn dot_for(int quant) { return quant == 8 ? dot_q8 : dot_q4; }
+/* quant: 8 int8 (a scale per row), 4 int4 (fp16 per group), 9 Q8_0 (int8, fp16 per 32) */
+static dot_fn dot_for(int quant) { return quant == 8 ? dot_q8 : quant == 9 ? dot_q8g : dot_q4; }
 
-static size_t row_bytes(int quant, int64_t cols) { return quant == 8 ? (size_t)cols : (size_t)cols / 2; }
+static size_t row_bytes(int quant, int64_t cols) { return quant == 4 ? (size_t)cols / 2 : (size_t)cols; }
 
 static int64_t task_rows(int64_t rows) {
     const int64_t want = (rows + pool.threads * TASKS_PER_THREAD - 1) / (pool.threads * TASKS_PER_THREAD);
@@ -397,7 +443,7 @@ static int64_t task_rows(int64_t rows) {
 
 static const void *scale_of(int quant, const void *scales, int64_t row, int64_t cols, int64_t group) {
     return quant == 8 ? (const void *)((const float *)scales + row)
-                      : (const void *)((const uint16_t *)scales + row * (cols / group));
+                      : (const void *)((const uint16_t *)scales + row * (cols / group));   /* 4, and 9 (group 32) */
 }
 
 static void gate_up_task(void *ctx, int64_t task) {
@@ -461,7 +507,8 @@ static int64_t plan_tasks(layer *L, int64_t rows) {
 static int run_layer(const float *x, int64_t T, int64_t E, int64_t I, int quant, int64_t group, int64_t n_exp,
                      const expert_ptrs *ex, const int64_t *start, const int32_t *rows, const float *weights,
                      float *out, const act_params *act) {
-    if (E % QK || I % QK || (quant == 4 && group % QK) || (quant != 4 && quant != 8)) return -1;
+    if (E % QK || I % QK || (quant == 4 && group % QK) || (quant == 9 && group != QK) ||
+        (quant != 4 && quant != 8 && quant != 9)) return -1;
     choose_isa();
     const int64_t pairs = start[n_exp], most_rows = 2 * I > E ? 2 * I : E;
     layer L = {E, I, group, n_exp, quant, ex, start, rows, weights};
@@ -530,7 +577,8 @@ static void linear_task(void *ctx, int64_t task) {
 
 int moe_linear(const float *x, int64_t T, int64_t C, int64_t R, int quant, int64_t group, const void *w,
                const void *scales, float *y) {
-    if (C % QK || (quant == 4 && group % QK) || (quant != 4 && quant != 8)) return -1;
+    if (C % QK || (quant == 4 && group % QK) || (quant == 9 && group != QK) ||
+        (quant != 4 && quant != 8 && quant != 9)) return -1;
     choose_isa();
     int8_t *xq = malloc(T * C);
     float *xs = malloc(sizeof(float) * T * (C / QK));

@@ -100,7 +100,8 @@ def _routing(m: Meta, default_gating: str) -> dict:
     return {"n_routed_experts": m("expert_count", None), "moe_intermediate_size": m("expert_feed_forward_length", None),
             "intermediate_size": m("feed_forward_length", None), "n_shared_experts": m("expert_shared_count", 0),
             "first_k_dense_replace": m("leading_dense_block_count", 0),
-            "routed_scaling_factor": m("expert_weights_scale", 1.0), "norm_topk_prob": bool(m("expert_weights_norm", False)),
+            "routed_scaling_factor": m("expert_weights_scale", 1.0),
+            "norm_topk_prob": bool(m("expert_weights_norm", False)),
             "n_group": m("expert_group_count", 1) or 1, "topk_group": m("expert_group_used_count", 1) or 1,
             "scoring_func": "sigmoid", "topk_method": "noaux_tc"}
 
@@ -122,7 +123,8 @@ def _deepseek2(m: Meta) -> dict:
         cfg["rope_scaling"] = {"type": "yarn", "factor": m("rope.scaling.factor", 1.0),
                                "original_max_position_embeddings": m("rope.scaling.original_context_length", None),
                                "mscale": 1.0, "mscale_all_dim": m("rope.scaling.yarn_log_multiplier", 0.0) / 0.1,
-                               "beta_fast": m("rope.scaling.yarn_beta_fast", 32), "beta_slow": m("rope.scaling.yarn_beta_slow", 1)}
+                               "beta_fast": m("rope.scaling.yarn_beta_fast", 32),
+                               "beta_slow": m("rope.scaling.yarn_beta_slow", 1)}
     return cfg
 
 

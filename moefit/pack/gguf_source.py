@@ -5,8 +5,9 @@ expert's slice of a [N, rows, cols] tensor at a time), so RSS stays near one ten
 
 Q4_0 experts packed as int4 (group 32) keep their blocks: Q4_0 is moefit's int4 layout (4-bit
 codes offset by 8, one fp16 scale per 32) up to the order of the nibbles, so the codes are
-reshuffled, not re-quantised, and the pack holds llama.cpp's exact weights. Every other type
-(or recipe) is dequantised to float, then packed in the recipe the user asks for (`--quant`).
+reshuffled, not re-quantised, and the pack holds llama.cpp's exact weights. Q8_0 experts packed
+as q8_0 are moefit's q8_0 layout as they are. Every other type (or recipe) is dequantised to
+float, then packed in the recipe the user asks for (`--quant`).
 Architectures: pack/gguf_archs.py (qwen3moe, llama as Mixtral, olmoe, glm4moe, deepseek2);
 others are named in the error.
 
@@ -166,14 +167,16 @@ class GGUFSource:
         return torch.cat([gate, up], dim=0), down
 
     def expert_parts(self, layer: int, expert: int, quant: str, group: int) -> list[torch.Tensor] | None:
-        """The expert's blob parts straight from its GGUF blocks (Q4_0 as int4, group 32), or None
-        when they must go through float."""
-        from gguf import GGMLQuantizationType
+        """The expert's blob parts straight from its GGUF blocks (Q4_0 as int4 with group 32, Q8_0
+        as q8_0), or None when they must go through float."""
+        from gguf import GGMLQuantizationType as T
         tensors = [self.tensors.get(f"blk.{layer}.{n}") for n in EXPERTS]
-        if quant != "int4" or group != 32 or any(t is None or t.tensor_type != GGMLQuantizationType.Q4_0
-                                                 for t in tensors):
+        kept = {("int4", T.Q4_0): _q4_0_as_int4, ("q8_0", T.Q8_0): _q8_0_parts}
+        types = {t.tensor_type if t is not None else None for t in tensors}
+        if len(types) != 1 or (quant, *types) not in kept or (quant == "int4" and group != 32):
             return None
-        (gc, gs), (uc, us), (dc, ds) = (_q4_0_as_int4(np.asarray(t.data[expert])) for t in tensors)
+        read = kept[(quant, *types)]
+        (gc, gs), (uc, us), (dc, ds) = (read(np.asarray(t.data[expert])) for t in tensors)
         return [torch.cat([gc, uc]), torch.cat([gs, us]), dc, ds]
 
     def _expert_slice(self, name: str, expert: int) -> torch.Tensor:
@@ -212,6 +215,16 @@ class GGUFSource:
 def _shape(t) -> tuple[int, ...]:
     """The tensor's shape in PyTorch order (GGUF lists dims innermost first)."""
     return tuple(int(d) for d in reversed(t.shape.tolist()))
+
+
+def _q8_0_parts(raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q8_0 blocks [rows, blocks x 34 bytes] (a fp16 scale d, then 32 int8 codes, value code x d)
+    -> moefit q8_0 parts: codes [rows, cols] int8 and scales [rows, blocks] fp16, as they are."""
+    rows = raw.shape[0]
+    blocks = np.ascontiguousarray(raw).reshape(rows, -1, 34)
+    scale = torch.from_numpy(np.ascontiguousarray(blocks[:, :, :2]).view(np.float16)[..., 0].copy())
+    codes = torch.from_numpy(np.ascontiguousarray(blocks[:, :, 2:]).view(np.int8).reshape(rows, -1).copy())
+    return codes, scale
 
 
 def _q4_0_as_int4(raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:

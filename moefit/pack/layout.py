@@ -8,6 +8,8 @@ and their scales, each part aligned to PART_ALIGN bytes inside the blob.
     int8                 per-output-channel symmetric: int8 codes + one fp32 scale per row
     int4                 group-wise symmetric: two 4-bit codes per byte + one fp16 scale
                          per (row, group of `group_size` inputs)
+    q8_0                 group-wise symmetric: int8 codes + one fp16 scale per (row, 32 inputs):
+                         llama.cpp's Q8_0, so a GGUF file's Q8_0 experts are packed as they are
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from dataclasses import dataclass
 PART_ALIGN = 64
 BLOB_ALIGN = 4096
 FLOAT_QUANTS = ("fp32", "fp16", "bf16")
-QUANTS = FLOAT_QUANTS + ("int8", "int4")
+QUANTS = FLOAT_QUANTS + ("int8", "int4", "q8_0")
+Q8_0_GROUP = 32
 RECIPES = QUANTS + ("mixed",)
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 1, "uint8": 1}
 
@@ -49,6 +52,8 @@ def matrix_parts(name: str, rows: int, cols: int, quant: str, group: int) -> lis
         return [(name, "int8", (rows, cols)), (name + ".scale", "fp32", (rows,))]
     if quant == "int4":
         return [(name, "uint8", (rows, cols // 2)), (name + ".scale", "fp16", (rows, cols // group))]
+    if quant == "q8_0":
+        return [(name, "int8", (rows, cols)), (name + ".scale", "fp16", (rows, cols // Q8_0_GROUP))]
     raise ValueError(f"unknown quantization {quant!r}")
 
 

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from moefit import kernels
-from moefit.pack.layout import FLOAT_QUANTS, Part
+from moefit.pack.layout import FLOAT_QUANTS, Q8_0_GROUP, Part
 
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
                 "int8": torch.int8, "uint8": torch.uint8}
@@ -25,6 +25,13 @@ def quantize(w: torch.Tensor, quant: str, group: int) -> list[torch.Tensor]:
     if quant == "int8":
         scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0                    # [R]
         codes = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)  # [R, C]
+        return [codes, scale]
+    if quant == "q8_0":                        # llama.cpp's Q8_0: d = absmax / 127 in fp16 per 32
+        rows, cols = w.shape
+        wg = w.view(rows, cols // Q8_0_GROUP, Q8_0_GROUP)
+        scale = (wg.abs().amax(dim=2) / 127.0).to(torch.float16)               # [R, G]
+        inv = torch.where(scale.float() > 0, 1.0 / scale.float(), torch.zeros(()))
+        codes = torch.round(wg * inv[:, :, None]).clamp(-127, 127).to(torch.int8).view(rows, cols)
         return [codes, scale]
     rows, cols = w.shape
     wg = w.view(rows, cols // group, group)                                       # [R, G, g]
@@ -45,6 +52,9 @@ def dequantize(parts: dict[str, torch.Tensor], name: str, quant: str, dtype: tor
     scale = parts[name + ".scale"].float()
     if quant == "int8":
         return (w.float() * scale[:, None]).to(dtype)
+    if quant == "q8_0":
+        rows = w.shape[0]
+        return (w.float().view(rows, scale.shape[1], -1) * scale[:, :, None]).view(rows, -1).to(dtype)
     rows = w.shape[0]
     lo = (w & 0xF).to(torch.int8) - 8
     hi = (w >> 4).to(torch.int8) - 8
