@@ -171,12 +171,15 @@ class GGUFSource:
         as q8_0), or None when they must go through float."""
         from gguf import GGMLQuantizationType as T
         tensors = [self.tensors.get(f"blk.{layer}.{n}") for n in EXPERTS]
-        kept = {("int4", T.Q4_0): _q4_0_as_int4, ("q8_0", T.Q8_0): _q8_0_parts}
+        kept = {("int4", T.Q4_0): _q4_0_as_int4, ("q8_0", T.Q8_0): _q8_0_parts, ("q8_0", T.MXFP4): _mxfp4_as_q8_0}
         types = {t.tensor_type if t is not None else None for t in tensors}
         if len(types) != 1 or (quant, *types) not in kept or (quant == "int4" and group != 32):
             return None
         read = kept[(quant, *types)]
-        (gc, gs), (uc, us), (dc, ds) = (read(np.asarray(t.data[expert])) for t in tensors)
+        parts = [read(np.asarray(t.data[expert])) for t in tensors]
+        if any(p is None for p in parts):
+            return None
+        (gc, gs), (uc, us), (dc, ds) = parts
         return [torch.cat([gc, uc]), torch.cat([gs, us]), dc, ds]
 
     def _expert_slice(self, name: str, expert: int) -> torch.Tensor:
@@ -224,6 +227,26 @@ def _q8_0_parts(raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
     blocks = np.ascontiguousarray(raw).reshape(rows, -1, 34)
     scale = torch.from_numpy(np.ascontiguousarray(blocks[:, :, :2]).view(np.float16)[..., 0].copy())
     codes = torch.from_numpy(np.ascontiguousarray(blocks[:, :, 2:]).view(np.int8).reshape(rows, -1).copy())
+    return codes, scale
+
+
+MXFP4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=np.int8)  # e2m1, doubled
+
+
+def _mxfp4_as_q8_0(raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """MXFP4 blocks [rows, blocks x 17 bytes] (an e8m0 exponent e, then 16 bytes of e2m1 codes, low
+    nibbles elements 0-15; value = 2^(e - 128) x doubled e2m1) -> q8_0 parts exactly: the doubled
+    values as int8 codes, 2^(e - 128) as the fp16 scale. None when an exponent is beyond fp16's
+    exact powers of two (2^-24 .. 2^15): those go through float."""
+    rows = raw.shape[0]
+    blocks = np.ascontiguousarray(raw).reshape(rows, -1, 17)
+    e = blocks[:, :, 0].astype(np.int32)
+    if e.min() < 128 - 24 or e.max() > 128 + 15:
+        return None
+    qs = blocks[:, :, 1:]
+    nibbles = np.concatenate((qs & 15, qs >> 4), axis=-1)                              # element order
+    codes = torch.from_numpy(MXFP4_VALUES[nibbles].reshape(rows, -1).copy())
+    scale = torch.from_numpy(np.ldexp(np.ones_like(e, dtype=np.float32), e - 128).astype(np.float16))
     return codes, scale
 
 
