@@ -15,6 +15,8 @@ the others still run:
   ledger       the plan against memory_allocated, memory_reserved and NVML (goal: within 2 %)
   auto         an --expert-cache auto start: slots, and free memory left against the reserve
   guard        shrink by 25 % of the cache and grow back: bytes given back to the driver
+  prompt       the peak above the start's allocation during a 2,048-token prefill (chunks of 512)
+               against the plan's prompt-path line (goal: within it)
   oom          another allocation takes the card mid-request: the request fails cleanly, the
                guard shrinks, the next request works
   decode       tok/s of a Qwen3-30B-A3B-shaped int4 pack (the first 12 of its 48 layers) under
@@ -151,6 +153,21 @@ def check_guard(device: str, pack) -> dict:
             "tokens_after": tokens(engine, 8)}
 
 
+def check_prompt(device: str, pack) -> dict:
+    engine = Engine.open(pack, cfg(device, ctx=4096, prefill_chunk=512))
+    prompt = (engine.codec.encode(PROMPT + " ") * 400)[:2048]
+    line = engine.loaded.plan.reserve.prompt
+    if not device.startswith("cuda"):
+        engine.prefill(prompt)
+        return {"ok": None, "skipped": "the peak needs CUDA's allocator statistics", "prompt_line_mib": line / MIB}
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    engine.prefill(prompt)
+    peak = torch.cuda.max_memory_allocated() - base
+    return {"ok": peak <= line, "peak_mib": peak / MIB, "prompt_line_mib": line / MIB, "ratio": peak / line}
+
+
 def check_oom(device: str, pack) -> dict:
     engine = Engine.open(pack, cfg(device, expert_cache="auto"))
     guard = _guard(engine)
@@ -227,7 +244,7 @@ def _pid() -> int:
 
 
 CHECKS = {"greedy": check_greedy, "cache": check_cache, "syncs": check_syncs, "ledger": check_ledger,
-          "auto": check_auto, "guard": check_guard, "oom": check_oom}
+          "auto": check_auto, "guard": check_guard, "prompt": check_prompt, "oom": check_oom}
 
 
 def main(argv=None) -> int:

@@ -144,7 +144,8 @@ def test_the_device_check_runs_its_checks_on_the_simulated_card(tmp_path):
     assert run.returncode == 0, run.stdout + run.stderr
     checks = json.loads(out.read_text())["checks"]
     assert {k: v["ok"] for k, v in checks.items()} == {"greedy": True, "cache": True, "syncs": True, "ledger": True,
-                                                         "auto": True, "guard": True, "oom": True, "decode": None}
+                                                         "auto": True, "guard": True, "prompt": None, "oom": True,
+                                                         "decode": None}
     assert checks["syncs"]["handoffs_per_moe_layer_token"] == 1.0
     assert checks["guard"]["driver_saw_mib"] == checks["guard"]["freed_by_pool_mib"] > 0
 

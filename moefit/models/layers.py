@@ -167,14 +167,33 @@ def attend_state(state, i: int, q: torch.Tensor, start: int, mask: torch.Tensor 
                                 state.window(i), scale, with_lse=True)
         out = out * torch.sigmoid(lse - sinks.float()[:, None, None]).to(out.dtype)
     elif len(parts) == 1 and parts[0][2] is None:
-        out = F.scaled_dot_product_attention(q[None], parts[0][0][None], parts[0][1][None], attn_mask=mask,
-                                             enable_gqa=q.shape[0] != parts[0][0].shape[0], scale=scale)[0]
+        out = sdpa(q, parts[0][0], parts[0][1], mask, scale)
     else:
         q_pos = torch.arange(start, start + t)
         out = attend_parts(q, parts, q_pos, state.window(i), scale)
     if rv is not None:
         out = out @ rv.to(device=out.device, dtype=out.dtype).T
     return out.transpose(0, 1).reshape(t, -1)
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+         scale: float | None) -> torch.Tensor:
+    """q [H, T, D] against one contiguous part k, v [K, S, D] -> [H, T, Dv]. On CUDA a masked
+    grouped-query prefill would fall to the math kernel, which materialises [H, T, S] scores
+    (GiBs at 32K, more than the prompt-path line holds): there the KV heads are expanded (a
+    [H, S, D] copy, one layer at a time) and the memory-efficient kernel takes the mask."""
+    gqa = q.shape[0] != k.shape[0]
+    if q.device.type == "cuda" and mask is not None:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        if gqa:
+            k, v = (x.repeat_interleave(q.shape[0] // x.shape[0], dim=0) for x in (k, v))
+            gqa = False
+        try:
+            with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
+                return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, scale=scale)[0]
+        except RuntimeError:                   # a shape the kernel does not take: the default choice
+            pass
+    return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, enable_gqa=gqa, scale=scale)[0]
 
 
 KEY_BLOCK = 4096
