@@ -156,3 +156,14 @@ def test_generate_json_reports_speculation(packs):
     spec = json.loads(r.stdout)["speculative"]
     assert r.returncode == 0 and spec["mode"] == "lookup" and spec["windows"] >= 1
     assert {"accepted", "drafted", "acceptance_rate", "distinct_experts_per_window"} <= set(spec)
+
+
+def test_decoding_works_on_the_session(packs):
+    """The session holds what a request leaves: its tokens (whose state is kept), the window's
+    statistics and the request's figures; the engine's old names read the same objects."""
+    engine, got = run(packs("qwen3_moe", "int8"), spec="lookup", spec_window=4)
+    s = engine.session
+    assert s.state is engine.loaded.kv and s.tokens is engine.kv_tokens and s.last is engine.last
+    assert s.tokens == (PROMPT + got)[:len(PROMPT) + len(got) - 1]       # the last token has not run yet
+    assert s.last.generated == got and s.spec_stats.windows > 0 and s.spec_stats is engine.spec_stats
+    assert s.last_hidden is not None and s.last_hidden.shape == (engine.pack.model.hidden_size,)

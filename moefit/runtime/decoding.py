@@ -1,5 +1,6 @@
-"""The decode loop: one token per step, or a speculative window (last token + k drafts
-verified in one forward) when a draft source has something and the window pays.
+"""The decode loop, on the engine's session (runtime/session.py) and its model: one token per
+step, or a speculative window (last token + k drafts verified in one forward) when a draft
+source has something and the window pays.
 
 Output is the same with or without speculation, greedy or seeded: a draft is kept only
 when it is the token the sampler itself draws at that position from the target's logits
@@ -20,14 +21,15 @@ from moefit.runtime.speculative import NgramIndex
 def token_stream(engine, prompt: list[int], sampler: Sampler, budget: int) -> Iterator[tuple[int, torch.Tensor]]:
     """Yield (token, the logits [V] it was drawn from); at most `budget` tokens. The caller
     stops early by closing it."""
-    logits, engine.last.cached_tokens = engine.prefill(prompt)
+    session = engine.session
+    logits, session.last.cached_tokens = engine.prefill(prompt)
     token = _take(sampler, sampler.probs(logits))
     yield token, logits
     produced, pos = 1, len(prompt)
     lookup = NgramIndex() if engine.spec_mode == "lookup" else None
     while produced < budget:
         room = min(budget - produced, engine.cfg.ctx - pos) - 1
-        k = min(engine.window.size(), room) if engine.spec_mode != "off" else 0
+        k = min(session.window.size(), room) if engine.spec_mode != "off" else 0
         drafts = _drafts(engine, lookup, token, k)
         if drafts:
             new = verify(engine, token, pos, drafts, sampler)
@@ -35,7 +37,7 @@ def token_stream(engine, prompt: list[int], sampler: Sampler, budget: int) -> It
             t0 = time.perf_counter()
             logits = engine.decode_step(token, pos)
             new = [(_take(sampler, sampler.probs(logits)), logits)]
-            engine.window.record_plain(time.perf_counter() - t0)
+            session.window.record_plain(time.perf_counter() - t0)
         yield from new
         produced, pos, token = produced + len(new), pos + len(new), new[-1][0]
 
@@ -50,7 +52,7 @@ def _drafts(engine, lookup, token, k) -> list[int]:
     if k <= 0:
         return []
     if lookup is not None:
-        return lookup.draft(engine.kv_tokens + [token], k)
+        return lookup.draft(engine.session.tokens + [token], k)
     return engine.draft_head.propose(engine, token, k)
 
 
@@ -61,11 +63,11 @@ def verify(engine, token: int, pos: int, drafts: list[int], sampler: Sampler) ->
     book = engine.runner.book
     hits0, misses0 = int(book.hits.sum()), int(book.misses.sum())
     t0 = time.perf_counter()
-    engine.loaded.kv.checkpoint(True)                 # recurrent layers keep the state after each position
+    engine.session.state.checkpoint(True)                 # recurrent layers keep the state after each position
     try:
         logits = engine.forward([token] + drafts, pos)                       # [k+1, V]
     finally:
-        engine.loaded.kv.checkpoint(False)
+        engine.session.state.checkpoint(False)
     out = []
     for i, d in enumerate(drafts):
         t = _take(sampler, sampler.probs(logits[i]))
@@ -75,12 +77,13 @@ def verify(engine, token: int, pos: int, drafts: list[int], sampler: Sampler) ->
     else:
         out.append((_take(sampler, sampler.probs(logits[len(drafts)])), logits[len(drafts)]))
     accepted = len(out) - 1
-    if engine.loaded.kv.recurrent:                    # back to the kept tokens; the checkpoints freed
+    if engine.session.state.recurrent:                    # back to the kept tokens; the checkpoints freed
         engine.keep(pos, [token] + drafts[:accepted])      # recurrent layers: back to pos, kept tokens again
-    engine.last_hidden = engine.hidden[accepted]
-    engine.kv_tokens = engine.kv_tokens[:pos] + [token] + drafts[:accepted]
+    session = engine.session
+    session.last_hidden = session.hidden[accepted]
+    session.tokens = session.tokens[:pos] + [token] + drafts[:accepted]
     distinct = int(book.hits.sum()) + int(book.misses.sum()) - hits0 - misses0
-    engine.spec_stats.record(len(drafts), accepted)
-    engine.window.record(len(drafts), accepted, time.perf_counter() - t0, distinct,
+    session.spec_stats.record(len(drafts), accepted)
+    session.window.record(len(drafts), accepted, time.perf_counter() - t0, distinct,
                          int(book.misses.sum()) - misses0)
     return out

@@ -12,7 +12,7 @@ steps. Stats are kept for generate --json, /v1/status and /metrics.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import torch
@@ -26,6 +26,7 @@ from moefit.runtime.decoding import token_stream
 from moefit.runtime.draft_head import load_draft_head
 from moefit.runtime.grammar import Constraint, GrammarTokenizer
 from moefit.runtime.sampler import Sampler, SamplingParams
+from moefit.runtime.session import RequestStats, Session
 from moefit.runtime.speculative import Window
 from moefit.runtime.text import Detokenizer, StopMatcher, TextCodec
 
@@ -45,41 +46,8 @@ class Event:
     logprob: TokenLogprob | None = None    # when the request asked for logprobs
 
 
-@dataclass
-class SpecStats:
-    """Speculative decoding counters: windows verified, tokens drafted and accepted."""
-
-    windows: int = 0
-    drafted: int = 0
-    accepted: int = 0
-
-    @property
-    def acceptance(self) -> float:
-        return self.accepted / self.drafted if self.drafted else 0.0
-
-    def record(self, drafted: int, accepted: int) -> None:
-        self.windows += 1
-        self.drafted += drafted
-        self.accepted += accepted
-
-
-@dataclass
-class RequestStats:
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    generated: list[int] = field(default_factory=list)
-    prefill_s: float = 0.0
-    decode_s: float = 0.0
-    first_token_s: float = 0.0
-
-    @property
-    def prefill_tokens_per_s(self) -> float:
-        return (self.prompt_tokens - self.cached_tokens) / self.prefill_s if self.prefill_s else 0.0
-
-    @property
-    def decode_tokens_per_s(self) -> float:
-        n = len(self.generated) - 1                 # the first token comes from the prefill
-        return n / self.decode_s if n > 0 and self.decode_s else 0.0
+def _session_field(name: str) -> property:
+    return property(lambda self: getattr(self.session, name), lambda self, v: setattr(self.session, name, v))
 
 
 class Engine:
@@ -88,13 +56,10 @@ class Engine:
         self.loaded = loaded
         self.pack: Pack = loaded.pack
         self.codec = TextCodec.load(self.pack.tokenizer_dir)
-        self.kv_tokens: list[int] = []              # tokens whose KV sits at positions 0..n
         self.eos_ids = self._eos_ids()
-        self.last = RequestStats()
-        self.hidden = self.last_hidden = None      # final hidden states of the last forward
-        self.spec_stats = SpecStats()
+        # the conversation being decoded: its tokens, its sequence state, its speculative window
+        self.session = Session(loaded.kv, Window(cfg.spec_window))
         self.spec_mode, self.spec_reason = self._spec_mode()
-        self.window = Window(cfg.spec_window)
         self.draft_head = load_draft_head(self.pack, loaded) if self.spec_mode == "head" else None
         self.steps = 0
         self._grammar_tokenizer = None              # llguidance's tokenizer, built on first use
@@ -147,6 +112,14 @@ class Engine:
     def runner(self):
         return self.loaded.runner
 
+    # the session's fields, as the engine's callers have long read them
+    kv_tokens = _session_field("tokens")
+    last = _session_field("last")
+    hidden = _session_field("hidden")
+    last_hidden = _session_field("last_hidden")
+    spec_stats = _session_field("spec_stats")
+    window = _session_field("window")
+
     def _eos_ids(self) -> set[int]:
         ids = set(self.pack.model.eos_token_ids)
         gen = self.pack.generation_config().get("eos_token_id")
@@ -176,7 +149,7 @@ class Engine:
         """After a verify window at pos only `tokens` (its first ones) stay: recurrent layers go
         back to their checkpoint after them, or, where they have none, the kept tokens run again."""
         try:
-            self.loaded.kv.keep(len(tokens))
+            self.session.state.keep(len(tokens))
         except StateLost:
             self.forward(tokens, pos)
 

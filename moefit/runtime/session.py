@@ -1,0 +1,69 @@
+"""A Session: one conversation's decoding state, what the decode loop (runtime/decoding.py)
+works on with the model.
+
+    session.tokens       the tokens whose sequence state is held (positions 0..n-1)
+    session.state        that sequence state, per layer (runtime/state.py)
+    session.window       the speculative window, adapting to what it measures
+    session.spec_stats   windows verified, tokens drafted and accepted
+    session.last         the last request's figures (prompt, cached, generated, timings)
+    session.hidden       the final hidden states of the last forward (draft heads read them)
+
+The engine holds one (a card's memory holds one sequence state); a request reuses the
+session's longest common prefix with its prompt.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from moefit.runtime.speculative import Window
+
+
+@dataclass
+class SpecStats:
+    """Speculative decoding counters: windows verified, tokens drafted and accepted."""
+
+    windows: int = 0
+    drafted: int = 0
+    accepted: int = 0
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.windows += 1
+        self.drafted += drafted
+        self.accepted += accepted
+
+
+@dataclass
+class RequestStats:
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    generated: list[int] = field(default_factory=list)
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    first_token_s: float = 0.0
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return (self.prompt_tokens - self.cached_tokens) / self.prefill_s if self.prefill_s else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        n = len(self.generated) - 1                 # the first token comes from the prefill
+        return n / self.decode_s if n > 0 and self.decode_s else 0.0
+
+
+@dataclass
+class Session:
+    state: object                                   # runtime.state.SequenceState
+    window: Window
+    tokens: list[int] = field(default_factory=list)
+    spec_stats: SpecStats = field(default_factory=SpecStats)
+    last: RequestStats = field(default_factory=RequestStats)
+    hidden: torch.Tensor | None = None              # [T, E] of the last forward
+    last_hidden: torch.Tensor | None = None         # [E] of its last position
