@@ -10,6 +10,11 @@ coldest slots no prediction wants. B is the PCIe budget per layer, in experts.
 
     .venv/bin/python bench/cache_policy.py [TRACE.jsonl[.gz] ...]
     .venv/bin/python bench/cache_policy.py --make-traces PACK      # dump fresh traces first
+    .venv/bin/python bench/cache_policy.py --fixture DIR           # a random fixture's traces instead
+
+The fixture: a random Qwen3-MoE of tests/tiny.py's kind, larger (6 layers of 64 experts, top-8,
+routers sharpened as the tests do), packed int8 and run on a generous simulated card with a
+quarter of its experts cached, so that its look-ahead predictions are in the traces too.
 
 A trace is what `moefit generate --dump-routing FILE` writes: one JSON line per (token,
 layer) with the routed expert ids. The first quarter of each trace is the profiling
@@ -34,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from moefit.experts.cache import CacheBook, SwapPolicy  # noqa: E402
 
 DEFAULT_TRACES = Path(__file__).parent / "traces"
-BUDGETS = (0.05, 0.10, 0.15, 0.25, 0.50)
+BUDGETS = (0.05, 0.10, 0.15, 0.25, 0.30, 0.50)
 PROMPTS = ["Define: lantern", "Define: river", "Define: justice", "Define: harbor", "Define: to wander",
            "Define: bright", "Define: quickly", "Define: orchestra"]
 
@@ -211,14 +216,46 @@ def make_traces(pack: str, out: Path, tokens: int) -> None:
         raw.unlink()
 
 
+def make_fixture_traces(out: Path, tokens: int) -> None:
+    """The fixture (see the module's docstring): checkpoint, pack, card, and its traces."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from tiny import build_checkpoint
+    from moefit.memory.simcard import write_card
+    from moefit.pack.convert import convert
+    out.mkdir(parents=True, exist_ok=True)
+    hf = build_checkpoint("qwen3_moe", out / "hf", num_experts=64, num_experts_per_tok=8, num_hidden_layers=6,
+                          mlp_only_layers=[], hidden_size=128, moe_intermediate_size=128)
+    pack = out / "pack"
+    if not (pack / "moefit-pack.json").exists():
+        convert(hf, pack, "int8", progress=False)
+    card = out / "card.json"
+    write_card(card, "fixture card (simulated)", 4096, [])
+    for i, prompt in enumerate(PROMPTS):
+        raw = out / f"trace-{i}.jsonl"
+        subprocess.run([sys.executable, "-m", "moefit", "generate", str(pack), "--prompt", prompt,
+                        "--max-tokens", str(tokens), "--temperature", "0.8", "--seed", str(i), "--ignore-eos",
+                        "--dump-routing", str(raw), "--device", f"sim:{card}", "--expert-cache", str(6 * 64 // 4),
+                        "--ctx", str(tokens + 64), "--settle-s", "0", "--state-dir", str(out / "state")],
+                       check=True, capture_output=True)
+        with open(raw) as f, gzip.open(str(raw) + ".gz", "wt") as g:
+            for line in f:
+                row = json.loads(line)
+                g.write(json.dumps({k: row[k] for k in ("layer", "experts", "predicted") if k in row}) + "\n")
+        raw.unlink()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("traces", nargs="*")
     ap.add_argument("--make-traces", metavar="PACK")
+    ap.add_argument("--fixture", metavar="DIR", help="make and replay a random fixture's traces in DIR")
     ap.add_argument("--tokens", type=int, default=1500)
     args = ap.parse_args()
     if args.make_traces:
         make_traces(args.make_traces, DEFAULT_TRACES, args.tokens)
+    if args.fixture:
+        make_fixture_traces(Path(args.fixture), args.tokens)
+        args.traces = sorted(str(p) for p in Path(args.fixture).glob("trace-*.jsonl.gz"))
     paths = [Path(p) for p in args.traces] or sorted(DEFAULT_TRACES.glob("*.jsonl*"))
     read = [read_trace(p) for p in paths]
     steps = [s for st, _ in read for s in st]
