@@ -103,3 +103,16 @@ def test_handoffs_are_one_host_call_per_moe_layer_per_forward(packs, card):
     assert engine.runner.handoffs == forwards * layers
     assert c["handoffs_per_token"] == pytest.approx(forwards * layers / engine.runner.tokens)
     assert 0 < c["handoffs_per_moe_layer_token"] <= 1
+
+
+def test_the_prefetch_budget_is_what_pcie_moves_in_a_layers_time():
+    from moefit.experts.lookahead import LookAhead
+    ahead = LookAhead(num_layers=4, budget=3)
+    blob = 2_500_000
+    assert ahead.pcie_budget(25e9, blob, now=0.0) == 3                # no layer time yet: the flag's
+    assert ahead.pcie_budget(25e9, blob, now=0.001) == 3              # 1 ms: 10 blobs' worth, capped at 3
+    ahead = LookAhead(num_layers=4, budget=3)
+    ahead.pcie_budget(5e9, blob, now=0.0)
+    assert ahead.pcie_budget(5e9, blob, now=0.001) == 2               # 1 ms at 5 GB/s: two blobs
+    assert ahead.pcie_budget(0.0, blob, now=0.002) == 3               # no PCIe rate: the flag's
+    assert ahead.to_json()["layer_ms"] > 0

@@ -4,8 +4,8 @@ The hidden state after layer l's attention, put through layer l+1's own norm and
 predicts layer l+1's routing (no training: published figures give 90-97 % recall on
 Qwen3-30B and Mixtral). Predictions are scored against the routing that follows (recall per
 layer), and on a device with an expert cache the predicted experts that are not resident
-are brought in ahead of use, at most `budget` per layer, in place of the coldest slots no
-prediction wants. A prefetched expert the layer then uses is a hit (it is resident when the
+are brought in ahead of use, at most `budget` per layer and no more than PCIe moves in one
+layer's time (pcie_budget), in place of the coldest slots no prediction wants. A prefetched expert the layer then uses is a hit (it is resident when the
 layer runs) and a prefetch hit. No torch: the runner applies the moves.
 """
 
@@ -27,6 +27,8 @@ class LookAhead:
     routed: np.ndarray = None                       # [L] routed experts (distinct per forward)
     prefetched: int = 0
     prefetch_hits: int = 0
+    layer_seconds: float = 0.0                      # a layer's time, smoothed (between two predictions)
+    _last_call: float | None = None
 
     def __post_init__(self):
         self.guessed = np.zeros(self.num_layers, dtype=np.int64)
@@ -39,6 +41,18 @@ class LookAhead:
         order = list(dict.fromkeys(e for rank in zip(*per_token) for e in rank))
         self.predicted[layer] = order
         return order
+
+    def pcie_budget(self, pcie_bytes_per_s: float, blob_bytes: int, now: float) -> int:
+        """Experts one layer's time lets PCIe bring in, at most `budget`: the layer time is
+        the smoothed interval between predictions (one per layer); with no PCIe rate (a simulated
+        card, unless given) the budget is the flag's."""
+        if self._last_call is not None and 0 < now - self._last_call < 1.0:
+            gap = now - self._last_call
+            self.layer_seconds = gap if not self.layer_seconds else 0.9 * self.layer_seconds + 0.1 * gap
+        self._last_call = now
+        if pcie_bytes_per_s <= 0 or not self.layer_seconds:
+            return self.budget
+        return min(self.budget, int(pcie_bytes_per_s * self.layer_seconds / blob_bytes))
 
     def wanted(self, layer: int) -> set[tuple[int, int]]:
         """(layer, expert) keys a prefetch must not evict: what the layer computing now and
@@ -70,4 +84,4 @@ class LookAhead:
     def to_json(self) -> dict:
         return {"prefetched": self.prefetched, "prefetch_hits": self.prefetch_hits,
                 "prediction_recall": self.recall(), "layer_prediction_recall": self.layer_recall(),
-                "prefetch_per_layer": self.budget}
+                "prefetch_per_layer": self.budget, "layer_ms": 1e3 * self.layer_seconds}

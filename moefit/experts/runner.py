@@ -14,6 +14,7 @@ Legend: T tokens, E hidden, k top-k.
 from __future__ import annotations
 
 import json
+import time
 
 import torch
 import torch.nn.functional as F
@@ -85,6 +86,8 @@ class ExpertRunner:
         self.handoff = Handoff()               # device <-> host synchronisations (DESIGN: handoffs_per_token)
         self.costs = MissCosts()               # PCIe or host for a multi-token step's misses (off until set)
         self.pcie_loads = 0                    # misses copied into the cache because that was cheaper
+        self.arriving: dict[Key, object] = {}   # CUDA prefetches in flight: key -> the copy's event
+        self.side_stream = None                # the look-ahead's copy stream (CUDA)
         self.tokens = 0                        # token positions run through the MoE layers (engine.forward)
         # a family whose experts are not plain SwiGLU (gpt-oss: biases, a clamped gate) gives its own
         # expert(layer, e, x, parts, quant) (the torch path) and native_act(layer, experts) (the native call)
@@ -100,14 +103,46 @@ class ExpertRunner:
         missing experts into the cache (at most the budget), and ask for the pages of the
         other missing ones, which the host will compute from the pack's map."""
         order = self.ahead.expect(layer, self.handoff.fetch(ids).tolist())
-        missing = [e for e in order if (layer, e) not in self.slots]
+        missing = [e for e in order if (layer, e) not in self.slots and (layer, e) not in self.arriving]
+        budget = self.ahead.pcie_budget(self.costs.pcie_bytes_per_s, self.book.sizes[(layer, order[0])],
+                                        time.perf_counter()) if order else 0
         for n, e in enumerate(missing):
-            if n >= self.ahead.budget or not self._make_room((layer, e)):
+            if n >= budget or not self._make_room((layer, e)):
                 self.pack.warm(layer, e)
                 continue
-            self.load((layer, e))
+            if ids.device.type == "cuda":
+                self._load_async((layer, e))
+            else:
+                self.load((layer, e))
             self.book.swaps += 1
             self.ahead.fetched_for(layer, e)
+
+    def _load_async(self, key: Key) -> None:
+        """On CUDA: the blob goes from pinned memory into its slot on a side stream while the
+        current layer computes; the slot stays LOADING until the layer that uses it makes the
+        compute stream wait for the copy's event (no host wait). The pinned copy comes from
+        torch's caching host allocator, which keeps it until the copy has run."""
+        view = self.pool.acquire(key)
+        if view is None:
+            return
+        if self.side_stream is None:
+            self.side_stream = torch.cuda.Stream(device=view.device)
+        src = self.pack.blob(*key).pin_memory()
+        with torch.cuda.stream(self.side_stream):
+            view.copy_(src, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.side_stream)
+        self.arriving[key] = done
+        self.book.admit(key)
+
+    def _arrived(self, layer: int | None = None) -> None:
+        """This layer's prefetches (or all): the compute stream waits for their copies (on the
+        device, no host wait), and their slots become resident."""
+        for key in [k for k in self.arriving if layer is None or k[0] == layer]:
+            torch.cuda.current_stream().wait_event(self.arriving.pop(key))
+            self.pool.ready(key)
+            self._addresses.pop(key, None)
+            self.slots[key] = blob_views(self.pool.view(key), self.pack.layouts[self.pack.blobs[key].quant])
 
     def _make_room(self, key: Key, keep: set | None = None) -> bool:
         """A free slot of key's size class: there is one, or the coldest resident of that
@@ -135,8 +170,10 @@ class ExpertRunner:
         self.book.admit(key)
 
     def unload(self, key: Key) -> None:
+        if key in self.arriving:               # a prefetch in flight into this slot: let it land first
+            torch.cuda.current_stream().wait_event(self.arriving.pop(key))
         self._addresses.pop(key, None)
-        del self.slots[key]
+        self.slots.pop(key, None)
         self.pool.release(key)
         self.book.evict(key)
 
@@ -157,6 +194,7 @@ class ExpertRunner:
         return freed
 
     def _trim(self) -> int:
+        self._arrived()                        # no slot moves while a copy into it is in flight
         freed, moved = self.pool.trim()
         for key, view in moved:
             self._addresses.pop(key, None)
@@ -171,6 +209,8 @@ class ExpertRunner:
         if self.dump is not None:
             self._dump(layer, ids_h, w_h)
         groups = Groups.of(ids_h, w_h)
+        if self.arriving:
+            self._arrived(layer)
         if self.ahead is not None:
             self.ahead.score(layer, groups.experts)
         resident = [(layer, e) in self.slots for e in groups.experts]
