@@ -141,3 +141,26 @@ def test_each_llama_cpp_architecture_packs_and_matches_transformers(family, tmp_
         want = ref(torch.tensor([PROMPT])).logits[0]
     got = engine.forward(PROMPT, 0)
     assert torch.allclose(got, want, atol=1e-4, rtol=0), f"{ARCH[family].name}: {float((got - want).abs().max())}"
+
+
+def test_by_default_a_gguf_file_keeps_its_blocks_and_names_what_it_cannot(hf, tmp_path):
+    """No silent re-quantisation: Q8_0 experts pack as q8_0 by default; a type moefit has no layout
+    for is an error naming the tensor and the type, and --requant is the way out."""
+    import subprocess
+    import sys
+    from moefit.pack.reader import Pack
+    q8 = write_gguf(hf, tmp_path / "q8.gguf", gguf.GGMLQuantizationType.Q8_0)
+    header = convert(q8, tmp_path / "kept", progress=False)
+    assert header["quant"]["recipe"] == "keep" and set(header["quant"]["layers"].values()) == {"q8_0"}
+    assert torch.isfinite(Engine.open(tmp_path / "kept", ServeConfig(ctx=64)).prefill(PROMPT)[0]).all()
+    assert Pack.open(tmp_path / "kept").blobs[(0, 0)].quant == "q8_0"
+    q5 = write_gguf(hf, tmp_path / "q5.gguf", gguf.GGMLQuantizationType.Q5_0)
+    with pytest.raises(PackError, match=r"blk\.0\.ffn_gate_exps\.weight is Q5_0: .* --requant int4\|int8\|q8_0"):
+        convert(q5, tmp_path / "refused", progress=False)
+    run = subprocess.run([sys.executable, "-m", "moefit", "pack", str(q5), "-o", str(tmp_path / "requant"),
+                          "--requant", "int8"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert "experts int8" in run.stdout and "Q5_0" in run.stdout
+    refused = subprocess.run([sys.executable, "-m", "moefit", "pack", str(q5), "-o", str(tmp_path / "x")],
+                             capture_output=True, text=True, timeout=300)
+    assert refused.returncode != 0 and "Q5_0" in refused.stderr and "Traceback" not in refused.stderr

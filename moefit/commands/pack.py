@@ -1,4 +1,4 @@
-"""moefit pack HF_DIR|MODEL.gguf -o PACK [--quant fp32|fp16|bf16|int8|int4|mixed]"""
+"""moefit pack HF_DIR|MODEL.gguf -o PACK [--quant fp32|fp16|bf16|int8|int4|q8_0|mixed] [--requant Q]"""
 
 from __future__ import annotations
 
@@ -11,17 +11,21 @@ from moefit.pack.layout import RECIPES
 def register(sub) -> None:
     p = sub.add_parser("pack", help="convert a Hugging Face checkpoint or a GGUF file into a native pack")
     p.add_argument("hf_dir", help="checkpoint directory (config.json, safetensors, tokenizer), or a .gguf file "
-                   "(dequantised and packed in --quant)")
+                   "(its experts' blocks kept as they are where moefit has their layout)")
     p.add_argument("-o", "--output", required=True, help="the pack directory to write")
-    p.add_argument("--quant", default="bf16", choices=RECIPES,
-                   help="expert quantization; mixed = int8 in the first and last MoE layers, int4 elsewhere")
+    p.add_argument("--quant", default=None, choices=RECIPES,
+                   help="expert quantization (default: bf16 for a checkpoint; a GGUF file's own blocks); "
+                        "mixed = int8 in the first and last MoE layers, int4 elsewhere")
+    p.add_argument("--requant", choices=RECIPES, help="a GGUF file: re-quantise every expert to this "
+                   "(the way out for types moefit does not keep, Q4_K, Q6_K, IQ4_XS ...); same as --quant")
     p.add_argument("--group-size", type=int, default=32, help="int4 group size (inputs per scale)")
     p.set_defaults(run=run)
 
 
 def run(args) -> int:
     from moefit.pack.convert import convert
-    header = convert(args.hf_dir, args.output, args.quant, args.group_size, progress=sys.stderr.isatty())
+    header = convert(args.hf_dir, args.output, args.requant or args.quant, args.group_size,
+                     progress=sys.stderr.isatty())
     print(describe(header))
     print("  no expert profile yet: until one is recorded the expert cache fills in pack order (a uniform "
           "guess); record one with `moefit profile PACK --prompts FILE`, or let `serve` learn it as it runs")
@@ -39,6 +43,7 @@ def describe(header: dict) -> str:
     layers = sorted({row[0] for row in index})
     return (f"packed {header['family']}: {len(layers)} MoE layers x {len(index) // max(1, len(layers))} experts, "
             f"experts {q['recipe']}" + (f" (group {q['group_size']})" if q["recipe"] in ("int4", "mixed") else "")
+            + (f" ({', '.join(sorted(set(q['layers'].values())))})" if q["recipe"] == "keep" else "")
             + f", dense {q['dense_dtype']}\n"
             f"  dense {mib(dense):.1f} MiB; experts {mib(sum(sizes)):.1f} MiB in {len(sizes)} blobs "
             f"({min(sizes) / 1024:.1f}-{max(sizes) / 1024:.1f} KiB each)\n{origin}  pack id {header['pack_id']}")

@@ -45,14 +45,19 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
                    "special_tokens_map.json", "generation_config.json")
 
 
-def convert(hf_dir, out, recipe: str = "bf16", group_size: int = 32, progress: bool = True) -> dict:
-    """Write a pack from an HF checkpoint directory; returns the header.
+KEEP = "keep"               # a GGUF file's default: its experts' blocks as they are
+
+
+def convert(hf_dir, out, recipe: str | None = None, group_size: int = 32, progress: bool = True) -> dict:
+    """Write a pack from an HF checkpoint directory or a GGUF file (recipe None: bf16 for a
+    checkpoint, the file's own blocks for a GGUF file); returns the header.
 
     Usage: convert("Qwen3-30B-A3B/", "qwen3.pack", recipe="int4")
     """
     hf_dir, out = Path(hf_dir), Path(out)
     if hf_dir.suffix == ".gguf":
-        return _convert_gguf(hf_dir, out, recipe, group_size, progress)
+        return _convert_gguf(hf_dir, out, recipe or KEEP, group_size, progress)
+    recipe = recipe or "bf16"
     raw_cfg = _read_config(hf_dir)
     block = (raw_cfg.get("quantization_config") or {}).get("weight_block_size") or (128, 128)
     tensors = _TensorSource(hf_dir, tuple(block))
@@ -67,17 +72,22 @@ def _convert_gguf(path: Path, out: Path, recipe: str, group_size: int, progress:
     if not path.is_file():
         raise PackError(f"{path}: no such GGUF file")
     source = GGUFSource(path)
+    quants = None
+    if recipe == KEEP:                             # the file's own blocks, or an error naming what cannot be kept
+        quants = source.kept_quants(list(ModelConfig.from_hf(source.hf_config()).moe_layers))
+        group_size = 32
     return write_pack(source, source.hf_config(), out, recipe, group_size,
-                      lambda dest: source.write_tokenizer(dest / fmt.TOKENIZER_DIR), progress, path.name)
+                      lambda dest: source.write_tokenizer(dest / fmt.TOKENIZER_DIR), progress, path.name, quants)
 
 
 def write_pack(tensors, raw_cfg: dict, out: Path, recipe: str, group_size: int, write_tokenizer,
-               progress: bool = False, name: str = "model") -> dict:
-    """Write a pack from any tensor source (a checkpoint, or random weights for benchmarks)."""
-    if recipe not in RECIPES:
+               progress: bool = False, name: str = "model", quants: dict[int, str] | None = None) -> dict:
+    """Write a pack from any tensor source (a checkpoint, or random weights for benchmarks);
+    `quants` (layer -> quant) overrides the recipe's choice (a GGUF file's kept blocks)."""
+    if recipe not in RECIPES and quants is None:
         raise PackError(f"unknown quantization {recipe!r} (choose from {', '.join(RECIPES)})")
     model = ModelConfig.from_hf(raw_cfg)
-    quants = layer_quants(recipe, list(model.moe_layers))
+    quants = quants or layer_quants(recipe, list(model.moe_layers))
     if any(q == "int4" for q in quants.values()):
         _checked(check_group, group_size, model.hidden_size, model.expert_size)
     writer = fmt.PackWriter(out)

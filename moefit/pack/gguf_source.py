@@ -182,6 +182,24 @@ class GGUFSource:
         (gc, gs), (uc, us), (dc, ds) = parts
         return [torch.cat([gc, uc]), torch.cat([gs, us]), dc, ds]
 
+    def kept_quants(self, layers: list[int]) -> dict[int, str]:
+        """Each MoE layer's quant that holds its experts' GGUF blocks as they are; PackError naming
+        the tensor and its type where moefit has none (the way out: --requant)."""
+        from gguf import GGMLQuantizationType as T
+        keep = {T.Q4_0: "int4", T.Q8_0: "q8_0", T.MXFP4: "q8_0", T.F32: "fp32", T.F16: "fp16", T.BF16: "bf16"}
+        out = {}
+        for layer in layers:
+            tensors = [self.tensors[f"blk.{layer}.{n}"] for n in EXPERTS if f"blk.{layer}.{n}" in self.tensors]
+            kinds = {t.tensor_type for t in tensors}
+            odd = next((t for t in tensors if t.tensor_type not in keep), None)
+            if odd is not None or len({keep[k] for k in kinds}) > 1:
+                t = odd or tensors[-1]
+                raise PackError(f"{self.path}: {t.name} is {t.tensor_type.name}: moefit keeps Q4_0 (as int4), Q8_0 and "
+                                "MXFP4 (as q8_0) and F32 / F16 / BF16 experts as they are, one type per layer; "
+                                "re-quantise the others with --requant int4|int8|q8_0")
+            out[layer] = keep[kinds.pop()]
+        return out
+
     def _expert_slice(self, name: str, expert: int) -> torch.Tensor:
         t = self.tensors.get(name)
         if t is None:
