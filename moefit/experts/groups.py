@@ -1,0 +1,50 @@
+"""A layer's routing grouped by expert, and the plain SwiGLU expert (experts/runner.py uses both).
+
+Legend: T tokens, E hidden, k top-k, I an expert's intermediate size.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from moefit.pack.quant import qlinear
+
+
+class Groups:
+    """A layer's (token, expert, weight) triples grouped by expert, experts ascending:
+    experts[i]'s tokens are rows[start[i]:start[i + 1]], with their router weights."""
+
+    def __init__(self, experts: list[int], start: list[int], rows: torch.Tensor, weights: torch.Tensor):
+        self.experts, self.start, self.rows, self.weights = experts, start, rows, weights
+
+    @staticmethod
+    def of(ids: torch.Tensor, weights: torch.Tensor) -> "Groups":
+        """ids, weights [T, k] on the host."""
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        experts, counts = torch.unique_consecutive(flat[order], return_counts=True)
+        start = [0] + torch.cumsum(counts, 0).tolist()
+        rows = (order // ids.shape[1]).to(torch.int32)
+        return Groups(experts.tolist(), start, rows, weights.reshape(-1)[order].float())
+
+    def rows_of(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """experts[i]'s token rows (int64) and router weights."""
+        a, b = self.start[i], self.start[i + 1]
+        return self.rows[a:b].long(), self.weights[a:b]
+
+    def subset(self, keep: list[bool]) -> "Groups":
+        """The groups of the experts where keep is true, in the same order."""
+        idx = [i for i, k in enumerate(keep) if k]
+        pick = [torch.arange(self.start[i], self.start[i + 1]) for i in idx]
+        sel = torch.cat(pick) if pick else torch.zeros(0, dtype=torch.long)
+        start = [0]
+        for i in idx:
+            start.append(start[-1] + self.start[i + 1] - self.start[i])
+        return Groups([self.experts[i] for i in idx], start, self.rows[sel], self.weights[sel])
+
+
+def expert_forward(x: torch.Tensor, parts: dict[str, torch.Tensor], quant: str) -> torch.Tensor:
+    """SwiGLU expert on x [T, E] from a blob's parts (gate_up [2I, E], down [E, I])."""
+    gate, up = qlinear(x, parts, "gate_up", quant).chunk(2, dim=-1)
+    return qlinear(F.silu(gate) * up, parts, "down", quant)
