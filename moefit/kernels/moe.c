@@ -130,38 +130,24 @@ __attribute__((target("avx2,fma"))) static inline float hsum8(__m256 v) {
 
 /* The 256-bit bodies, once per instruction set: DOT32(u8, s8) gives eight int32 partial sums.
  * int8 weights: |w| against sign(w) * x. int4: the nibble (0..15) against x, less 8 sum x. */
-#define Q8_BODY(NAME, TARGET, DOT32)                                                          \
+#define Q8_BODY(NAME, TARGET, DOT32, BLOCK_SCALE, ROW_SCALE)                                \
     __attribute__((target(TARGET))) static float NAME(const void *w, const void *ws,           \
             const int8_t *q, const float *qs, const int32_t *qsum, int64_t n, int64_t group) { \
-        (void)group, (void)qsum;                                                               \
+        (void)group, (void)qsum, (void)ws;                                                     \
         const int8_t *c = w;                                                                   \
         __m256 acc = _mm256_setzero_ps();                                                      \
         for (int64_t b = 0; b < n / QK; b++) {                                                 \
             const __m256i wv = _mm256_loadu_si256((const __m256i *)(c + b * QK));              \
             const __m256i xv = _mm256_loadu_si256((const __m256i *)(q + b * QK));              \
             const __m256i isum = DOT32(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv));    \
-            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(qs[b]), acc);       \
-        }                                                                                      \
-        return hsum8(acc) * *(const float *)ws;                                                \
-    }
-
-/* Q8_0: as Q8_BODY, with each block's own fp16 scale. */
-#define Q8G_BODY(NAME, TARGET, DOT32)                                                         \
-    __attribute__((target(TARGET))) static float NAME(const void *w, const void *ws,           \
-            const int8_t *q, const float *qs, const int32_t *qsum, int64_t n, int64_t group) { \
-        (void)group, (void)qsum;                                                               \
-        const int8_t *c = w;                                                                   \
-        const uint16_t *s = ws;                                                                \
-        __m256 acc = _mm256_setzero_ps();                                                      \
-        for (int64_t b = 0; b < n / QK; b++) {                                                 \
-            const __m256i wv = _mm256_loadu_si256((const __m256i *)(c + b * QK));              \
-            const __m256i xv = _mm256_loadu_si256((const __m256i *)(q + b * QK));              \
-            const __m256i isum = DOT32(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv));    \
-            const float d = qs[b] * _cvtsh_ss(s[b]);                                           \
+            const float d = qs[b] * (BLOCK_SCALE);                                             \
             acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(d), acc);           \
         }                                                                                      \
-        return hsum8(acc);                                                                     \
+        return hsum8(acc) * (ROW_SCALE);                                                       \
     }
+/* int8: one fp32 scale per row, applied once; Q8_0: each block's own fp16 scale */
+#define ROW_SCALE_F32 (*(const float *)ws)
+#define BLOCK_SCALE_F16 _cvtsh_ss(((const uint16_t *)ws)[b])
 
 #define Q4_BODY(NAME, TARGET, DOT32)                                                          \
     __attribute__((target(TARGET))) static float NAME(const void *w, const void *ws,           \
@@ -187,12 +173,12 @@ __attribute__((target("avx2,fma"))) static inline float hsum8(__m256 v) {
 #define DOT_AVX2(a, b) _mm256_madd_epi16(_mm256_maddubs_epi16((a), (b)), _mm256_set1_epi16(1))
 #define DOT_AVXVNNI(a, b) _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), (a), (b))
 
-Q8_BODY(dot_q8_avx2, "avx2,fma,f16c", DOT_AVX2)
-Q8G_BODY(dot_q8g_avx2, "avx2,fma,f16c", DOT_AVX2)
+Q8_BODY(dot_q8_avx2, "avx2,fma,f16c", DOT_AVX2, 1.0f, ROW_SCALE_F32)
+Q8_BODY(dot_q8g_avx2, "avx2,fma,f16c", DOT_AVX2, BLOCK_SCALE_F16, 1.0f)
 Q4_BODY(dot_q4_avx2, "avx2,fma,f16c", DOT_AVX2)
 #if defined(__GNUC__) && (__GNUC__ >= 11 || defined(__clang__))
-Q8_BODY(dot_q8_avxvnni, "avx2,fma,f16c,avxvnni", DOT_AVXVNNI)
-Q8G_BODY(dot_q8g_avxvnni, "avx2,fma,f16c,avxvnni", DOT_AVXVNNI)
+Q8_BODY(dot_q8_avxvnni, "avx2,fma,f16c,avxvnni", DOT_AVXVNNI, 1.0f, ROW_SCALE_F32)
+Q8_BODY(dot_q8g_avxvnni, "avx2,fma,f16c,avxvnni", DOT_AVXVNNI, BLOCK_SCALE_F16, 1.0f)
 Q4_BODY(dot_q4_avxvnni, "avx2,fma,f16c,avxvnni", DOT_AVXVNNI)
 #define HAVE_AVXVNNI 1
 #endif
@@ -201,7 +187,7 @@ Q4_BODY(dot_q4_avxvnni, "avx2,fma,f16c,avxvnni", DOT_AVXVNNI)
 #define AVX512 "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq,avx512vnni"
 /* AVX512-VNNI CPUs need not have AVX-VNNI (Zen 4 has not): its 256-bit dot, EVEX-encoded */
 #define DOT_VNNI256(a, b) _mm256_dpbusd_epi32(_mm256_setzero_si256(), (a), (b))
-Q8G_BODY(dot_q8g_vnni256, AVX512, DOT_VNNI256)
+Q8_BODY(dot_q8g_vnni256, AVX512, DOT_VNNI256, BLOCK_SCALE_F16, 1.0f)
 
 __attribute__((target(AVX512))) static inline __m512 two_scales(float d0, float d1) {
     return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(d0)), _mm256_set1_ps(d1), 1);
