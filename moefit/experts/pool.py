@@ -1,7 +1,7 @@
 """The expert cache's slot pool: preallocated chunks of fixed-size slots per size class on
 the device, a (layer, expert) -> slot table, and each slot's state.
 
-    pool = SlotPool(mem, sizes)          # sizes: blob bytes per (layer, expert)
+    pool = SlotPool(mem, sizes, layers, experts)   # sizes: blob bytes per (layer, expert)
     pool.reserve(keys)                   # the planned chunks, allocated once at start
     view = pool.acquire(key)             # a free slot, now "loading"; copy the blob into it
     pool.ready(key)                      # ... "resident"
