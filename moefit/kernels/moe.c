@@ -278,6 +278,8 @@ static const char *isa = "portable";
 /* The best the CPU has, or at most MOEFIT_ISA (portable, avx2, avx-vnni): how the tests run
  * every path on one machine. */
 static void choose_isa(void) {
+    static atomic_int chosen;                   /* once: every layer call asks */
+    if (atomic_exchange(&chosen, 1)) return;
 #if defined(__x86_64__)
     const char *cap = getenv("MOEFIT_ISA");
     if (cap && !strcmp(cap, "portable")) return;

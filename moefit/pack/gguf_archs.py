@@ -108,8 +108,7 @@ def _routing(m: Meta, default_gating: str) -> dict:
 
 def _glm4moe(m: Meta) -> dict:
     head_dim = m("attention.key_length", m("embedding_length", None) // m("attention.head_count", None))
-    return {**_routing(m, "sigmoid"), "partial_rotary_factor": m("rope.dimension_count", head_dim) / head_dim,
-            "attention_bias": True, "use_qk_norm": None}      # both from the tensors present (GGUFSource)
+    return {**_routing(m, "sigmoid"), "partial_rotary_factor": m("rope.dimension_count", head_dim) / head_dim}
 
 
 def _deepseek2(m: Meta) -> dict:
@@ -137,7 +136,7 @@ def _gpt_oss(m: Meta) -> dict:
                     beta_fast=m("rope.scaling.yarn_beta_fast", 32.0), beta_slow=m("rope.scaling.yarn_beta_slow", 1.0))
     return {"num_local_experts": m("expert_count", None),
             "intermediate_size": m("expert_feed_forward_length", m("feed_forward_length", None)),
-            "sliding_window": m("attention.sliding_window", None), "attention_bias": True,
+            "sliding_window": m("attention.sliding_window", None),
             "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
             "swiglu_alpha": 1.702, "swiglu_limit": 7.0, "rope_parameters": rope}    # llama.cpp's constants too
 

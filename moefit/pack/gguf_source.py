@@ -90,9 +90,9 @@ class GGUFSource:
         cfg = {"model_type": self.spec.model_type, "architectures": [self.spec.architecture],
                "vocab_size": len(self.meta("tokenizer.ggml.tokens")), "num_hidden_layers": self.layers,
                **common_config(self._m), **self.spec.config(self._m)}
-        if "use_qk_norm" in cfg:                      # GLM: what the file holds says
-            cfg["use_qk_norm"] = "blk.0.attn_q_norm.weight" in self.tensors
-            cfg["attention_bias"] = "blk.0.attn_q.bias" in self.tensors
+        # what every family's attention has is what the file holds, not what the metadata says
+        cfg["attention_bias"] = any(n.endswith(".attn_q.bias") for n in self.tensors)
+        cfg["use_qk_norm"] = any(n.endswith(".attn_q_norm.weight") for n in self.tensors)
         return {**cfg, "tie_word_embeddings": "output.weight" not in self.tensors,
                 "bos_token_id": self.meta("tokenizer.ggml.bos_token_id"),
                 "eos_token_id": self.meta("tokenizer.ggml.eos_token_id"),
