@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from moefit.config import ServeConfig  # noqa: E402
-from moefit.demo import SIM_FLAGS, demo_pack  # noqa: E402
+from moefit.demo import demo_pack, sim_flag  # noqa: E402
 from moefit.memory import ledger as L  # noqa: E402
 from moefit.runtime.engine import Engine  # noqa: E402
 from moefit.runtime.guard import Guard  # noqa: E402
@@ -56,8 +56,7 @@ GREEDY = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
 def cfg(device: str, **over) -> ServeConfig:
     base = dict(device=device, ctx=2048, prefill_chunk=128)
     if device.startswith("sim:"):                       # the demo card's small-card flags
-        flags = dict(zip(SIM_FLAGS[::2], SIM_FLAGS[1::2]))
-        base.update(vram_reserve_mib=int(flags["--vram-reserve-mib"]), low_headroom_mib=1, min_free_vram_mib=1,
+        base.update(vram_reserve_mib=int(sim_flag("--vram-reserve-mib")), low_headroom_mib=1, min_free_vram_mib=1,
                     grow_margin_mib=1)
     return ServeConfig(**{**base, **over})
 

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.speculative import GROUNDED  # noqa: E402
 from moefit.config import ServeConfig  # noqa: E402
-from moefit.demo import CARD, SIM_FLAGS, demo_pack  # noqa: E402
+from moefit.demo import CARD, demo_pack, sim_flag  # noqa: E402
 from moefit.runtime.engine import Engine  # noqa: E402
 from moefit.runtime.report import speculative_json  # noqa: E402
 from moefit.runtime.sampler import SamplingParams  # noqa: E402
@@ -41,9 +41,8 @@ class FixedWindow(Window):
 
 
 def run(pack, k: int, tokens: int) -> dict:
-    flags = dict(zip(SIM_FLAGS[::2], SIM_FLAGS[1::2]))
     cfg = ServeConfig(device=f"sim:{CARD}", ctx=4096, prefill_chunk=128, low_headroom_mib=1,
-                      vram_reserve_mib=int(flags["--vram-reserve-mib"]), spec="lookup" if k else "off",
+                      vram_reserve_mib=int(sim_flag("--vram-reserve-mib")), spec="lookup" if k else "off",
                       spec_window=max(k, 1))
     engine = Engine.open(pack, cfg)
     engine.session.window = FixedWindow(max(k, 1))

@@ -28,6 +28,11 @@ SIM_FLAGS = ["--ctx", "65536", "--kv-resident", "2048", "--prefill-chunk", "128"
              "--process-tolerance-mib", "0.25", "--spec", "lookup"]
 
 
+def sim_flag(name: str) -> float:
+    """The value SIM_FLAGS gives a flag (`sim_flag("--vram-reserve-mib")` -> 4.0)."""
+    return float(SIM_FLAGS[SIM_FLAGS.index(name) + 1])
+
+
 def cache_dir() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "moefit"

@@ -8,16 +8,12 @@ Its allocator model is exact: CUDA's 2 MiB and 20 MiB segments do not scale down
 
 from __future__ import annotations
 
-from moefit.demo import CARD, SEED_DESKTOP, SEED_TOTAL_MIB, SIM_FLAGS, demo_pack
+from moefit.demo import CARD, SEED_DESKTOP, SEED_TOTAL_MIB, demo_pack, sim_flag as flag
 from moefit.memory.footprint import from_pack_header
 from moefit.memory.simcard import write_card
 from moefit.pack.format import read_header
 
 MIB = 1 << 20
-
-
-def flag(name: str) -> float:
-    return float(SIM_FLAGS[SIM_FLAGS.index(name) + 1])
 
 
 def main() -> None:

@@ -28,7 +28,7 @@ from moefit.families import RUNNABLE
 from moefit.errors import MoefitError, PackError
 from moefit.pack import format as fmt
 from moefit.pack.layout import FLOAT_QUANTS, RECIPES, check_group, expert_layout, layer_quants
-from moefit.pack.quant import DTYPE_NAMES, TORCH_DTYPES, quantize
+from moefit.pack.quant import DTYPE_NAMES, FP4_VALUES, TORCH_DTYPES, quantize
 
 EXPERT_KEY = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
                         r"(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
@@ -39,7 +39,6 @@ FUSED_KEY = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts
 SKIPPED_PREFIXES = ("model.visual.", "mtp.", "model.mtp.")
 FP8_SCALE = ".weight_scale_inv"
 MXFP4_KEY = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)_(blocks|scales)$")
-FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 ROLE = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
                    "special_tokens_map.json", "generation_config.json")

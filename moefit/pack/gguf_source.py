@@ -25,6 +25,7 @@ import torch
 
 from moefit.errors import PackError
 from moefit.pack.gguf_archs import ARCHS, TOP, common_config
+from moefit.pack.quant import FP4_VALUES
 
 LAYER = re.compile(r"blk\.(\d+)\.(.+)$")
 EXPERTS = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
@@ -248,7 +249,7 @@ def _q8_0_parts(raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
     return codes, scale
 
 
-MXFP4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=np.int8)  # e2m1, doubled
+MXFP4_VALUES = (2 * np.array(FP4_VALUES)).astype(np.int8)             # e2m1, doubled: integers
 
 
 def _mxfp4_as_q8_0(raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -15,6 +15,8 @@ from moefit.pack.layout import FLOAT_QUANTS, Q8_0_GROUP, Part
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
                 "int8": torch.int8, "uint8": torch.uint8}
 DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
+# MXFP4's e2m1 codes (gpt-oss checkpoints, GGUF MXFP4 blocks): the value of each 4-bit code
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 
 def quantize(w: torch.Tensor, quant: str, group: int) -> list[torch.Tensor]:
