@@ -46,8 +46,9 @@ class ServeConfig:
     min_free_vram_mib: int = _opt(512, "per-request guard: shrink the cache when free VRAM is below this")
     grow_margin_mib: int = _opt(64, "grow a shrunken cache back once free VRAM is this far above the floor")
     prefill_chunk: int = _opt(512, "prompt tokens per prefill forward")
-    spec: str = _opt("off", "speculative decoding: off, lookup, head, auto",
-                     choices=("off", "lookup", "head", "auto"))
+    spec: str = _opt("off", "speculative decoding: off, lookup (prompt lookup), head (a trained draft head), "
+                     "mtp (the checkpoint's multi-token-prediction layers), auto (mtp, else head, else lookup)",
+                     choices=("off", "lookup", "head", "mtp", "auto"))
     spec_window: int = _opt(4, "draft tokens verified per speculative window")
     dense_quant: str = _opt("off", "quantise the dense matrices (attention, dense MLP, lm_head) at load: "
                             "off, int8 (a scale per row) or int4 (a scale per 32 inputs)",
@@ -104,6 +105,7 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     raw: dict = field(default_factory=dict, compare=False, repr=False)
+    mtp_layers: int = 0       # multi-token-prediction layers the config declares (families/: MTP)
 
     @property
     def is_moe_layer(self) -> list[bool]:
@@ -137,6 +139,11 @@ class ModelConfig:
 
     def layer_states(self) -> list:
         return self.spec.layer_states(self)
+
+    @property
+    def mtp_style(self) -> str | None:
+        """How the family's MTP layers are built: "nextn" (DeepSeek-V3) or "qwen" (mtp.*); None: none."""
+        return getattr(self.spec, "MTP", None)
 
     @staticmethod
     def from_hf(cfg: dict) -> "ModelConfig":
@@ -174,6 +181,7 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=_as_tuple(cfg.get("eos_token_id")),
             raw=cfg,
+            mtp_layers=family_spec(family).mtp_layers(cfg) if getattr(family_spec(family), "MTP", None) else 0,
         )
 
 

@@ -125,3 +125,115 @@ def real_tokenizer(name: str, out: Path) -> Path:
         if f.suffix in (".json", ".jinja"):
             (out / f.name).write_bytes(f.read_bytes())
     return out
+
+
+MTP_NAMES = {"qwen3_next": "qwen", "qwen3_5_moe": "qwen", "deepseek_v3": "nextn", "glm4_moe": "nextn"}
+
+
+def mtp_decoder_layer(config, family: str):
+    """transformers' own decoder layer of the family, as the MTP layer is (a full-attention MoE
+    layer); random weights from torch's generator."""
+    import importlib
+    mod = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    cls = next(getattr(mod, n) for n in dir(mod) if n.endswith("DecoderLayer") and "MTP" not in n)
+    if MTP_NAMES[family] == "qwen":
+        idx = config.layer_types.index("full_attention")
+    else:
+        idx = config.num_hidden_layers - 1                       # an MoE layer
+    layer = cls(config, idx).float()
+    _init(layer, centred=MTP_NAMES[family] == "qwen")
+    return layer, mod
+
+
+def _init(layer, centred: bool) -> None:
+    """A bare decoder layer has no PreTrainedModel to initialise it (fused experts start as
+    torch.empty): matrices N(0, 0.08), norms around 1 (around 0 where zero-centred), biases small."""
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.08)
+            elif name.endswith("norm.weight"):
+                p.normal_(0.0 if centred else 1.0, 0.1)
+            else:
+                p.normal_(0.0, 0.02)
+
+
+def mtp_weights(ckpt: Path, family: str, seed: int = 7) -> dict[str, torch.Tensor]:
+    """Random MTP weights for a tiny checkpoint, named as the published checkpoints name them
+    (per-expert keys; Qwen's under mtp.*, DeepSeek's and GLM's as layer L)."""
+    from transformers import AutoConfig
+    from safetensors.torch import load_file
+    config = AutoConfig.from_pretrained(ckpt)
+    config = getattr(config, "text_config", None) or config
+    torch.manual_seed(seed)
+    layer = mtp_decoder_layer(config, family)[0]
+    e, n_layers = config.hidden_size, config.num_hidden_layers
+    gen = torch.Generator().manual_seed(seed)
+    out = _per_expert(layer.state_dict(), gen)
+    qwen = MTP_NAMES[family] == "qwen"
+    centre = 0.0 if qwen else 1.0                      # Qwen's RMSNorms are zero-centred (x * (1 + w))
+    norm = lambda: centre + 0.1 * torch.randn(e, generator=gen)  # noqa: E731
+    parts = {"embed_norm": norm(), "hidden_norm": norm(), "out_norm": norm(),
+             "project": 0.08 * torch.randn(e, 2 * e, generator=gen)}
+    if qwen:
+        named = {f"mtp.layers.0.{k}": v for k, v in out.items()}
+        named |= {"mtp.fc.weight": parts["project"], "mtp.pre_fc_norm_embedding.weight": parts["embed_norm"],
+                  "mtp.pre_fc_norm_hidden.weight": parts["hidden_norm"], "mtp.norm.weight": parts["out_norm"]}
+        return {k: v.detach().contiguous() for k, v in named.items()}
+    main = {}
+    for f in Path(ckpt).glob("model*.safetensors"):
+        main |= load_file(f)
+    lm_head = main.get("lm_head.weight", main["model.embed_tokens.weight"])
+    p = f"model.layers.{n_layers}."
+    named = {p + k: v for k, v in out.items()}
+    named |= {p + "enorm.weight": parts["embed_norm"], p + "hnorm.weight": parts["hidden_norm"],
+              p + "eh_proj.weight": parts["project"], p + "shared_head.norm.weight": parts["out_norm"],
+              p + "shared_head.head.weight": lm_head.clone(),
+              p + "embed_tokens.weight": main["model.embed_tokens.weight"].clone()}
+    return {k: v.detach().contiguous() for k, v in named.items()}
+
+
+def _per_expert(state: dict, gen) -> dict[str, torch.Tensor]:
+    """A transformers decoder layer's state with its fused experts split per expert (the
+    checkpoints' spelling); random routers sharpened and a load-balancing bias set, as _sharpen does."""
+    out = {}
+    for name, t in state.items():
+        if name.endswith("mlp.gate.weight"):
+            t = t * 4.0
+        if "e_score_correction_bias" in name:
+            t = 0.3 * torch.randn(t.shape, generator=gen)
+        if name.endswith("experts.gate_up_proj"):
+            inter = t.shape[1] // 2
+            for x in range(t.shape[0]):
+                out[f"mlp.experts.{x}.gate_proj.weight"] = t[x, :inter]
+                out[f"mlp.experts.{x}.up_proj.weight"] = t[x, inter:]
+        elif name.endswith("experts.down_proj"):
+            out |= {f"mlp.experts.{x}.down_proj.weight": t[x] for x in range(t.shape[0])}
+        else:
+            out[name] = t
+    return out
+
+
+def add_mtp(ckpt: Path, family: str, seed: int = 7) -> Path:
+    """Give a tiny checkpoint an MTP layer (transformers builds none): its weights in their own
+    shard, listed in the index, and the config's count (num_nextn_predict_layers / mtp_num_hidden_layers)."""
+    from safetensors.torch import save_file
+    ckpt = Path(ckpt)
+    weights = mtp_weights(ckpt, family, seed)
+    save_file(weights, str(ckpt / "mtp.safetensors"))
+    index_file = ckpt / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text()) if index_file.exists() else {
+        "metadata": {}, "weight_map": {k: f.name for f in ckpt.glob("model*.safetensors")
+                                       for k in _keys(f)}}
+    index["weight_map"] |= {k: "mtp.safetensors" for k in weights}
+    index_file.write_text(json.dumps(index))
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["mtp_num_hidden_layers" if MTP_NAMES[family] == "qwen" else "num_nextn_predict_layers"] = 1
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    return ckpt
+
+
+def _keys(f: Path) -> list[str]:
+    from safetensors import safe_open
+    with safe_open(str(f), framework="pt") as h:
+        return list(h.keys())

@@ -41,6 +41,10 @@ def describe(header: dict) -> str:
     origin = ("  from " + source["gguf"] + ": " + ", ".join(f"{n} x {k}" for k, n in sorted(source["types"].items()))
               + "\n") if source else ""
     layers = sorted({row[0] for row in index})
+    mtp = (header.get("mtp") or {}).get("layers", 0)
+    if mtp:
+        origin += (f"  the last {mtp} of those layers {'is an MTP layer' if mtp == 1 else 'are MTP layers'}: a draft "
+                   "source for --spec mtp (its experts run on the host)\n")
     return (f"packed {header['family']}: {len(layers)} MoE layers x {len(index) // max(1, len(layers))} experts, "
             f"experts {q['recipe']}" + (f" (group {q['group_size']})" if q["recipe"] in ("int4", "mixed") else "")
             + (f" ({', '.join(sorted(set(q['layers'].values())))})" if q["recipe"] == "keep" else "")

@@ -186,6 +186,13 @@ class ExpertRunner:
             out = out + self.handoff.to_device(self._host_experts(layer, xh.float(), misses), x)
         return out
 
+    def run_on_host(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """A layer whose experts are not the cache's (an MTP layer's): all on the host, from the
+        pack's map, through the same hand-off; not counted in the hit rates or the profile."""
+        xh, ids_h, w_h = self.handoff.to_host(x, ids, weights)
+        out = self._host_experts(layer, xh.float() if x.device.type != "cpu" else x, Groups.of(ids_h, w_h))
+        return out if x.device.type == "cpu" else self.handoff.to_device(out, x)
+
     def _copy_cheap_misses(self, layer: int, groups: "Groups", resident: list[bool]) -> list[bool]:
         """Admit the misses that are cheaper to copy over PCIe than to compute on the host
         (experts/costs.py), into free slots or in place of cold ones this step does not use."""

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import re
+
 Shapes = dict[str, tuple[int, ...]]
+LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
 
 
 def layer_prefix(i: int) -> str:
@@ -76,6 +79,29 @@ def sparse_step(cfg: dict, layers: int) -> tuple[int, ...]:
     step = cfg.get("decoder_sparse_step", 1) or 1
     dense = set(cfg.get("mlp_only_layers") or [])
     return tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0)
+
+
+def mtp_count(cfg: dict) -> int:
+    """MTP layers a config declares: DeepSeek / GLM's num_nextn_predict_layers, Qwen3.5's
+    mtp_num_hidden_layers (a pack counts the ones its checkpoint really has)."""
+    return int(cfg.get("num_nextn_predict_layers") or cfg.get("mtp_num_hidden_layers") or 0)
+
+
+def mtp_index(name: str, m) -> int | None:
+    """Which MTP layer a weight belongs to (Qwen's mtp.* extras: the first), or None: a layer past
+    the model's last is MTP layer (index - num_layers) (DeepSeek-V3's layer 61)."""
+    if name.startswith("mtp."):
+        return 0
+    match = LAYER_INDEX.match(name)
+    return int(match[1]) - m.num_layers if match is not None and int(match[1]) >= m.num_layers else None
+
+
+def nextn(i: int, m) -> Shapes:
+    """DeepSeek-V3's MTP extras around decoder layer i (GLM-4.5's too): the two input norms,
+    the projection of [embedding; hidden] and the output norm (the head is the model's own)."""
+    p, e = layer_prefix(i), m.hidden_size
+    return {p + "enorm.weight": (e,), p + "hnorm.weight": (e,), p + "eh_proj.weight": (e, 2 * e),
+            p + "shared_head.norm.weight": (e,)}
 
 
 def rope_dim(m) -> int:

@@ -39,14 +39,31 @@ def attention(i: int, m) -> c.Shapes:
     return shapes
 
 
+def layer_shapes(i: int, m, moe: bool) -> c.Shapes:
+    shapes = c.norms(i, m.hidden_size) | attention(i, m)
+    if not moe:
+        return shapes | c.dense_mlp(i, m)
+    shared = (m.raw.get("n_shared_experts") or 0) * m.expert_size
+    return (shapes | c.router(i, m, bias="e_score_correction_bias")
+            | c.swiglu(c.layer_prefix(i) + "mlp.shared_experts.", m.hidden_size, shared))
+
+
 def dense_shapes(m) -> c.Shapes:
     shapes = c.outer(m)
-    shared = (m.raw.get("n_shared_experts") or 0) * m.expert_size
     for i in range(m.num_layers):
-        shapes |= c.norms(i, m.hidden_size) | attention(i, m)
-        if i in m.moe_layers:
-            shapes |= c.router(i, m, bias="e_score_correction_bias")
-            shapes |= c.swiglu(c.layer_prefix(i) + "mlp.shared_experts.", m.hidden_size, shared)
-        else:
-            shapes |= c.dense_mlp(i, m)
+        shapes |= layer_shapes(i, m, i in m.moe_layers)
     return shapes
+
+
+# Multi-token prediction (DeepSeek-V3 section 2.2): layer L + j past the last is an MoE decoder
+# layer fed RMSNorm(embedding of the next token) and RMSNorm(the hidden state) through eh_proj.
+MTP = "nextn"
+mtp_layers = c.mtp_count
+
+
+def mtp_shapes(m, j: int) -> c.Shapes:
+    return layer_shapes(m.num_layers + j, m, moe=True) | c.nextn(m.num_layers + j, m)
+
+
+def mtp_state(m):
+    return layer_states(m)[0]

@@ -20,14 +20,30 @@ def shared_size(m) -> int:
     return (m.raw.get("n_shared_experts") or 0) * m.expert_size
 
 
+def layer_shapes(i: int, m, moe: bool) -> c.Shapes:
+    qk = (m.head_dim, m.head_dim) if m.raw.get("use_qk_norm") else None
+    shapes = c.norms(i, m.hidden_size) | c.gqa(i, m, bias=bool(m.raw.get("attention_bias")), qk_norm=qk)
+    if not moe:
+        return shapes | c.dense_mlp(i, m)
+    return (shapes | c.router(i, m, bias="e_score_correction_bias")
+            | c.swiglu(c.layer_prefix(i) + "mlp.shared_experts.", m.hidden_size, shared_size(m)))
+
+
 def dense_shapes(m) -> c.Shapes:
     shapes = c.outer(m)
-    qk = (m.head_dim, m.head_dim) if m.raw.get("use_qk_norm") else None
     for i in range(m.num_layers):
-        shapes |= c.norms(i, m.hidden_size) | c.gqa(i, m, bias=bool(m.raw.get("attention_bias")), qk_norm=qk)
-        if i in m.moe_layers:
-            shapes |= c.router(i, m, bias="e_score_correction_bias")
-            shapes |= c.swiglu(c.layer_prefix(i) + "mlp.shared_experts.", m.hidden_size, shared_size(m))
-        else:
-            shapes |= c.dense_mlp(i, m)
+        shapes |= layer_shapes(i, m, i in m.moe_layers)
     return shapes
+
+
+# Multi-token prediction: DeepSeek-V3's (its names and layout), after the last layer.
+MTP = "nextn"
+mtp_layers = c.mtp_count
+
+
+def mtp_shapes(m, j: int) -> c.Shapes:
+    return layer_shapes(m.num_layers + j, m, moe=True) | c.nextn(m.num_layers + j, m)
+
+
+def mtp_state(m):
+    return layer_states(m)[0]

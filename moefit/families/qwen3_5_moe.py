@@ -12,6 +12,8 @@ RUNS = True
 
 moe_layers = qwen3_next.moe_layers
 layer_states = qwen3_next.layer_states
+MTP, mtp_shapes, mtp_state = qwen3_next.MTP, qwen3_next.mtp_shapes, qwen3_next.mtp_state
+mtp_layers = c.mtp_count
 
 
 def linear_attention(i: int, m) -> c.Shapes:

@@ -60,13 +60,37 @@ def moe(i: int, m) -> c.Shapes:
     return c.router(i, m) | c.swiglu(p + "shared_expert.", e, shared) | {p + "shared_expert_gate.weight": (1, e)}
 
 
+def full_attention(i: int, m) -> c.Shapes:
+    """The gated full-attention layer: q_proj gives each head its query and its gate."""
+    return c.gqa(i, m, q_out=2 * m.num_heads * m.head_dim, qk_norm=(m.head_dim, m.head_dim))
+
+
 def dense_shapes(m, linear=linear_attention) -> c.Shapes:
     shapes = c.outer(m)
     for i, kind in enumerate(layer_types(m)):
         shapes |= c.norms(i, m.hidden_size)
-        if kind == "full_attention":
-            shapes |= c.gqa(i, m, q_out=2 * m.num_heads * m.head_dim, qk_norm=(m.head_dim, m.head_dim))
-        else:
-            shapes |= linear(i, m) | linear_common(i, m)
+        shapes |= full_attention(i, m) if kind == "full_attention" else linear(i, m) | linear_common(i, m)
         shapes |= moe(i, m) if i in m.moe_layers else c.dense_mlp(i, m)
     return shapes
+
+
+# Multi-token prediction (mtp.* in the checkpoint): mtp.fc projects [RMSNorm(embedding of the next
+# token); RMSNorm(hidden)] into mtp.layers.j, a full-attention MoE layer, then mtp.norm; the lm_head
+# is the model's. A pack names mtp.layers.j model.layers.{L + j}, like DeepSeek's.
+MTP = "qwen"
+
+
+def mtp_layers(cfg: dict) -> int:
+    """Qwen3-Next's config.json does not count its MTP layer; its published checkpoints carry one."""
+    return c.mtp_count(cfg) or 1
+
+
+def mtp_shapes(m, j: int) -> c.Shapes:
+    i, e = m.num_layers + j, m.hidden_size
+    extras = {"mtp.fc.weight": (e, 2 * e), "mtp.pre_fc_norm_embedding.weight": (e,),
+              "mtp.pre_fc_norm_hidden.weight": (e,), "mtp.norm.weight": (e,)} if j == 0 else {}
+    return c.norms(i, e) | full_attention(i, m) | moe(i, m) | extras
+
+
+def mtp_state(m):
+    return AttentionKV(m.num_kv_heads, m.head_dim, m.head_dim)

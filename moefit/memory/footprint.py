@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moefit.config import ModelConfig
-from moefit.families.common import rope_dim
+from moefit.families.common import mtp_index, rope_dim
 from moefit.families.state import layer_bytes
 from moefit.pack.layout import DENSE_GROUP, dense_quantizable, expert_blob_sizes
 
@@ -25,6 +25,8 @@ class Footprint:
     dense_bytes: int                 # on the device, without RoPE tables (those depend on ctx)
     blob_sizes: dict[Key, int]       # every (layer, expert)
     draft_head_bytes: int = 0
+    mtp_layers: int = 0              # multi-token-prediction layers (a draft source, in the reserve)
+    mtp_dense_bytes: int = 0         # their device weights (their experts stay on the host)
 
     @property
     def cb(self) -> int:
@@ -84,6 +86,23 @@ class Footprint:
                            for s in self.states if s.kind != "recurrent"), default=0)
         return chunk * self.activation_bytes_per_token() + 4 * m.vocab_size + dequant
 
+    def mtp_bytes(self, ctx: int, kv_dtype: str, chunk: int, resident: int | None = None) -> int:
+        """The first MTP layer as a draft source (runtime/mtp.py): its weights and its own KV over
+        the context (under KV streaming, its last `resident` tokens, like the model's layers)."""
+        if not self.mtp_layers:
+            return 0
+        state = self.model.spec.mtp_state(self.model)
+        return self.mtp_dense_bytes + layer_bytes(state, ctx, kv_dtype, self.cb, chunk, resident)
+
+    def mtp_host_bytes(self, ctx: int, kv_dtype: str, resident: int | None) -> int:
+        """Host bytes of the MTP layer's KV under KV streaming (the whole context, written through)."""
+        return ctx * self.model.spec.mtp_state(self.model).bytes_per_token(kv_dtype) \
+            if self.mtp_layers and resident is not None else 0
+
+    def draft_bytes(self, mode: str, ctx: int, kv_dtype: str, chunk: int, resident: int | None = None) -> int:
+        """What a draft source holds in the reserve: a trained head, the MTP layer, or nothing."""
+        return {"head": self.draft_head_bytes, "mtp": self.mtp_bytes(ctx, kv_dtype, chunk, resident)}.get(mode, 0)
+
     def verify_arena_bytes(self, window: int) -> int:
         """A verify window's activations and logits, and each recurrent layer's state after every
         position but the last (runtime/state.py: checkpoints, so a rejection costs one copy)."""
@@ -121,17 +140,26 @@ def _numel(shape) -> int:
 
 
 def device_dense_names(m: ModelConfig, names) -> list[str]:
-    """The dense tensors that go to the device: all but an untied embedding table,
-    which stays on the host (a lookup of a few rows per step)."""
-    return [n for n in names if m.tie_word_embeddings or n != "model.embed_tokens.weight"]
+    """The dense tensors that go to the device: all but an untied embedding table, which stays
+    on the host (a lookup of a few rows per step), and the MTP layers' (a draft source's, placed
+    in the reserve when speculation uses them)."""
+    return [n for n in names if (m.tie_word_embeddings or n != "model.embed_tokens.weight")
+            and mtp_index(n, m) is None]
+
+
+def mtp_dense_names(m: ModelConfig, names) -> list[str]:
+    """The first MTP layer's dense tensors: the one moefit drafts with (runtime/mtp.py)."""
+    return [n for n in names if mtp_index(n, m) == 0]
 
 
 def from_config(m: ModelConfig, recipe: str, compute_dtype: str, group_size: int = 32,
                 dense_quant: str = "off") -> Footprint:
     sizes = expert_blob_sizes(m.hidden_size, m.expert_size, recipe, list(m.moe_layers), group_size)
     blobs = {(layer, e): sizes[layer] for layer in m.moe_layers for e in range(m.num_experts)}
-    dense = dense_bytes(dense_shapes(m), COMPUTE_BYTES[compute_dtype], dense_quant)
-    return Footprint(m, compute_dtype, dense, blobs)
+    cb = COMPUTE_BYTES[compute_dtype]
+    dense = dense_bytes(dense_shapes(m), cb, dense_quant)
+    mtp = m.spec.mtp_shapes(m, 0) if m.mtp_layers else {}
+    return Footprint(m, compute_dtype, dense, blobs, 0, m.mtp_layers, dense_bytes(mtp, cb, "off"))
 
 
 def from_pack_header(header: dict, compute_dtype: str, dense_quant: str = "off") -> Footprint:
@@ -139,6 +167,8 @@ def from_pack_header(header: dict, compute_dtype: str, dense_quant: str = "off")
     tensors = header["dense"]["tensors"]
     names = device_dense_names(m, tensors)
     dense = dense_bytes({n: tuple(tensors[n]["shape"]) for n in names}, COMPUTE_BYTES[compute_dtype], dense_quant)
-    blobs = {(row[0], row[1]): row[3] for row in header["experts"]["index"]}
-    draft = (header.get("draft") or {}).get("params", 0) * COMPUTE_BYTES[compute_dtype]
-    return Footprint(m, compute_dtype, dense, blobs, draft)
+    blobs = {(row[0], row[1]): row[3] for row in header["experts"]["index"] if row[0] < m.num_layers}
+    cb = COMPUTE_BYTES[compute_dtype]
+    draft = (header.get("draft") or {}).get("params", 0) * cb
+    mtp = dense_bytes({n: tuple(tensors[n]["shape"]) for n in mtp_dense_names(m, tensors)}, cb, "off")
+    return Footprint(m, compute_dtype, dense, blobs, draft, (header.get("mtp") or {}).get("layers", 0), mtp)

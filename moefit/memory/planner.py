@@ -66,7 +66,8 @@ class Plan:
 
     def planned_device_bytes(self) -> int:
         """What moefit allocates on the card once started. The reserve is free memory held
-        back for the prompt path and the verify arena; only a draft head is allocated in it."""
+        back for the prompt path and the verify arena; only a draft source's weights (a head, or
+        the MTP layers and their KV) are allocated in it."""
         return sum(self.line(n).bytes for n in (L.DENSE, L.KV, L.CACHE)) + self.reserve.draft
 
     def table(self) -> str:
@@ -108,7 +109,7 @@ def resolve_kv_dtype(cfg: ServeConfig, compute_dtype: str) -> str:
 def plan_reserve(fp: Footprint, cfg: ServeConfig, kv_dtype: str, spec_on: bool, resident: int | None = None) -> Reserve:
     prompt = fp.prompt_path_bytes(cfg.prefill_chunk, cfg.ctx, kv_dtype, resident)
     verify = fp.verify_arena_bytes(cfg.spec_window) if cfg.spec != "off" else 0
-    draft = fp.draft_head_bytes if cfg.spec in ("head", "auto") else 0
+    draft = fp.draft_bytes(spec_mode(cfg.spec, fp), cfg.ctx, kv_dtype, cfg.prefill_chunk, resident)
     recommended = _round_mib(prompt + verify + draft + HEADROOM_MIB * MIB)
     if cfg.vram_reserve_mib is not None:
         total = cfg.vram_reserve_mib * MIB
@@ -123,21 +124,38 @@ def _round_mib(n: int) -> int:
     return -(-n // MIB) * MIB
 
 
+NO_HEAD = "the pack has no draft head (train one with `moefit train-draft`, or use --spec lookup)"
+NO_MTP = "the pack has no MTP layers (its checkpoint had none, or the family has none: use --spec lookup)"
+
+
+def spec_mode(spec: str, fp: Footprint | None = None, has_head: bool = False, mtp_layers: int = 0) -> str:
+    """The draft source --spec names; auto: the pack's MTP layers, else its draft head, else
+    prompt lookup."""
+    if fp is not None:
+        has_head, mtp_layers = bool(fp.draft_head_bytes), fp.mtp_layers
+    if spec != "auto":
+        return spec
+    return "mtp" if mtp_layers else "head" if has_head else "lookup"
+
+
 def speculative(fp: Footprint, cfg: ServeConfig, kv_dtype: str) -> tuple[bool, str]:
-    """Whether the verify arena and draft head fit the reserve, and why not."""
+    """Whether the verify arena and the draft source's weights fit the reserve, and why not."""
     if cfg.spec == "off":
         return False, "--spec off"
     if cfg.spec == "head" and not fp.draft_head_bytes:
-        return False, "the pack has no draft head (train one with `moefit train-draft`, or use --spec lookup)"
+        return False, NO_HEAD
+    if cfg.spec == "mtp" and not fp.mtp_layers:
+        return False, NO_MTP
+    mode = spec_mode(cfg.spec, fp)
+    what = "MTP layers (weights and KV)" if mode == "mtp" else "draft head"
     want = plan_reserve(fp, cfg, kv_dtype, spec_on=True)
     short = -(want.headroom)
     if short > 0:
         need = _round_mib(want.prompt + want.verify + want.draft)
-        return False, (f"the verify arena ({L.mib(want.verify):.0f} MiB) and draft head ({L.mib(want.draft):.0f} "
+        return False, (f"the verify arena ({L.mib(want.verify):.0f} MiB) and {what} ({L.mib(want.draft):.0f} "
                        f"MiB) fall {L.mib(short):.0f} MiB short in a {L.mib(want.total):.0f} MiB reserve; "
                        f"a reserve of {L.mib(need) + 1:.0f} MiB or more fits them")
-    mode = cfg.spec if cfg.spec != "auto" else ("head" if fp.draft_head_bytes else "lookup")
-    return True, f"{mode}: window {cfg.spec_window}, verify arena and draft head fit the reserve"
+    return True, f"{mode}: window {cfg.spec_window}, verify arena and {what} fit the reserve"
 
 
 def plan(fp: Footprint, cfg: ServeConfig, snap: DeviceSnapshot, order: list[Key],
@@ -155,6 +173,8 @@ def plan(fp: Footprint, cfg: ServeConfig, snap: DeviceSnapshot, order: list[Key]
     dense = fp.dense_bytes + fp.rope_bytes(cfg.ctx)
     kv = fp.state_bytes(cfg.ctx, kv_dtype, cfg.prefill_chunk, resident) * cfg.sessions
     host = fp.host_state_bytes(cfg.ctx, kv_dtype, resident) * cfg.sessions
+    if spec_on and spec_mode(cfg.spec, fp) == "mtp":
+        host += fp.mtp_host_bytes(cfg.ctx, kv_dtype, resident)
     other = snap.total_bytes - snap.free_bytes
     available = snap.free_bytes - dense - kv - reserve.total
     budget = _cache_budget(cfg, fp, available)

@@ -24,11 +24,20 @@ class Glm4Moe(DecoderModel):
         self.layers = [self._layer(w, i) for i in range(cfg.num_layers)]
         self.embed, self.norm, self.lm_head = output_weights(cfg, w)
 
-    def _layer(self, w: Weights, i: int) -> dict:
+    def _layer(self, w: Weights, i: int, moe: bool | None = None) -> dict:
         p = f"model.layers.{i}."
         return {"input_norm": w.get(p + "input_layernorm.weight"),
                 "post_norm": w.get(p + "post_attention_layernorm.weight"),
-                **self._attention_weights(w, i), **self._mlp_weights(w, i)}
+                **self._attention_weights(w, i), **self._mlp_weights(w, i, moe)}
+
+    def mtp_layer(self, w: Weights, j: int) -> dict:
+        """MTP layer j (models/mtp.py): DeepSeek-V3's layout, an MoE decoder layer after the last
+        with its input norms, its projection and its output norm."""
+        i = self.cfg.num_layers + j
+        p = f"model.layers.{i}."
+        return {"layer": self._layer(w, i, moe=True), "embed_norm": w.get(p + "enorm.weight"),
+                "hidden_norm": w.get(p + "hnorm.weight"), "project": w.get(p + "eh_proj.weight"),
+                "out_norm": w.get(p + "shared_head.norm.weight")}
 
     def _attention_weights(self, w: Weights, i: int) -> dict:
         a = f"model.layers.{i}.self_attn."
@@ -40,9 +49,9 @@ class Glm4Moe(DecoderModel):
             layer["q_norm"], layer["k_norm"] = w.get(a + "q_norm.weight"), w.get(a + "k_norm.weight")
         return layer
 
-    def _mlp_weights(self, w: Weights, i: int) -> dict:
+    def _mlp_weights(self, w: Weights, i: int, moe: bool | None = None) -> dict:
         p = f"model.layers.{i}."
-        if i not in self.cfg.moe_layers:
+        if not (i in self.cfg.moe_layers if moe is None else moe):
             return {"gate_up": w.fused([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
                     "down": w.get(p + "mlp.down_proj.weight")}
         s = p + "mlp.shared_experts."

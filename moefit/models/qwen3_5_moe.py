@@ -53,6 +53,14 @@ class Qwen3_5Moe(DecoderModel):
                      shared_down=w.get(s + "down_proj.weight"))
         return layer
 
+    def mtp_layer(self, w: Weights, j: int) -> dict:
+        """MTP layer j (models/mtp.py): a full-attention layer after the last (the pack's name for the
+        checkpoint's mtp.layers.j), and mtp.*'s zero-centred norms and projection."""
+        return {"layer": self._layer(w, self.cfg.num_layers + j, "full_attention"),
+                "embed_norm": w.centred("mtp.pre_fc_norm_embedding.weight"),
+                "hidden_norm": w.centred("mtp.pre_fc_norm_hidden.weight"), "project": w.get("mtp.fc.weight"),
+                "out_norm": w.centred("mtp.norm.weight")}
+
     def in_proj(self, w: Weights, a: str):
         """DeltaNet's input projections as one matrix, rows [q | k | v | z | b | a], heads in order."""
         return w.fused([a + n for n in ("in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight",

@@ -34,9 +34,12 @@ EXPERT_KEY = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.expert
                         r"(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
 FUSED_KEY = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(gate_up_proj|down_proj)"
                        r"(?:\.weight)?$")
-# Not part of the text model moefit runs: a multimodal checkpoint's vision tower, and MTP layers
-# (multi-token prediction heads; not used as drafts yet).
-SKIPPED_PREFIXES = ("model.visual.", "mtp.", "model.mtp.")
+# Not part of the text model moefit runs: a multimodal checkpoint's vision tower.
+SKIPPED_PREFIXES = ("model.visual.",)
+# An MTP layer's copies of the model's embedding and output head (DeepSeek-V3 section 2.2: shared
+# with the main model); the pack keeps one of each.
+MTP_SHARED = re.compile(r"model\.layers\.\d+\.(?:embed_tokens|shared_head\.head)\.weight$")
+QWEN_MTP_LAYER = re.compile(r"^(?:model\.)?mtp\.layers\.(\d+)\.")
 FP8_SCALE = ".weight_scale_inv"
 MXFP4_KEY = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)_(blocks|scales)$")
 ROLE = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
@@ -59,7 +62,7 @@ def convert(hf_dir, out, recipe: str | None = None, group_size: int = 32, progre
     recipe = recipe or "bf16"
     raw_cfg = _read_config(hf_dir)
     block = (raw_cfg.get("quantization_config") or {}).get("weight_block_size") or (128, 128)
-    tensors = _TensorSource(hf_dir, tuple(block))
+    tensors = _TensorSource(hf_dir, tuple(block), ModelConfig.from_hf(raw_cfg).num_layers)
     tensors.transposed_interleaved = raw_cfg.get("model_type") == "gpt_oss"
     return write_pack(tensors, raw_cfg, out, recipe, group_size, lambda dest: _copy_tokenizer(hf_dir, dest),
                       progress, hf_dir.name)
@@ -87,6 +90,8 @@ def write_pack(tensors, raw_cfg: dict, out: Path, recipe: str, group_size: int, 
         raise PackError(f"unknown quantization {recipe!r} (choose from {', '.join(RECIPES)})")
     model = ModelConfig.from_hf(raw_cfg)
     quants = quants or layer_quants(recipe, list(model.moe_layers))
+    mtp = getattr(tensors, "mtp_layers", lambda: 0)()
+    quants = quants | {model.num_layers + j: quants[model.moe_layers[-1]] for j in range(mtp)}  # as the last layer
     if any(q == "int4" for q in quants.values()):
         _checked(check_group, group_size, model.hidden_size, model.expert_size)
     writer = fmt.PackWriter(out)
@@ -104,6 +109,7 @@ def write_pack(tensors, raw_cfg: dict, out: Path, recipe: str, group_size: int, 
         "experts_layouts": {q: fmt.layout_json(p) for q, p in layouts.items()},
         "tokenizer": {"files": sorted(p.name for p in (out / fmt.TOKENIZER_DIR).iterdir())},
         "draft": None,
+        "mtp": {"layers": mtp, "style": model.mtp_style} if mtp else None,
     })
 
 
@@ -133,8 +139,8 @@ class _TensorSource:
 
     OPEN_SHARDS = 2          # shards mapped at once: peak RSS stays near the largest shards, not the model
 
-    def __init__(self, hf_dir: Path, fp8_block: tuple[int, int] = (128, 128)):
-        self.hf_dir, self.fp8_block = hf_dir, fp8_block
+    def __init__(self, hf_dir: Path, fp8_block: tuple[int, int] = (128, 128), layers: int = 0):
+        self.hf_dir, self.fp8_block, self.layers = hf_dir, fp8_block, layers
         self.transposed_interleaved = False   # gpt-oss: experts [N, E, 2I] with gate / up columns interleaved
         self.file_of = _weight_map(hf_dir)
         self._open: OrderedDict[str, object] = OrderedDict()
@@ -157,9 +163,9 @@ class _TensorSource:
         return self._open[f]
 
     def _classify(self, key: str) -> None:
-        if key.startswith(SKIPPED_PREFIXES) or key.endswith(FP8_SCALE):
+        if key.startswith(SKIPPED_PREFIXES) or key.endswith(FP8_SCALE) or MTP_SHARED.match(key):
             return
-        name = canonical_dense_name(key)
+        name = canonical_dense_name(key, self.layers)
         if m := MXFP4_KEY.match(name):
             self.mxfp4[(int(m[1]), m[2], m[3])] = key
         elif m := EXPERT_KEY.match(name):
@@ -184,6 +190,11 @@ class _TensorSource:
         rows, cols = self.fp8_block
         full = scale.repeat_interleave(rows, 0)[:t.shape[0]].repeat_interleave(cols, 1)[:, :t.shape[1]]
         return (t.float() * full).to(torch.bfloat16)
+
+    def mtp_layers(self) -> int:
+        """MTP layers whose experts the checkpoint has (past the model's last layer)."""
+        found = {k[0] for k in self.per_expert} | {k[0] for k in self.fused}
+        return len({layer for layer in found if layer >= self.layers}) if self.layers else 0
 
     def float_dtype(self) -> str:
         return DTYPE_NAMES.get(self.get(self.dense_keys[0]).dtype, "fp32")
@@ -243,17 +254,22 @@ def open_shard(path: Path):
         raise PackError(f"{path}: not a complete safetensors file ({e}); download it again") from None
 
 
-def canonical_dense_name(key: str) -> str:
-    """One name per weight: Mixtral's router under mlp.gate, and a multimodal checkpoint's text
-    model (Qwen3.5 / 3.6: model.language_model.*) under model.*."""
+def canonical_dense_name(key: str, layers: int = 0) -> str:
+    """One name per weight: Mixtral's router under mlp.gate, a multimodal checkpoint's text
+    model (Qwen3.5 / 3.6: model.language_model.*) under model.*, and Qwen's MTP layer j
+    (mtp.layers.j.*) as the layer after the last, model.layers.{layers + j}.* (DeepSeek's naming)."""
     key = key.replace(".block_sparse_moe.gate.", ".mlp.gate.")
+    if m := QWEN_MTP_LAYER.match(key):
+        return f"model.layers.{layers + int(m[1])}." + key[m.end():]
+    if key.startswith("model.mtp."):
+        key = key[len("model."):]
     return "model." + key[len("model.language_model."):] if key.startswith("model.language_model.") else key
 
 
 def _write_dense(tensors: _TensorSource, writer: fmt.PackWriter, dtype: str, bar) -> None:
     for key in tensors.dense_keys:
         t = tensors.get(key).to(TORCH_DTYPES[dtype]).contiguous()
-        writer.add_dense(canonical_dense_name(key), _bytes(t), dtype, tuple(t.shape))
+        writer.add_dense(canonical_dense_name(key, getattr(tensors, "layers", 0)), _bytes(t), dtype, tuple(t.shape))
         bar.update()
 
 

@@ -96,6 +96,16 @@ class Pack:
         return self.path / "profile.json"
 
     @property
+    def mtp_layers(self) -> int:
+        """MTP layers packed from the checkpoint (a draft source: --spec mtp)."""
+        return (self.header.get("mtp") or {}).get("layers", 0)
+
+    @property
+    def model_blobs(self) -> dict:
+        """The main model's expert blobs (the cache's candidates); MTP layers' experts stay on the host."""
+        return {k: b for k, b in self.blobs.items() if k[0] < self.model.num_layers}
+
+    @property
     def draft(self) -> dict | None:
         return self.header.get("draft")
 

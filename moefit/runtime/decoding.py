@@ -53,6 +53,8 @@ def _drafts(engine, lookup, token, k) -> list[int]:
         return []
     if lookup is not None:
         return lookup.draft(engine.session.tokens + [token], k)
+    if engine.mtp is not None:
+        return engine.mtp.propose(engine.session.tokens + [token], k)
     return engine.draft_head.propose(engine, token, k)
 
 

@@ -19,12 +19,14 @@ import torch
 
 from moefit.config import ServeConfig
 from moefit.errors import DeviceOutOfMemory, UsageError
+from moefit.memory.planner import NO_HEAD, NO_MTP, spec_mode
 from moefit.pack.reader import Pack
 from moefit.runtime.loader import Loaded, load
 from moefit.runtime.state import StateLost
 from moefit.runtime.decoding import token_stream
 from moefit.runtime.draft_head import load_draft_head
 from moefit.runtime.grammar import Constraint, GrammarTokenizer
+from moefit.runtime.mtp import load_mtp
 from moefit.runtime.sampler import Sampler, SamplingParams
 from moefit.runtime.session import RequestStats, Session
 from moefit.runtime.speculative import Window
@@ -61,6 +63,7 @@ class Engine:
         self.session = Session(loaded.kv, Window(cfg.spec_window))
         self.spec_mode, self.spec_reason = self._spec_mode()
         self.draft_head = load_draft_head(self.pack, loaded) if self.spec_mode == "head" else None
+        self.mtp = load_mtp(self.pack, loaded, cfg, loaded.kv.kv_dtype) if self.spec_mode == "mtp" else None
         self.steps = 0
         self._grammar_tokenizer = None              # llguidance's tokenizer, built on first use
         self.forwards = 0                           # forwards run: the watchdog's sign of progress
@@ -73,8 +76,10 @@ class Engine:
         if cfg.spec == "off":
             return "off", "--spec off"
         if cfg.spec == "head" and not self.pack.draft:
-            return "off", "the pack has no draft head (train one with `moefit train-draft`, or use --spec lookup)"
-        mode = cfg.spec if cfg.spec != "auto" else ("head" if self.pack.draft else "lookup")
+            return "off", NO_HEAD
+        if cfg.spec == "mtp" and not self.pack.mtp_layers:
+            return "off", NO_MTP
+        mode = spec_mode(cfg.spec, has_head=bool(self.pack.draft), mtp_layers=self.pack.mtp_layers)
         return mode, f"{mode}: window {cfg.spec_window} (cpu device: no reserve to check)"
 
     @staticmethod
@@ -138,6 +143,8 @@ class Engine:
         ids = torch.tensor(tokens, dtype=torch.long)
         try:
             h = self.model.forward(ids, start, self.loaded.kv, self.runner)
+            if self.mtp is not None:
+                self.mtp.observe(start, h)
             self.hidden = h[-1:] if last_only else h
             self.last_hidden = h[-1]
             return self.model.logits(self.hidden)
@@ -158,6 +165,8 @@ class Engine:
         longest common prefix; returns (logits [V], reused tokens)."""
         reuse = _common_prefix(self.kv_tokens, prompt)
         reuse = min(reuse, len(prompt) - 1)          # the last token must run to give logits
+        if self.mtp is not None and reuse < len(self.kv_tokens):
+            reuse = max(0, reuse - 1)                # the MTP's row there was made with the old next token
         reuse = self.loaded.kv.resumable(reuse)      # recurrent layers resume only where they can
         self.kv_tokens = prompt[:reuse]
         chunk = self.cfg.prefill_chunk
@@ -166,6 +175,8 @@ class Engine:
             piece = prompt[start:start + chunk]
             logits = self.forward(piece, start, last_only=True)[0]
             self.kv_tokens = prompt[:start + len(piece)]
+            if self.mtp is not None:
+                self.mtp.catch_up(self.kv_tokens)
         return logits, reuse
 
     # -- generation --------------------------------------------------------------
@@ -214,6 +225,8 @@ class Engine:
     def decode_step(self, token: int, pos: int) -> torch.Tensor:
         logits = self.forward([token], pos)[0]
         self.kv_tokens.append(token)
+        if self.mtp is not None:
+            self.mtp.settle(self.kv_tokens)
         self.steps += 1
         if self.loaded.plan is not None and self.steps % self.cfg.swap_period == 0:
             for evict, admit in self.runner.book.swap_round():

@@ -90,7 +90,7 @@ def _place(pack: Pack, cfg: ServeConfig, mem: DeviceMemory, cdt: str, the_plan: 
     kv_dtype = the_plan.kv_dtype if the_plan else (cdt if cfg.kv_dtype == "auto" else cfg.kv_dtype)
     resident = the_plan.kv_resident if the_plan else cfg.resident_tokens()
     kv = SequenceState(m, cfg.ctx, kv_dtype, dtype, mem, cfg.prefill_chunk, resident)
-    book = CacheBook({k: b.nbytes for k, b in pack.blobs.items()}, m.num_layers, m.num_experts,
+    book = CacheBook({k: b.nbytes for k, b in pack.model_blobs.items()}, m.num_layers, m.num_experts,
                      the_plan.cache_budget if the_plan else 0,
                      SwapPolicy(cfg.swap_period, cfg.swap_decay, cfg.max_swaps))
     runner = ExpertRunner(pack, mem, book, profile, SlotPool(mem, book.sizes, m.num_layers, m.num_experts))
@@ -131,7 +131,7 @@ def set_threads(cfg: ServeConfig) -> None:
 
 def _plan(pack: Pack, cfg: ServeConfig, mem: DeviceMemory, cdt: str, profile: Profile) -> Plan:
     fp = from_pack_header(pack.header, cdt, cfg.dense_quant)
-    return plan(fp, cfg, mem.snapshot(), profile.hottest_first(list(pack.blobs)), host_available_bytes())
+    return plan(fp, cfg, mem.snapshot(), profile.hottest_first(list(pack.model_blobs)), host_available_bytes())
 
 
 def _rope(m, ctx: int, mem: DeviceMemory, dtype) -> RopeTable:

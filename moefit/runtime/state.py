@@ -34,7 +34,7 @@ INVALID = 1 << 62
 
 class AttentionState:
     def __init__(self, decl: AttentionKV, ctx: int, kv_dtype: str, compute_dtype: torch.dtype, mem: DeviceMemory,
-                 chunk: int, resident: int | None = None, mask_window: int | None = None):
+                 chunk: int, resident: int | None = None, mask_window: int | None = None, line: str = LINE):
         kd, vd = split_kv_dtype(kv_dtype)
         self.kc, self.vc = codec(kd, decl.head_dim), codec(vd, decl.v_head_dim)
         self.compute_dtype, self.ctx = compute_dtype, ctx
@@ -44,7 +44,7 @@ class AttentionState:
         if resident is not None and decl.streams:
             held = min(held, max(resident, chunk))
         self.capacity = held
-        alloc = lambda shape, dtype: mem.empty(LINE, shape, dtype).zero_()  # noqa: E731  (masked rows meet 0 * row)
+        alloc = lambda shape, dtype: mem.empty(line, shape, dtype).zero_()  # noqa: E731  (masked rows meet 0 * row)
         self.k, self.v = self.kc.empty(alloc, decl.kv_heads, held), self.vc.empty(alloc, decl.kv_heads, held)
         self.slot_pos = torch.full((held,), INVALID, dtype=torch.long) if held < ctx else None
         self.host = None
@@ -200,17 +200,20 @@ class SequenceState:
            state.write(i, start, k, v); attend_state(state, i, q, start, mask)"""
 
     def __init__(self, model, ctx: int, kv_dtype: str, compute_dtype: torch.dtype, mem: DeviceMemory,
-                 chunk: int, resident: int | None = None):
+                 chunk: int, resident: int | None = None, decls: list | None = None, line: str = LINE):
+        """`decls` (default: the model's layers) and the ledger `line` they are charged to let a
+        draft source hold its own state (the MTP layer's KV, in the reserve)."""
         self.ctx, self.kv_dtype, self.compute_dtype, self.resident = ctx, kv_dtype, compute_dtype, resident
-        self.layers = [self._make(s, model, chunk, mem) for s in model.layer_states()]
+        self.line = line
+        self.layers = [self._make(s, model, chunk, mem) for s in (decls or model.layer_states())]
 
     def _make(self, decl, model, chunk: int, mem: DeviceMemory):
         if isinstance(decl, AttentionKV):
             return AttentionState(decl, self.ctx, self.kv_dtype, self.compute_dtype, mem, chunk, self.resident,
-                                  model.sliding_window)
+                                  model.sliding_window, self.line)
         if isinstance(decl, LatentKV):                       # one "head": k = the rope key, v = the latent
             return AttentionState(AttentionKV(1, decl.rope_dim, decl.rank), self.ctx, self.kv_dtype,
-                                  self.compute_dtype, mem, chunk, self.resident)
+                                  self.compute_dtype, mem, chunk, self.resident, line=self.line)
         if isinstance(decl, RecurrentState):
             return RecurrentLayerState(decl, self.compute_dtype, mem)
         raise NotImplementedError(f"{type(decl).__name__} state has no runtime object yet")
