@@ -141,8 +141,8 @@ def main() -> None:
                     help="time llama.cpp on this GGUF of the same checkpoint (e.g. Q4_0=/tmp/m-q4_0.gguf)")
     ap.add_argument("--only", default="fp32,int8,int4", help="moefit quants to run")
     ap.add_argument("--same-file", action="store_true",
-                    help="also time moefit on packs made from each --gguf file itself (Q4_0 experts kept as "
-                         "int4 blocks, Q8_0 as int8), with the dense matrices at the same bits")
+                    help="also time moefit on packs made from each --gguf file itself (its expert blocks kept: "
+                         "Q4_0 as int4, Q8_0 as q8_0, K-quants as they are), the dense matrices at about its bits")
     ap.add_argument("--shape", default="small", choices=SHAPES)
     ap.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline (big shape)")
     args = ap.parse_args()
@@ -164,13 +164,14 @@ def main() -> None:
     for spec in args.gguf:
         name, file = spec.split("=", 1)
         rows[f"llama.cpp {name}"] = time_llama(file, prompt, args.new, args.threads)
-        if args.same_file:
-            quant = "int4" if "4" in name else "int8"
-            pack = work / f"pack-from-{Path(file).stem}"
+        if args.same_file:                 # the file's own expert blocks; the dense matrices at about its bits
+            dense = "int4" if "4" in name else "int8"
+            pack = work / f"pack-keep-{Path(file).stem}"
             if not (pack / "moefit-pack.json").exists():
-                convert(Path(file), pack, quant, progress=False)
-            rows[f"moefit from {name} ({quant}+dense{quant[-1]})"] = time_moefit(
-                pack, prompt, args.new, args.threads, quant)
+                convert(Path(file), pack, "keep", progress=False)
+            kept = "+".join(sorted(set(json.loads((pack / "moefit-pack.json").read_text())["quant"]["layers"].values())))
+            rows[f"moefit from {name} ({kept}+dense{dense[-1]})"] = time_moefit(
+                pack, prompt, args.new, args.threads, dense)
     report(rows, args)
 
 

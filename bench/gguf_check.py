@@ -1,7 +1,9 @@
 """GGUF import against llama.cpp, the format's own engine (not a test; needs llama-cpp-python,
 built as DEVELOPERS.md says): the same GGUF file packed by moefit (fp32 recipe: its blocks
 dequantised exactly, nothing re-quantised) and run by llama.cpp, teacher-forced over the same
-tokens; prints top-1 agreement and the largest logit difference per file.
+tokens; prints top-1 agreement (over all positions, and over those llama.cpp itself decides by
+more than --tie between its top two logits: llama.cpp rounds activations to 8 bits, so a random
+model's near-ties go either way) and the largest logit difference per file.
 
     .venv/bin/python bench/gguf_check.py FILE.gguf [FILE.gguf ...] [--tokens 64] [--quant int4]
 
@@ -47,16 +49,23 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("files", nargs="+", type=Path)
     ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--quant", default="fp32", help="moefit's pack recipe (fp32: every block dequantised)")
+    ap.add_argument("--quant", default="fp32", help="moefit's pack recipe (fp32: every block dequantised; "
+                    "keep: the file's blocks as they are)")
+    ap.add_argument("--tie", type=float, default=0.1, help="a position is decided when llama.cpp's top two "
+                    "logits are further apart than this (random weights give near-ties)")
     args = ap.parse_args()
     tokens = torch.randint(10, 5000, (args.tokens,), generator=torch.Generator().manual_seed(1)).tolist()
     print(f"{args.tokens} tokens teacher-forced, fp32 compute, moefit pack {args.quant}, "
           f"{torch.get_num_threads()} threads")
-    print(f"{'file':<24} {'top-1 agree':>11} {'max |dlogit|':>13} {'logit range':>12}")
+    print(f"{'file':<24} {'top-1 agree':>11} {'decided':>8} {'agree there':>12} {'max |dlogit|':>13} "
+          f"{'logit range':>12}")
     for f in args.files:
         a, b = llama_logits(f, tokens), moefit_logits(f, tokens, args.quant)
-        agree = float((a.argmax(-1) == b.argmax(-1)).mean())
-        print(f"{f.name:<24} {agree:>11.3f} {float(np.abs(a - b).max()):>13.4f} {float(a.max() - a.min()):>12.2f}")
+        same = a.argmax(-1) == b.argmax(-1)
+        top2 = np.sort(a, axis=-1)[:, -2:]
+        decided = (top2[:, 1] - top2[:, 0]) > args.tie                 # llama.cpp's own top two further apart
+        print(f"{f.name:<24} {float(same.mean()):>11.3f} {int(decided.sum()):>8} {float(same[decided].mean()):>12.3f} "
+              f"{float(np.abs(a - b).max()):>13.4f} {float(a.max() - a.min()):>12.2f}")
 
 
 if __name__ == "__main__":

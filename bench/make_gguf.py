@@ -26,7 +26,8 @@ def main() -> None:
     ap.add_argument("hf_dir")
     ap.add_argument("prefix", help="output files are PREFIX-q8_0.gguf and PREFIX-q4_0.gguf")
     ap.add_argument("--llama-cpp", required=True, help="the llama.cpp source tree (convert_hf_to_gguf.py)")
-    ap.add_argument("--types", default="q8_0,q4_0")
+    ap.add_argument("--types", default="q8_0,q4_0", help="llama.cpp file types: q8_0, q4_0, q4_k_m, q5_k_m, "
+                    "q6_k, iq4_xs, ...")
     args = ap.parse_args()
     import llama_cpp
     full = Path(f"{args.prefix}-bf16.gguf")

@@ -21,7 +21,10 @@ ARCH = {"qwen3_moe": gguf.MODEL_ARCH.QWEN3MOE, "mixtral": gguf.MODEL_ARCH.LLAMA,
 EXPERT_TENSORS = (gguf.MODEL_TENSOR.FFN_GATE_EXP, gguf.MODEL_TENSOR.FFN_UP_EXP, gguf.MODEL_TENSOR.FFN_DOWN_EXP)
 
 
-def write_gguf(hf_dir: Path, path: Path, family: str, expert_type=None) -> Path:
+def write_gguf(hf_dir: Path, path: Path, family: str, expert_type=None, down_type=None) -> Path:
+    """`expert_type`: the experts' GGUF type (None: F32); `down_type`: down's, when it differs (a
+    Q4_K_M file's Q6_K). gguf.quants cannot make K-quants or IQ4_XS: those experts are random
+    super-blocks (super_blocks), a valid file whose weights tests read back bit for bit."""
     hf_dir = Path(hf_dir)
     cfg = json.loads((hf_dir / "config.json").read_text())
     src = _TensorSource(hf_dir)
@@ -48,15 +51,35 @@ def write_gguf(hf_dir: Path, path: Path, family: str, expert_type=None) -> Path:
         for kind, stack in zip(EXPERT_TENSORS, rows):
             name = gguf.TENSOR_NAMES[kind].format(bid=layer) + ".weight"
             arr = torch.stack(stack).float().numpy()
-            if expert_type is None:
+            qtype = down_type if down_type is not None and kind == EXPERT_TENSORS[2] else expert_type
+            if qtype is None:
                 w.add_tensor(name, arr)
+            elif qtype.name in SCALE_AT:
+                w.add_tensor(name, super_blocks(arr.shape, qtype, layer), raw_dtype=qtype)
             else:
-                w.add_tensor(name, gguf.quants.quantize(arr, expert_type), raw_dtype=expert_type)
+                w.add_tensor(name, gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
     return Path(path)
+
+
+# where each K-quant / IQ4_XS super-block keeps its fp16 scales (d, and Q4_K / Q5_K's dmin)
+SCALE_AT = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_XS": (0,)}
+
+
+def super_blocks(shape: tuple[int, ...], qtype, seed: int):
+    """Random super-blocks for a [..., cols] tensor: random bytes, the fp16 scales small enough
+    that the weights are of order 0.1-1."""
+    import numpy as np
+    size = gguf.GGML_QUANT_SIZES[qtype][1]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (*shape[:-1], shape[-1] // 256, size), dtype=np.uint8)
+    for at in SCALE_AT[qtype.name]:
+        d = rng.uniform(0.0005, 0.002, raw.shape[:-1]).astype(np.float16)
+        raw[..., at:at + 2] = d[..., None].view(np.uint8)
+    return raw.reshape(*shape[:-1], -1)
 
 
 def _converted(key: str, t: torch.Tensor, cfg: dict, family: str):

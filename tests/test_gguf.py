@@ -17,11 +17,11 @@ gguf = pytest.importorskip("gguf")
 PROMPT = torch.randint(3, 300, (30,), generator=torch.Generator().manual_seed(9)).tolist()
 
 
-def write_gguf(hf_dir, path, expert_type=None):
+def write_gguf(hf_dir, path, expert_type=None, down_type=None):
     """The checkpoint as convert_hf_to_gguf.py would write a qwen3moe file (F32, or experts in
-    `expert_type`): tests/gguf_writer.py."""
+    `expert_type`, down in `down_type`): tests/gguf_writer.py."""
     from gguf_writer import write_gguf as write
-    return write(hf_dir, path, "qwen3_moe", expert_type)
+    return write(hf_dir, path, "qwen3_moe", expert_type, down_type)
 
 
 @pytest.fixture(scope="module")
@@ -88,6 +88,48 @@ def test_q4_0_and_q8_0_experts_keep_their_blocks(kind, quant, hf, tmp_path):
         assert torch.equal(got, torch.from_numpy(np.array(want, dtype=np.float32)))
     engine = Engine.open(tmp_path / "pack", ServeConfig(ctx=64))
     assert torch.isfinite(engine.prefill(PROMPT)[0]).all()
+
+
+@pytest.fixture(scope="module")
+def hf256(tmp_path_factory):
+    """Super-blocks hold 256 weights: hidden and expert size a multiple of 256."""
+    return tiny.build_checkpoint("qwen3_moe", tmp_path_factory.mktemp("gguf256") / "hf", mlp_only_layers=[],
+                                 hidden_size=256, moe_intermediate_size=256, intermediate_size=256)
+
+
+@pytest.mark.parametrize("kinds, quant", [(("Q4_K",), "q4_k"), (("Q5_K",), "q5_k"), (("Q6_K",), "q6_k"),
+                                          (("IQ4_XS",), "iq4_xs"), (("Q4_K", "Q6_K"), "q4_k/q6_k")])
+def test_k_quant_and_iq4_xs_experts_keep_their_super_blocks(kinds, quant, hf256, tmp_path):
+    """Q4_K, Q5_K, Q6_K and IQ4_XS experts (and a Q4_K_M-style layer: gate and up Q4_K, down Q6_K)
+    pack by default as the file's super-blocks, byte for byte; their weights, dequantised by the
+    pack's code, are gguf.quants' own; the host kernel multiplies them as the torch path does."""
+    from moefit.pack.quant import dequantize
+    from moefit.pack.reader import Pack
+    types = [getattr(gguf.GGMLQuantizationType, k) for k in kinds]
+    path = write_gguf(hf256, tmp_path / "k.gguf", types[0], types[-1] if len(types) > 1 else None)
+    header = convert(path, tmp_path / "pack", progress=False)
+    assert set(header["quant"]["layers"].values()) == {quant}
+    pack, reader = Pack.open(tmp_path / "pack"), gguf.GGUFReader(str(path))
+    raw = {t.name: t for t in reader.tensors}
+    for layer, e in ((0, 0), (2, 7)):
+        parts = pack.expert_parts(layer, e)
+        for name, part, rows in (("ffn_gate_exps", "gate_up", slice(0, 256)),
+                                 ("ffn_up_exps", "gate_up", slice(256, None)), ("ffn_down_exps", "down", slice(None))):
+            t = raw[f"blk.{layer}.{name}.weight"]
+            assert np.array_equal(parts[part][rows].numpy(), np.asarray(t.data[e]))               # the bytes
+            want = gguf.quants.dequantize(np.asarray(t.data[e]), t.tensor_type)
+            got = dequantize(parts, part, quant, torch.float32)[rows]
+            assert torch.equal(got, torch.from_numpy(np.array(want, dtype=np.float32)))        # the weights
+    native = Engine.open(tmp_path / "pack", ServeConfig(ctx=64))
+    logits = native.prefill(PROMPT)[0]
+    from moefit import kernels
+    usable = kernels.usable
+    try:
+        kernels.usable = lambda x, q: False                    # the torch path: dequantise, then matmul
+        reference = Engine.open(tmp_path / "pack", ServeConfig(ctx=64)).prefill(PROMPT)[0]
+    finally:
+        kernels.usable = usable
+    assert torch.isfinite(logits).all() and (logits - reference).abs().max() < 0.05 * reference.abs().max()
 
 
 def test_a_split_gguf_packs_from_any_of_its_parts(hf, tmp_path):

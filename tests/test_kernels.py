@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from moefit import kernels
+from moefit.pack.layout import SUPER_BLOCKS, matrix_quants
 from moefit.pack.quant import dequantize, quantize
 
 pytestmark = pytest.mark.skipif(kernels.library() is None, reason="the native kernel is not built")
@@ -28,12 +29,35 @@ def reference(x, quant, experts, rows, weights):
     return out.float()
 
 
+SUPER = ("q4_k", "q5_k", "q6_k", "iq4_xs", "q4_k/q6_k", "iq4_xs/q5_k")
+# where each GGUF super-block keeps its fp16 scales (d, and Q4_K / Q5_K's dmin)
+SCALE_AT = {"q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,), "iq4_xs": (0,)}
+
+
+def super_blocks(quant: str, rows: int, cols: int, g) -> list[torch.Tensor]:
+    """Random GGUF super-blocks (moefit never makes them: they come from files): random bytes,
+    the fp16 scales set to small values so the weights are of order 1."""
+    size = SUPER_BLOCKS[quant]
+    raw = torch.randint(0, 256, (rows, cols // 256, size), generator=g, dtype=torch.uint8)
+    for at in SCALE_AT[quant]:
+        d = (torch.rand(rows, cols // 256, generator=g) * 0.004 + 0.001).half()
+        raw[:, :, at:at + 2] = d[..., None].view(torch.uint8)
+    return [raw.reshape(rows, -1)]
+
+
+def matrix(quant: str, rows: int, cols: int, g) -> list[torch.Tensor]:
+    if quant in SUPER_BLOCKS:
+        return super_blocks(quant, rows, cols, g)
+    return quantize(torch.randn(rows, cols, generator=g), quant, 32)
+
+
 def make(quant, hidden, inter, n_experts, tokens, seed):
     g = torch.Generator().manual_seed(seed)
+    gate_up, down = matrix_quants(quant)
     experts = []
     for _ in range(n_experts):
-        p = dict(zip(["gate_up", "gate_up.scale"], quantize(torch.randn(2 * inter, hidden, generator=g), quant, 32)))
-        p.update(zip(["down", "down.scale"], quantize(torch.randn(hidden, inter, generator=g), quant, 32)))
+        p = dict(zip(["gate_up", "gate_up.scale"], matrix(gate_up, 2 * inter, hidden, g)))
+        p.update(zip(["down", "down.scale"], matrix(down, hidden, inter, g)))
         experts.append(p)
     x = torch.randn(tokens, hidden, generator=g)
     rows = [torch.nonzero(torch.rand(tokens, generator=g) < 0.6)[:, 0] for _ in experts]
@@ -56,6 +80,19 @@ def test_one_call_per_layer_matches_the_reference(quant, tokens, threads):
             assert (got - want).norm() / want.norm() < 1e-3
     finally:
         kernels.set_threads(kernels.default_threads())
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 64])
+@pytest.mark.parametrize("quant", SUPER)
+def test_gguf_super_blocks_are_multiplied_as_the_file_stores_them(quant, tokens):
+    """Q4_K, Q5_K, Q6_K and IQ4_XS (and a layer mixing two, as Q4_K_M files do) straight from their
+    blocks, against the reference on the same blocks dequantised (pack/kblocks.py, itself checked
+    against gguf.quants in test_gguf.py)."""
+    for hidden, inter, n in ((256, 256, 3), (512, 768, 2)):
+        x, experts, rows, weights = make(quant, hidden, inter, n, tokens, seed=tokens + hidden)
+        got = kernels.moe_layer(x, quant, experts, rows, weights)
+        want = reference(x, quant, experts, rows, weights)
+        assert (got - want).norm() / want.norm() < 1e-3
 
 
 def test_the_thread_count_does_not_change_a_bit():
@@ -109,9 +146,10 @@ def test_gpt_oss_experts_run_in_the_native_call_as_in_torch(quant, packs):
 
 def check_every_quant() -> str:
     """The layer call against the reference for every quant; the instruction set it ran on."""
-    for quant in ("int8", "int4", "q8_0"):
+    for quant in ("int8", "int4", "q8_0") + SUPER:
         for tokens in (1, 5):
-            x, experts, rows, weights = make(quant, 160, 224, 5, tokens, seed=tokens)
+            shape = (512, 256) if quant in SUPER else (160, 224)
+            x, experts, rows, weights = make(quant, *shape, 5, tokens, seed=tokens)
             got = kernels.moe_layer(x, quant, experts, rows, weights)
             want = reference(x, quant, experts, rows, weights)
             assert (got - want).norm() / want.norm() < 1e-3, (quant, tokens)

@@ -27,6 +27,7 @@ from moefit.experts.handoff import Handoff
 from moefit.experts.lookahead import LookAhead
 from moefit.experts.pool import SlotPool
 from moefit.experts.profile import Profile
+from moefit.pack.layout import matrix_quants
 from moefit.pack.quant import blob_views
 from moefit.pack.reader import Pack
 from moefit.runtime.placement import DeviceMemory
@@ -272,8 +273,11 @@ class ExpertRunner:
         """(intermediate size, int4 group size or 0) of this quant's blobs, from the layout."""
         if quant not in self._shapes:
             parts = {p.name: p for p in self.pack.layouts[quant]}
-            group = self.pack.model.hidden_size // parts["gate_up.scale"].shape[1] if quant in kernels.GROUPED else 0
-            self._shapes[quant] = (parts["gate_up"].shape[0] // 2, group)
+            inter = parts["gate_up"].shape[0] // 2
+            gate_up, down = matrix_quants(quant)
+            group = (self.pack.model.hidden_size // parts["gate_up.scale"].shape[1] if gate_up in kernels.GROUPED
+                     else inter // parts["down.scale"].shape[1] if down in kernels.GROUPED else 0)
+            self._shapes[quant] = (inter, group)
         return self._shapes[quant]
 
     def _pointers(self, layer: int, experts: list[int]) -> list[int]:

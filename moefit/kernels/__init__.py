@@ -23,10 +23,13 @@ from pathlib import Path
 
 import torch
 
+from moefit.pack.layout import matrix_quants
+
 log = logging.getLogger("moefit.kernels")
 HERE = Path(__file__).parent
 _lib: ctypes.CDLL | None | bool = None
-Q = {"int8": 8, "int4": 4, "q8_0": 9}            # the C side's quant codes
+# the C side's quant codes; the GGUF super-block types carry their scales inside (kquants.h)
+Q = {"int8": 8, "int4": 4, "q8_0": 9, "q4_k": 10, "q5_k": 11, "q6_k": 12, "iq4_xs": 13}
 GROUPED = ("int4", "q8_0")                      # a scale per (row, group of inputs)
 c_i64, c_ptr = ctypes.c_int64, ctypes.c_void_p
 
@@ -83,7 +86,14 @@ def isa() -> str:
 
 
 def usable(x: torch.Tensor, quant: str) -> bool:
-    return quant in Q and x.device.type == "cpu" and x.dtype == torch.float32 and library() is not None
+    return (all(q in Q for q in matrix_quants(quant)) and x.device.type == "cpu" and x.dtype == torch.float32
+            and library() is not None)
+
+
+def code(quant: str) -> int:
+    """A blob's quant for the C side: gate_up's code, and down's in bits 8-15 when it differs."""
+    gate_up, down = matrix_quants(quant)
+    return Q[gate_up] | (Q[down] << 8 if down != gate_up else 0)
 
 
 def _p(t: torch.Tensor) -> ctypes.c_void_p:
@@ -106,8 +116,8 @@ PARTS = ("gate_up", "gate_up.scale", "down", "down.scale")
 
 
 def addresses(parts: dict) -> list[int]:
-    """An expert's four part addresses, as moe_call takes them."""
-    return [parts[name].data_ptr() for name in PARTS]
+    """An expert's four part addresses, as moe_call takes them (0: a scale kept inside the blocks)."""
+    return [parts[name].data_ptr() if name in parts else 0 for name in PARTS]
 
 
 @dataclass(frozen=True)
@@ -132,7 +142,7 @@ def moe_call(x: torch.Tensor, quant: str, shape: tuple[int, int], pointers: list
     n = len(start) - 1
     out = torch.zeros(t, e, dtype=torch.float32)
     lib = library()
-    args = [_p(x), t, e, inter, Q[quant], group, n, (ctypes.c_int64 * len(pointers))(*pointers),
+    args = [_p(x), t, e, inter, code(quant), group, n, (ctypes.c_int64 * len(pointers))(*pointers),
             (ctypes.c_int64 * len(start))(*start), _p(rows), _p(weights), _p(out)]
     if act is None:
         ok = lib.moe_layer(*args)
@@ -148,8 +158,8 @@ def moe_layer(x: torch.Tensor, quant: str, experts: list[dict], rows: list[torch
               weights: list[torch.Tensor]) -> torch.Tensor | None:
     """moe_call from part views and per-expert token rows and weights (tests, benchmarks)."""
     e = x.shape[1]
-    inter = experts[0]["down"].shape[1] * (2 if quant == "int4" else 1)
-    group = e // experts[0]["gate_up.scale"].shape[1] if quant in GROUPED else 0
+    inter = experts[0]["gate_up"].shape[0] // 2
+    group = e // experts[0]["gate_up.scale"].shape[1] if matrix_quants(quant)[0] in GROUPED else 0
     start = torch.tensor([0] + [len(r) for r in rows]).cumsum(0).tolist()
     pointers = [a for p in experts for a in addresses(p)]
     return moe_call(x, quant, (inter, group), pointers, start, torch.cat(rows).to(torch.int32),

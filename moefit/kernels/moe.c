@@ -3,7 +3,8 @@
  *   out[t] += sum over (t, e, w) in the pairs of  w * down_e( silu(gate_e x_t) * up_e x_t )
  *
  * Weights stay in the pack's blob layout (int8: codes [R, C] + fp32 scale per row; int4: two
- * codes per byte, low nibble = even column, fp16 scale per (row, group of G columns)).
+ * codes per byte, low nibble = even column, fp16 scale per (row, group of G columns); Q8_0 and
+ * the GGUF K-quants and IQ4_XS as the file stores them, kquants.h).
  * Activations are quantised per block of 32 to int8 with one fp32 scale (llama.cpp's q8_0), so
  * every dot product is an integer dot product: AVX2 maddubs, or dpbusd where the CPU has
  * AVX-VNNI / AVX512-VNNI, chosen at run time. The file is built without -march=native: each
@@ -118,6 +119,8 @@ static float dot_q4_portable(const void *w, const void *ws, const int8_t *q, con
     return acc;
 }
 
+#include "kquants.h"
+
 #if defined(__x86_64__)
 #include <immintrin.h>
 
@@ -188,6 +191,11 @@ Q4_BODY(dot_q4_avxvnni, "avx2,fma,f16c,avxvnni", DOT_AVXVNNI)
 /* AVX512-VNNI CPUs need not have AVX-VNNI (Zen 4 has not): its 256-bit dot, EVEX-encoded */
 #define DOT_VNNI256(a, b) _mm256_dpbusd_epi32(_mm256_setzero_si256(), (a), (b))
 Q8_BODY(dot_q8g_vnni256, AVX512, DOT_VNNI256, BLOCK_SCALE_F16, 1.0f)
+KQUANT_BODIES(avx2, "avx2,fma,f16c", DOT_AVX2)
+KQUANT_BODIES(vnni256, AVX512, DOT_VNNI256)
+#ifdef HAVE_AVXVNNI
+KQUANT_BODIES(avxvnni, "avx2,fma,f16c,avxvnni", DOT_AVXVNNI)
+#endif
 
 __attribute__((target(AVX512))) static inline __m512 two_scales(float d0, float d1) {
     return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(d0)), _mm256_set1_ps(d1), 1);
@@ -273,6 +281,10 @@ __attribute__((target(AVX512))) static float dot_q4_vnni512(const void *w, const
 #endif
 
 static dot_fn dot_q8 = dot_q8_portable, dot_q4 = dot_q4_portable, dot_q8g = dot_q8g_portable;
+static dot_fn dot_q4k = dot_q4k_portable, dot_q5k = dot_q5k_portable, dot_q6k = dot_q6k_portable,
+              dot_iq4xs = dot_iq4xs_portable;
+#define SET_KQUANTS(SUFFIX) \
+    (dot_q4k = dot_q4k_##SUFFIX, dot_q5k = dot_q5k_##SUFFIX, dot_q6k = dot_q6k_##SUFFIX, dot_iq4xs = dot_iq4xs_##SUFFIX)
 static const char *isa = "portable";
 
 /* The best the CPU has, or at most MOEFIT_ISA (portable, avx2, avx-vnni): how the tests run
@@ -290,16 +302,20 @@ static void choose_isa(void) {
         __builtin_cpu_supports("avx512bw")) {
         dot_q8 = dot_q8_vnni512, dot_q4 = dot_q4_vnni512, isa = "avx512-vnni";
         dot_q8g = dot_q8g_vnni256;                  /* Q8_0: the 256-bit body, EVEX-encoded VNNI */
+        SET_KQUANTS(vnni256);
         return;
     }
 #ifdef HAVE_AVXVNNI
     if (!below_vnni && __builtin_cpu_supports("avxvnni")) {
         dot_q8 = dot_q8_avxvnni, dot_q4 = dot_q4_avxvnni, dot_q8g = dot_q8g_avxvnni, isa = "avx-vnni";
+        SET_KQUANTS(avxvnni);
         return;
     }
 #endif
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
         dot_q8 = dot_q8_avx2, dot_q4 = dot_q4_avx2, dot_q8g = dot_q8g_avx2, isa = "avx2";
+        SET_KQUANTS(avx2);
+    }
 #endif
 }
 
@@ -401,7 +417,7 @@ typedef struct {
 
 typedef struct {
     int64_t E, I, group, n_exp;
-    int quant;                          /* 8 or 4 */
+    int quant, quant_dn;                /* gate_up's and down's (a GGUF file may mix Q4_K and Q6_K) */
     const expert_ptrs *ex;
     const int64_t *start;               /* [n_exp + 1] into rows / weights */
     const int32_t *rows;                /* token row of each pair */
@@ -419,10 +435,33 @@ typedef struct {
     const act_params *act;              /* NULL: SwiGLU; else gpt-oss's biases and clamped gate */
 } layer;
 
-/* quant: 8 int8 (a scale per row), 4 int4 (fp16 per group), 9 Q8_0 (int8, fp16 per 32) */
-static dot_fn dot_for(int quant) { return quant == 8 ? dot_q8 : quant == 9 ? dot_q8g : dot_q4; }
+/* quant: 8 int8 (a scale per row), 4 int4 (fp16 per group), 9 Q8_0 (int8, fp16 per 32), and the
+ * GGUF super-block types of kquants.h: 10 Q4_K, 11 Q5_K, 12 Q6_K, 13 IQ4_XS (no separate scales) */
+static dot_fn dot_for(int quant) {
+    switch (quant) {
+    case 8: return dot_q8;
+    case 9: return dot_q8g;
+    case 10: return dot_q4k;
+    case 11: return dot_q5k;
+    case 12: return dot_q6k;
+    case 13: return dot_iq4xs;
+    default: return dot_q4;
+    }
+}
 
-static size_t row_bytes(int quant, int64_t cols) { return quant == 4 ? (size_t)cols / 2 : (size_t)cols; }
+static size_t row_bytes(int quant, int64_t cols) {
+    if (quant >= 10) return (size_t)(cols / QK_K) * kquant_block_bytes(quant);
+    return quant == 4 ? (size_t)cols / 2 : (size_t)cols;
+}
+
+/* whether the kernel takes `quant` for rows of `cols` inputs */
+static int takes(int quant, int64_t cols, int64_t group) {
+    if (cols % QK) return 0;
+    if (quant == 4) return group % QK == 0;
+    if (quant == 9) return group == QK;
+    if (quant >= 10 && quant <= 13) return cols % QK_K == 0;
+    return quant == 8;
+}
 
 static int64_t task_rows(int64_t rows) {
     const int64_t want = (rows + pool.threads * TASKS_PER_THREAD - 1) / (pool.threads * TASKS_PER_THREAD);
@@ -430,6 +469,7 @@ static int64_t task_rows(int64_t rows) {
 }
 
 static const void *scale_of(int quant, const void *scales, int64_t row, int64_t cols, int64_t group) {
+    if (quant >= 10) return NULL;                                                  /* inside the blocks */
     return quant == 8 ? (const void *)((const float *)scales + row)
                       : (const void *)((const uint16_t *)scales + row * (cols / group));   /* 4, and 9 (group 32) */
 }
@@ -463,17 +503,17 @@ static void act_task(void *ctx, int64_t p) {
     } else {
         for (int64_t i = 0; i < L->I; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
     }
-    quantize_row(g, L->I, L->hq + p * L->I, L->hs + p * (L->I / QK), L->hsum + p * (L->I / QK), L->quant == 4);
+    quantize_row(g, L->I, L->hq + p * L->I, L->hs + p * (L->I / QK), L->hsum + p * (L->I / QK), L->quant_dn == 4);
 }
 
 static void down_task(void *ctx, int64_t task) {
     const layer *L = ctx;
     const int64_t e = L->task_expert[task], r0 = L->task_row[task], r1 = r0 + L->chunk;
     const expert_ptrs *x = &L->ex[e];
-    const dot_fn dot = dot_for(L->quant);
+    const dot_fn dot = dot_for(L->quant_dn);
     for (int64_t r = r0; r < r1 && r < L->E; r++) {
-        const void *w = (const char *)x->dn + r * row_bytes(L->quant, L->I);
-        const void *ws = scale_of(L->quant, x->dn_scale, r, L->I, L->group);
+        const void *w = (const char *)x->dn + r * row_bytes(L->quant_dn, L->I);
+        const void *ws = scale_of(L->quant_dn, x->dn_scale, r, L->I, L->group);
         const float b = L->act ? L->act->dn_bias[e][r] : 0.0f;
         for (int64_t p = L->start[e]; p < L->start[e + 1]; p++)
             L->y[p * L->E + r] = b + dot(w, ws, L->hq + p * L->I, L->hs + p * (L->I / QK),
@@ -491,15 +531,16 @@ static int64_t plan_tasks(layer *L, int64_t rows) {
 }
 
 /* Returns 0, or -1 when the shapes are not supported (the caller uses its portable path).
- * act: NULL for SwiGLU experts, else gpt-oss's (moe_layer_act). */
+ * quant: gate_up's code, and down's in bits 8-15 when it differs. act: NULL for SwiGLU experts,
+ * else gpt-oss's (moe_layer_act). */
 static int run_layer(const float *x, int64_t T, int64_t E, int64_t I, int quant, int64_t group, int64_t n_exp,
                      const expert_ptrs *ex, const int64_t *start, const int32_t *rows, const float *weights,
                      float *out, const act_params *act) {
-    if (E % QK || I % QK || (quant == 4 && group % QK) || (quant == 9 && group != QK) ||
-        (quant != 4 && quant != 8 && quant != 9)) return -1;
+    const int q_gu = quant & 0xff, q_dn = (quant >> 8) ? (quant >> 8) : q_gu;
+    if (!takes(q_gu, E, group) || !takes(q_dn, I, group)) return -1;
     choose_isa();
     const int64_t pairs = start[n_exp], most_rows = 2 * I > E ? 2 * I : E;
-    layer L = {E, I, group, n_exp, quant, ex, start, rows, weights};
+    layer L = {E, I, group, n_exp, q_gu, q_dn, ex, start, rows, weights};
     L.act = act;
     L.xq = malloc(T * E), L.xs = malloc(sizeof(float) * T * (E / QK)), L.xsum = malloc(4 * T * (E / QK));
     L.h = malloc(sizeof(float) * pairs * 2 * I), L.hq = malloc(pairs * I);
@@ -509,7 +550,7 @@ static int run_layer(const float *x, int64_t T, int64_t E, int64_t I, int quant,
     L.task_expert = malloc(sizeof(int64_t) * max_tasks), L.task_row = malloc(sizeof(int64_t) * max_tasks);
     for (int64_t t = 0; t < T; t++)
         quantize_row(x + t * E, E, (int8_t *)L.xq + t * E, (float *)L.xs + t * (E / QK),
-                     (int32_t *)L.xsum + t * (E / QK), quant == 4);
+                     (int32_t *)L.xsum + t * (E / QK), q_gu == 4);
     parallel(gate_up_task, &L, plan_tasks(&L, 2 * I));
     parallel(act_task, &L, pairs);
     parallel(down_task, &L, plan_tasks(&L, E));

@@ -27,7 +27,7 @@ from moefit.config import ModelConfig
 from moefit.families import RUNNABLE
 from moefit.errors import MoefitError, PackError
 from moefit.pack import format as fmt
-from moefit.pack.layout import FLOAT_QUANTS, RECIPES, check_group, expert_layout, layer_quants
+from moefit.pack.layout import FLOAT_QUANTS, RECIPES, check_group, expert_layout, layer_quants, matrix_quants
 from moefit.pack.quant import DTYPE_NAMES, FP4_VALUES, TORCH_DTYPES, quantize
 
 EXPERT_KEY = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
@@ -280,7 +280,8 @@ def _write_experts(tensors, writer, model: ModelConfig, quants: dict[int, str], 
             data = getattr(tensors, "expert_parts", lambda *_: None)(layer, expert, quant, group)
             if data is None:                                # anything but blocks moefit keeps as they are
                 gate_up, down = tensors.expert(layer, expert)
-                data = quantize(gate_up, quant, group) + quantize(down, quant, group)
+                q_gate_up, q_down = matrix_quants(quant)
+                data = quantize(gate_up, q_gate_up, group) + quantize(down, q_down, group)
             writer.add_blob(layer, expert, quant, [(p, _bytes(t)) for p, t in zip(layouts[quant], data)])
             bar.update()
     return layouts

@@ -3,11 +3,12 @@ the HF config.json moefit reads, `tokenizer.ggml.*` a tokenizer.json, and each t
 from the file's mmap and dequantised with `gguf.quants` when the writer asks for it (one
 expert's slice of a [N, rows, cols] tensor at a time), so RSS stays near one tensor.
 
-Q4_0 experts packed as int4 (group 32) keep their blocks: Q4_0 is moefit's int4 layout (4-bit
-codes offset by 8, one fp16 scale per 32) up to the order of the nibbles, so the codes are
-reshuffled, not re-quantised, and the pack holds llama.cpp's exact weights. Q8_0 experts packed
-as q8_0 are moefit's q8_0 layout as they are. Every other type (or recipe) is dequantised to
-float, then packed in the recipe the user asks for (`--quant`).
+Experts keep their blocks (KEEP): Q4_0 is moefit's int4 layout (4-bit codes offset by 8, one
+fp16 scale per 32) up to the order of the nibbles, so the codes are reshuffled, not
+re-quantised; Q8_0 is moefit's q8_0 as it is; MXFP4 becomes q8_0 exactly; Q4_K, Q5_K, Q6_K and
+IQ4_XS stay the file's super-blocks (the host kernel and pack/kblocks.py read them); a layer may
+mix two (a Q4_K_M file's Q4_K gate and up, Q6_K down). The pack holds llama.cpp's exact weights.
+With --requant (or --quant) every expert is dequantised to float and packed in that recipe.
 Architectures: pack/gguf_archs.py (qwen3moe, llama as Mixtral, olmoe, glm4moe, deepseek2);
 others are named in the error.
 
@@ -25,6 +26,7 @@ import torch
 
 from moefit.errors import PackError
 from moefit.pack.gguf_archs import ARCHS, TOP, common_config
+from moefit.pack.layout import SUPER_BLOCKS, matrix_quants
 from moefit.pack.quant import FP4_VALUES
 
 LAYER = re.compile(r"blk\.(\d+)\.(.+)$")
@@ -168,37 +170,40 @@ class GGUFSource:
         return torch.cat([gate, up], dim=0), down
 
     def expert_parts(self, layer: int, expert: int, quant: str, group: int) -> list[torch.Tensor] | None:
-        """The expert's blob parts straight from its GGUF blocks (Q4_0 as int4 with group 32, Q8_0
-        as q8_0), or None when they must go through float."""
-        from gguf import GGMLQuantizationType as T
+        """The expert's blob parts straight from its GGUF blocks (kept_quants' choice), or None when
+        they must go through float (a float type, an MXFP4 scale beyond fp16)."""
         tensors = [self.tensors.get(f"blk.{layer}.{n}") for n in EXPERTS]
-        kept = {("int4", T.Q4_0): _q4_0_as_int4, ("q8_0", T.Q8_0): _q8_0_parts, ("q8_0", T.MXFP4): _mxfp4_as_q8_0}
-        types = {t.tensor_type if t is not None else None for t in tensors}
-        if len(types) != 1 or (quant, *types) not in kept or (quant == "int4" and group != 32):
+        if any(t is None for t in tensors) or (group != 32 and "int4" in matrix_quants(quant)):
             return None
-        read = kept[(quant, *types)]
-        parts = [read(np.asarray(t.data[expert])) for t in tensors]
+        if (KEEP.get(tensors[0].tensor_type.name), KEEP.get(tensors[2].tensor_type.name)) != matrix_quants(quant):
+            return None                                          # another recipe (--requant): through float
+        parts = [_kept_parts(np.asarray(t.data[expert]), t.tensor_type) for t in tensors]
         if any(p is None for p in parts):
             return None
-        (gc, gs), (uc, us), (dc, ds) = parts
-        return [torch.cat([gc, uc]), torch.cat([gs, us]), dc, ds]
+        gate, up, down = parts
+        return [torch.cat([a, b]) for a, b in zip(gate, up)] + list(down)
 
     def kept_quants(self, layers: list[int]) -> dict[int, str]:
-        """Each MoE layer's quant that holds its experts' GGUF blocks as they are; PackError naming
-        the tensor and its type where moefit has none (the way out: --requant)."""
-        from gguf import GGMLQuantizationType as T
-        keep = {T.Q4_0: "int4", T.Q8_0: "q8_0", T.MXFP4: "q8_0", T.F32: "fp32", T.F16: "fp16", T.BF16: "bf16"}
+        """Each MoE layer's quant that holds its experts' GGUF blocks as they are ("q4_k/q6_k": gate
+        and up in Q4_K, down in Q6_K); PackError naming the tensor and its type where moefit has
+        none (the way out: --requant)."""
         out = {}
         for layer in layers:
             tensors = [self.tensors[f"blk.{layer}.{n}"] for n in EXPERTS if f"blk.{layer}.{n}" in self.tensors]
-            kinds = {t.tensor_type for t in tensors}
-            odd = next((t for t in tensors if t.tensor_type not in keep), None)
-            if odd is not None or len({keep[k] for k in kinds}) > 1:
-                t = odd or tensors[-1]
-                raise PackError(f"{self.path}: {t.name} is {t.tensor_type.name}: moefit keeps Q4_0 (as int4), Q8_0 and "
-                                "MXFP4 (as q8_0) and F32 / F16 / BF16 experts as they are, one type per layer; "
+            odd = next((t for t in tensors if t.tensor_type.name not in KEEP), None)
+            if odd is None and len(tensors) == 3 and KEEP[tensors[0].tensor_type.name] != KEEP[
+                    tensors[1].tensor_type.name]:
+                odd = tensors[1]                                     # gate and up are one matrix
+            if odd is not None:
+                raise PackError(f"{self.path}: {odd.name} is {odd.tensor_type.name}: moefit keeps "
+                                f"{', '.join(KEEP)} experts as they are (gate and up of one type); "
                                 "re-quantise the others with --requant int4|int8|q8_0")
-            out[layer] = keep[kinds.pop()]
+            gate_up, down = KEEP[tensors[0].tensor_type.name], KEEP[tensors[-1].tensor_type.name]
+            if gate_up != down and {gate_up, down} & {"fp32", "fp16", "bf16"}:
+                raise PackError(f"{self.path}: {tensors[-1].name} is {tensors[-1].tensor_type.name} and its gate "
+                                f"{tensors[0].tensor_type.name}: a float matrix with a quantised one in one layer; "
+                                "re-quantise with --requant int4|int8|q8_0")
+            out[layer] = gate_up if gate_up == down else f"{gate_up}/{down}"
         return out
 
     def _expert_slice(self, name: str, expert: int) -> torch.Tensor:
@@ -237,6 +242,26 @@ class GGUFSource:
 def _shape(t) -> tuple[int, ...]:
     """The tensor's shape in PyTorch order (GGUF lists dims innermost first)."""
     return tuple(int(d) for d in reversed(t.shape.tolist()))
+
+
+# GGUF types kept as they are, and the pack layout that holds them (pack/layout.py)
+KEEP = {"Q4_0": "int4", "Q8_0": "q8_0", "MXFP4": "q8_0", "Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k",
+        "IQ4_XS": "iq4_xs", "F32": "fp32", "F16": "fp16", "BF16": "bf16"}
+
+
+def _kept_parts(raw: np.ndarray, qtype) -> tuple[torch.Tensor, ...] | None:
+    """One matrix's rows of blocks [rows, bytes] as the parts of its kept layout, or None: a
+    float type (read through float), an MXFP4 block that q8_0 cannot hold."""
+    name = qtype.name
+    if name == "Q4_0":
+        return _q4_0_as_int4(raw)
+    if name == "Q8_0":
+        return _q8_0_parts(raw)
+    if name == "MXFP4":
+        return _mxfp4_as_q8_0(raw)
+    if KEEP.get(name) in SUPER_BLOCKS:                    # the super-blocks as they are
+        return (torch.from_numpy(np.ascontiguousarray(raw).copy()),)
+    return None
 
 
 def _q8_0_parts(raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,6 +10,9 @@ and their scales, each part aligned to PART_ALIGN bytes inside the blob.
                          per (row, group of `group_size` inputs)
     q8_0                 group-wise symmetric: int8 codes + one fp16 scale per (row, 32 inputs):
                          llama.cpp's Q8_0, so a GGUF file's Q8_0 experts are packed as they are
+    q4_k q5_k q6_k       a GGUF file's super-blocks of 256 weights as the file stores them (scales
+    iq4_xs               inside the blocks; kernels/kquants.h): kept, never made by moefit
+    GU/DN                gate_up in GU, down in DN (a GGUF file's Q4_K_M mixes Q4_K and Q6_K)
 """
 
 from __future__ import annotations
@@ -22,6 +25,9 @@ FLOAT_QUANTS = ("fp32", "fp16", "bf16")
 QUANTS = FLOAT_QUANTS + ("int8", "int4", "q8_0")
 Q8_0_GROUP = 32
 RECIPES = QUANTS + ("mixed",)
+# GGUF super-block types kept as they are: bytes per 256 weights
+SUPER_BLOCKS = {"q4_k": 144, "q5_k": 176, "q6_k": 210, "iq4_xs": 136}
+QK_K = 256
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 1, "uint8": 1}
 
 
@@ -54,12 +60,29 @@ def matrix_parts(name: str, rows: int, cols: int, quant: str, group: int) -> lis
         return [(name, "uint8", (rows, cols // 2)), (name + ".scale", "fp16", (rows, cols // group))]
     if quant == "q8_0":
         return [(name, "int8", (rows, cols)), (name + ".scale", "fp16", (rows, cols // Q8_0_GROUP))]
+    if quant in SUPER_BLOCKS:
+        if cols % QK_K:
+            raise ValueError(f"{quant} needs rows of a multiple of {QK_K} weights, not {cols}")
+        return [(name, "uint8", (rows, cols // QK_K * SUPER_BLOCKS[quant]))]
     raise ValueError(f"unknown quantization {quant!r}")
 
 
+def matrix_quants(quant: str) -> tuple[str, str]:
+    """(gate_up's, down's) quantization of a blob: "q4_k/q6_k" names both, "int4" one for both."""
+    gate_up, _, down = quant.partition("/")
+    return gate_up, down or gate_up
+
+
+def matrix_quant(quant: str, name: str) -> str:
+    """The quantization of matrix `name` ("gate_up" or "down", or a dense matrix) in a blob of `quant`."""
+    gate_up, down = matrix_quants(quant)
+    return down if name.startswith("down") else gate_up
+
+
 def expert_layout(hidden: int, expert_size: int, quant: str, group: int) -> list[Part]:
-    specs = matrix_parts("gate_up", 2 * expert_size, hidden, quant, group)
-    specs += matrix_parts("down", hidden, expert_size, quant, group)
+    gate_up, down = matrix_quants(quant)
+    specs = matrix_parts("gate_up", 2 * expert_size, hidden, gate_up, group)
+    specs += matrix_parts("down", hidden, expert_size, down, group)
     parts, offset = [], 0
     for name, dtype, shape in specs:
         part = Part(name, dtype, shape, offset)

@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from moefit import kernels
-from moefit.pack.layout import FLOAT_QUANTS, Q8_0_GROUP, Part
+from moefit.pack.kblocks import dequantize_super_blocks
+from moefit.pack.layout import FLOAT_QUANTS, Q8_0_GROUP, SUPER_BLOCKS, Part, matrix_quant
 
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
                 "int8": torch.int8, "uint8": torch.uint8}
@@ -48,9 +49,12 @@ def dequantize(parts: dict[str, torch.Tensor], name: str, quant: str, dtype: tor
     """The weight matrix `name` as a float [R, C] in dtype. Codes times scales in fp32, then
     rounded once to dtype: the host kernel keeps fp32 scales too, so an expert gives the same
     weights on either side (a bf16 scale alone would move them by up to 0.4 %)."""
+    quant = matrix_quant(quant, name)
     w = parts[name]
     if quant in FLOAT_QUANTS:
         return w.to(dtype)
+    if quant in SUPER_BLOCKS:
+        return dequantize_super_blocks(w, quant).to(dtype)
     scale = parts[name + ".scale"].float()
     if quant == "int8":
         return (w.float() * scale[:, None]).to(dtype)
@@ -68,6 +72,7 @@ def dequantize(parts: dict[str, torch.Tensor], name: str, quant: str, dtype: tor
 def qlinear(x: torch.Tensor, parts: dict[str, torch.Tensor], name: str, quant: str) -> torch.Tensor:
     """x [T, C] @ W[R, C]^T with W quantized: the host kernel for a few tokens, else
     dequantise and multiply (int8 applies its per-row scale after the matmul)."""
+    quant = matrix_quant(quant, name)
     if kernels.usable(x, quant) and (y := kernels.qlinear(x, parts, name, quant)) is not None:
         return y
     if quant == "int8":                    # codes are exact in bf16/fp16; the scale applies in fp32

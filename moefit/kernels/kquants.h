@@ -1,0 +1,228 @@
+/* llama.cpp's K-quants and IQ4_XS, multiplied as the GGUF file stores them (included by moe.c).
+ *
+ * A row is super-blocks of 256 weights; each 32 of them meets one activation block of moe.c's
+ * quantize_row (int8 codes x, one fp32 scale s, their sum), in natural order:
+ *
+ *   Q4_K  144 bytes: d, dmin (fp16), 12 bytes of 6-bit (scale, min) pairs for 8 sub-blocks,
+ *         128 bytes of 4-bit codes (32 bytes per pair of sub-blocks: low nibbles the first,
+ *         high the second);            w = d sc q - dmin m,  q in 0..15
+ *   Q5_K  176 bytes: Q4_K's, and 32 bytes of fifth bits (bit j of byte i: element i of
+ *         sub-block j);                w = d sc q - dmin m,  q in 0..31
+ *   Q6_K  210 bytes: 128 bytes of low 4 bits, 64 of high 2 bits, 16 int8 scales (one per 16
+ *         weights), d (fp16);          w = d sc (q - 32),    q in 0..63
+ *   IQ4_XS 136 bytes: d (fp16), 6-bit scales (2 high bits in a uint16, 4 low in 4 bytes), 128
+ *         bytes of 4-bit indices (per sub-block: low nibbles elements 0-15, high 16-31) into a
+ *         non-linear table;            w = d (ls - 32) table[q]
+ *
+ * so a sub-block's dot is sum q x over the integers, scaled once: d sc s (sum q x) - dmin m s
+ * (sum x). Bodies: portable C, and 256-bit ones per instruction set (maddubs, or dpbusd).
+ */
+#define QK_K 256
+
+static const int8_t IQ4NL[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+static int kquant_block_bytes(int quant) {
+    return quant == 10 ? 144 : quant == 11 ? 176 : quant == 12 ? 210 : quant == 13 ? 136 : 0;
+}
+
+/* Q4_K / Q5_K: sub-block j's 6-bit scale and min, from the 12 packed bytes */
+static inline void k4_scale_min(int j, const uint8_t *s, float *sc, float *m) {
+    if (j < 4) {
+        *sc = (float)(s[j] & 63), *m = (float)(s[j + 4] & 63);
+    } else {
+        *sc = (float)((s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4));
+        *m = (float)((s[j + 4] >> 4) | ((s[j] >> 6) << 4));
+    }
+}
+
+static inline float iq4_scale(const uint8_t *blk, int ib) {
+    const uint16_t high = (uint16_t)(blk[2] | (blk[3] << 8));
+    const int ls = ((blk[4 + ib / 2] >> (4 * (ib % 2))) & 0xF) | (((high >> (2 * ib)) & 3) << 4);
+    return (float)(ls - 32);
+}
+
+static inline float f16(const uint8_t *p) { return half_to_float((uint16_t)(p[0] | (p[1] << 8))); }
+
+/* ---- portable bodies ----------------------------------------------------------------- */
+static float dot_q45k_portable(const uint8_t *w, const int8_t *q, const float *qs, const int32_t *qsum, int64_t n,
+                               int fifth) {
+    const int bytes = fifth ? 176 : 144;
+    float acc = 0.0f;
+    for (int64_t sb = 0; sb < n / QK_K; sb++) {
+        const uint8_t *blk = w + sb * bytes, *qh = blk + 16, *codes = blk + (fifth ? 48 : 16);
+        const float d = f16(blk), dmin = f16(blk + 2);
+        for (int j = 0; j < 8; j++) {
+            float sc, m;
+            k4_scale_min(j, blk + 4, &sc, &m);
+            const int64_t b = sb * 8 + j;
+            int32_t isum = 0;
+            for (int i = 0; i < 32; i++) {
+                int c = (codes[(j / 2) * 32 + i] >> (4 * (j & 1))) & 15;
+                if (fifth) c |= ((qh[i] >> j) & 1) << 4;
+                isum += c * q[b * QK + i];
+            }
+            acc += qs[b] * (d * sc * (float)isum - dmin * m * (float)qsum[b]);
+        }
+    }
+    return acc;
+}
+
+static float dot_q4k_portable(const void *w, const void *ws, const int8_t *q, const float *qs, const int32_t *qsum,
+                              int64_t n, int64_t group) {
+    (void)ws, (void)group;
+    return dot_q45k_portable(w, q, qs, qsum, n, 0);
+}
+
+static float dot_q5k_portable(const void *w, const void *ws, const int8_t *q, const float *qs, const int32_t *qsum,
+                              int64_t n, int64_t group) {
+    (void)ws, (void)group;
+    return dot_q45k_portable(w, q, qs, qsum, n, 1);
+}
+
+static float dot_q6k_portable(const void *w, const void *ws, const int8_t *q, const float *qs, const int32_t *qsum,
+                              int64_t n, int64_t group) {
+    (void)ws, (void)group, (void)qsum;
+    float acc = 0.0f;
+    for (int64_t sb = 0; sb < n / QK_K; sb++) {
+        const uint8_t *blk = (const uint8_t *)w + sb * 210;
+        const float d = f16(blk + 208);
+        for (int half = 0; half < 2; half++) {
+            const uint8_t *ql = blk + 64 * half, *qh = blk + 128 + 32 * half;
+            const int8_t *sc = (const int8_t *)(blk + 192) + 8 * half;
+            for (int k = 0; k < 4; k++) {                      /* elements 32k + l of this half */
+                const int64_t b = sb * 8 + half * 4 + k;
+                int32_t lo = 0, hi = 0;
+                for (int l = 0; l < 32; l++) {
+                    const int low = (ql[l + 32 * (k & 1)] >> (4 * (k >> 1))) & 15, high = (qh[l] >> (2 * k)) & 3;
+                    const int c = (low | (high << 4)) - 32;
+                    if (l < 16) lo += c * q[b * QK + l];
+                    else hi += c * q[b * QK + l];
+                }
+                acc += qs[b] * d * ((float)sc[2 * k] * (float)lo + (float)sc[2 * k + 1] * (float)hi);
+            }
+        }
+    }
+    return acc;
+}
+
+static float dot_iq4xs_portable(const void *w, const void *ws, const int8_t *q, const float *qs,
+                                const int32_t *qsum, int64_t n, int64_t group) {
+    (void)ws, (void)group, (void)qsum;
+    float acc = 0.0f;
+    for (int64_t sb = 0; sb < n / QK_K; sb++) {
+        const uint8_t *blk = (const uint8_t *)w + sb * 136;
+        const float d = f16(blk);
+        for (int ib = 0; ib < 8; ib++) {
+            const uint8_t *codes = blk + 8 + 16 * ib;
+            const int64_t b = sb * 8 + ib;
+            int32_t isum = 0;
+            for (int j = 0; j < 16; j++)
+                isum += IQ4NL[codes[j] & 15] * q[b * QK + j] + IQ4NL[codes[j] >> 4] * q[b * QK + 16 + j];
+            acc += qs[b] * d * iq4_scale(blk, ib) * (float)isum;
+        }
+    }
+    return acc;
+}
+
+#if defined(__x86_64__)
+/* ---- 256-bit bodies: DOT32(u8, s8) -> eight int32 sums, lane i = bytes 4i..4i+3 ---------- */
+/* 16 where byte i of qh has `bit` set, else 0 */
+#define FIFTH_BIT(qh, bit, sixteen) \
+    _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256((qh), (bit)), (bit)), (sixteen))
+
+#define Q45K_BODY(NAME, TARGET, DOT32, FIFTH)                                                    \
+    __attribute__((target(TARGET))) static float NAME(const void *w, const void *ws,             \
+            const int8_t *q, const float *qs, const int32_t *qsum, int64_t n, int64_t group) {   \
+        (void)ws, (void)group;                                                                   \
+        const int bytes = FIFTH ? 176 : 144;                                                     \
+        const __m256i low = _mm256_set1_epi8(15), sixteen = _mm256_set1_epi8(16);               \
+        __m256 acc = _mm256_setzero_ps();                                                        \
+        float off = 0.0f;                                                                        \
+        for (int64_t sb = 0; sb < n / QK_K; sb++) {                                              \
+            const uint8_t *blk = (const uint8_t *)w + sb * bytes, *codes = blk + (FIFTH ? 48 : 16); \
+            const float d = f16(blk), dmin = f16(blk + 2);                                       \
+            const __m256i qh = FIFTH ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : low;    \
+            for (int j = 0; j < 8; j += 2) {                                                     \
+                const __m256i c = _mm256_loadu_si256((const __m256i *)(codes + 16 * j));         \
+                __m256i c0 = _mm256_and_si256(c, low), c1 = _mm256_and_si256(_mm256_srli_epi16(c, 4), low); \
+                if (FIFTH) {                                                                     \
+                    const __m256i b0 = _mm256_set1_epi8((char)(1 << j)), b1 = _mm256_set1_epi8((char)(2 << j)); \
+                    c0 = _mm256_or_si256(c0, FIFTH_BIT(qh, b0, sixteen));                          \
+                    c1 = _mm256_or_si256(c1, FIFTH_BIT(qh, b1, sixteen));                          \
+                }                                                                                \
+                float sc0, m0, sc1, m1;                                                          \
+                k4_scale_min(j, blk + 4, &sc0, &m0);                                             \
+                k4_scale_min(j + 1, blk + 4, &sc1, &m1);                                         \
+                const int64_t b = sb * 8 + j;                                                    \
+                const __m256i x0 = _mm256_loadu_si256((const __m256i *)(q + b * QK));            \
+                const __m256i x1 = _mm256_loadu_si256((const __m256i *)(q + (b + 1) * QK));      \
+                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(DOT32(c0, x0)), _mm256_set1_ps(qs[b] * d * sc0), acc); \
+                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(DOT32(c1, x1)), _mm256_set1_ps(qs[b + 1] * d * sc1), acc); \
+                off += dmin * (m0 * qs[b] * (float)qsum[b] + m1 * qs[b + 1] * (float)qsum[b + 1]); \
+            }                                                                                    \
+        }                                                                                        \
+        return hsum8(acc) - off;                                                                 \
+    }
+
+#define Q6K_BODY(NAME, TARGET, DOT32)                                                            \
+    __attribute__((target(TARGET))) static float NAME(const void *w, const void *ws,             \
+            const int8_t *q, const float *qs, const int32_t *qsum, int64_t n, int64_t group) {   \
+        (void)ws, (void)group, (void)qsum;                                                       \
+        const __m256i low = _mm256_set1_epi8(15), top = _mm256_set1_epi8(0x30), one = _mm256_set1_epi8(1); \
+        __m256 acc = _mm256_setzero_ps();                                                        \
+        for (int64_t sb = 0; sb < n / QK_K; sb++) {                                              \
+            const uint8_t *blk = (const uint8_t *)w + sb * 210;                                  \
+            const float d = f16(blk + 208);                                                      \
+            for (int half = 0; half < 2; half++) {                                               \
+                const __m256i l0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * half));       \
+                const __m256i l1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * half + 32));  \
+                const __m256i h = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * half));  \
+                const int8_t *sc = (const int8_t *)(blk + 192) + 8 * half;                       \
+                const __m256i codes[4] = {                                                       \
+                    _mm256_or_si256(_mm256_and_si256(l0, low), _mm256_and_si256(_mm256_slli_epi16(h, 4), top)), \
+                    _mm256_or_si256(_mm256_and_si256(l1, low), _mm256_and_si256(_mm256_slli_epi16(h, 2), top)), \
+                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low), _mm256_and_si256(h, top)), \
+                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low),             \
+                                    _mm256_and_si256(_mm256_srli_epi16(h, 2), top))};            \
+                for (int k = 0; k < 4; k++) {                                                    \
+                    const int64_t b = sb * 8 + half * 4 + k;                                     \
+                    const __m256i x = _mm256_loadu_si256((const __m256i *)(q + b * QK));         \
+                    const __m256i isum = _mm256_sub_epi32(DOT32(codes[k], x), _mm256_slli_epi32(DOT32(one, x), 5)); \
+                    const float s0 = qs[b] * d * sc[2 * k], s1 = qs[b] * d * sc[2 * k + 1];      \
+                    const __m256 scales = _mm256_setr_ps(s0, s0, s0, s0, s1, s1, s1, s1);        \
+                    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), scales, acc);                 \
+                }                                                                                \
+            }                                                                                    \
+        }                                                                                        \
+        return hsum8(acc);                                                                       \
+    }
+
+#define IQ4XS_BODY(NAME, TARGET, DOT32)                                                          \
+    __attribute__((target(TARGET))) static float NAME(const void *w, const void *ws,             \
+            const int8_t *q, const float *qs, const int32_t *qsum, int64_t n, int64_t group) {   \
+        (void)ws, (void)group, (void)qsum;                                                       \
+        const __m256i low = _mm256_set1_epi8(15);                                                \
+        const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4NL)); \
+        __m256 acc = _mm256_setzero_ps();                                                        \
+        for (int64_t sb = 0; sb < n / QK_K; sb++) {                                              \
+            const uint8_t *blk = (const uint8_t *)w + sb * 136;                                  \
+            const float d = f16(blk);                                                            \
+            for (int ib = 0; ib < 8; ib++) {                                                     \
+                const __m128i bytes = _mm_loadu_si128((const __m128i *)(blk + 8 + 16 * ib));     \
+                const __m256i idx = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(bytes, 4), bytes), low); \
+                const __m256i v = _mm256_shuffle_epi8(table, idx);                               \
+                const int64_t b = sb * 8 + ib;                                                   \
+                const __m256i x = _mm256_loadu_si256((const __m256i *)(q + b * QK));             \
+                const __m256i isum = DOT32(_mm256_sign_epi8(v, v), _mm256_sign_epi8(x, v));      \
+                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(qs[b] * d * iq4_scale(blk, ib)), acc); \
+            }                                                                                    \
+        }                                                                                        \
+        return hsum8(acc);                                                                       \
+    }
+
+#define KQUANT_BODIES(SUFFIX, TARGET, DOT32)                                                     \
+    Q45K_BODY(dot_q4k_##SUFFIX, TARGET, DOT32, 0)                                                \
+    Q45K_BODY(dot_q5k_##SUFFIX, TARGET, DOT32, 1)                                                \
+    Q6K_BODY(dot_q6k_##SUFFIX, TARGET, DOT32)                                                    \
+    IQ4XS_BODY(dot_iq4xs_##SUFFIX, TARGET, DOT32)
+#endif

@@ -1,0 +1,82 @@
+"""llama.cpp's K-quant and IQ4_XS super-blocks (256 weights each) dequantised in torch, on any
+device: the device path and the portable fallback multiply these, the host kernel reads the
+blocks directly (kernels/kquants.h has the layouts). Checked against gguf.quants.dequantize.
+
+Legend: R rows, B super-blocks per row, 256 weights a block, 8 sub-blocks of 32 (Q6_K: 16 of 16).
+"""
+
+from __future__ import annotations
+
+import torch
+
+QK_K = 256
+IQ4NL = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+
+
+def dequantize_super_blocks(w: torch.Tensor, quant: str) -> torch.Tensor:
+    """w [R, B * bytes] uint8 -> [R, B * 256] fp32."""
+    rows = w.shape[0]
+    size = {"q4_k": 144, "q5_k": 176, "q6_k": 210, "iq4_xs": 136}[quant]
+    blocks = w.reshape(rows, -1, size)
+    out = {"q4_k": _q4_k, "q5_k": _q5_k, "q6_k": _q6_k, "iq4_xs": _iq4_xs}[quant](blocks)
+    return out.reshape(rows, -1)
+
+
+def _f16(b: torch.Tensor) -> torch.Tensor:
+    """Two bytes [..., 2] (little-endian fp16) -> fp32 [...]."""
+    return b.contiguous().view(torch.float16)[..., 0].float()
+
+
+def _scale_min(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K / Q5_K's 12 packed bytes [..., 12] -> 6-bit scales and mins [..., 8]."""
+    s = s.long()
+    lo_sc, lo_m = s[..., 0:4] & 63, s[..., 4:8] & 63
+    hi_sc = (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)
+    hi_m = (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)
+    return torch.cat((lo_sc, hi_sc), -1).float(), torch.cat((lo_m, hi_m), -1).float()
+
+
+def _nibbles_by_pairs(qs: torch.Tensor) -> torch.Tensor:
+    """128 bytes [..., 128] -> 256 codes in element order: per 32 bytes, low nibbles then high."""
+    q = qs.long().reshape(*qs.shape[:-1], 4, 32)
+    return torch.stack((q & 15, q >> 4), dim=-2).reshape(*qs.shape[:-1], 8, 32)       # [..., 8, 32]
+
+
+def _q4_k(b: torch.Tensor, fifth: torch.Tensor | None = None) -> torch.Tensor:
+    d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
+    sc, m = _scale_min(b[..., 4:16])
+    q = _nibbles_by_pairs(b[..., 16:144] if fifth is None else b[..., 48:176])
+    if fifth is not None:
+        q = q | fifth
+    return (d[..., None, None] * sc[..., None] * q - (dmin[..., None] * m)[..., None]).flatten(-2)
+
+
+def _q5_k(b: torch.Tensor) -> torch.Tensor:
+    qh = b[..., 16:48].long()                                                        # [..., 32]
+    bits = torch.stack([(qh >> j) & 1 for j in range(8)], dim=-2) << 4                # [..., 8, 32]
+    return _q4_k(b, bits)
+
+
+def _q6_k(b: torch.Tensor) -> torch.Tensor:
+    d = _f16(b[..., 208:210])
+    sc = b[..., 192:208].contiguous().view(torch.int8).float()                        # [..., 16]
+    halves = []
+    for h in range(2):
+        ql, qh = b[..., 64 * h:64 * h + 64].long(), b[..., 128 + 32 * h:160 + 32 * h].long()
+        parts = [(ql[..., 32 * (k & 1):32 * (k & 1) + 32] >> (4 * (k >> 1))) & 15 | ((qh >> (2 * k)) & 3) << 4
+                 for k in range(4)]
+        halves.append(torch.stack(parts, dim=-2) - 32)                               # [..., 4, 32]
+    q = torch.cat(halves, dim=-2).reshape(*b.shape[:-1], 16, 16)                     # 16 groups of 16
+    return (d[..., None, None] * sc[..., None] * q).flatten(-2)
+
+
+def _iq4_xs(b: torch.Tensor) -> torch.Tensor:
+    d = _f16(b[..., 0:2])
+    high = b[..., 2].long() | (b[..., 3].long() << 8)
+    low = b[..., 4:8].long()
+    ib = torch.arange(8)
+    ls = ((low[..., ib // 2] >> (4 * (ib % 2))) & 15) | (((high[..., None] >> (2 * ib)) & 3) << 4)
+    qs = b[..., 8:136].long().reshape(*b.shape[:-1], 8, 16)
+    idx = torch.cat((qs & 15, qs >> 4), dim=-1)                                      # [..., 8, 32]
+    values = torch.tensor(IQ4NL, dtype=torch.float32, device=b.device)[idx]
+    return (d[..., None, None] * (ls - 32).float()[..., None] * values).flatten(-2)
