@@ -69,11 +69,11 @@ def test_an_unsupported_architecture_is_named(tmp_path):
         convert(tmp_path / "x.gguf", tmp_path / "pack", "int8", progress=False)
 
 
-@pytest.mark.parametrize("kind, quant", [("Q4_0", "int4"), ("Q8_0", "q8_0"), ("MXFP4", "q8_0")])
+@pytest.mark.parametrize("kind, quant", [("Q4_0", "int4"), ("Q8_0", "q8_0"), ("MXFP4", "q8_0"), ("MXFP4", "keep")])
 def test_q4_0_and_q8_0_experts_keep_their_blocks(kind, quant, hf, tmp_path):
-    """Q4_0 is moefit's int4 layout up to nibble order, Q8_0 its q8_0 layout, and MXFP4 converts to
-    q8_0 without loss: packed so, the experts are bit for bit llama.cpp's weights (dequantised by
-    the pack's own code against gguf.quants)."""
+    """Q4_0 is moefit's int4 layout up to nibble order, Q8_0 its q8_0 layout, MXFP4 stays its blocks
+    (or converts to q8_0 without loss when asked): packed so, the experts are bit for bit llama.cpp's
+    weights (dequantised by the pack's own code against gguf.quants)."""
     from moefit.pack.quant import dequantize
     from moefit.pack.reader import Pack
     path = write_gguf(hf, tmp_path / "q.gguf", getattr(gguf.GGMLQuantizationType, kind))
@@ -84,8 +84,9 @@ def test_q4_0_and_q8_0_experts_keep_their_blocks(kind, quant, hf, tmp_path):
         parts = pack.expert_parts(layer, e)
         gate = raw[f"blk.{layer}.ffn_gate_exps.weight"]
         want = gguf.quants.dequantize(np.asarray(gate.data[e]), gate.tensor_type)
-        got = dequantize(parts, "gate_up", quant, torch.float32)[:want.shape[0]]
+        got = dequantize(parts, "gate_up", pack.blobs[(layer, e)].quant, torch.float32)[:want.shape[0]]
         assert torch.equal(got, torch.from_numpy(np.array(want, dtype=np.float32)))
+    assert pack.blobs[(0, 0)].quant == {"keep": "mxfp4"}.get(quant, quant)            # MXFP4 kept as its blocks
     engine = Engine.open(tmp_path / "pack", ServeConfig(ctx=64))
     assert torch.isfinite(engine.prefill(PROMPT)[0]).all()
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from moefit import kernels
-from moefit.pack.layout import SUPER_BLOCKS, matrix_quants
+from moefit.pack.layout import GGUF_BLOCKS, matrix_quants
 from moefit.pack.quant import dequantize, quantize
 
 pytestmark = pytest.mark.skipif(kernels.library() is None, reason="the native kernel is not built")
@@ -29,25 +29,27 @@ def reference(x, quant, experts, rows, weights):
     return out.float()
 
 
-SUPER = ("q4_k", "q5_k", "q6_k", "iq4_xs", "q4_k/q6_k", "iq4_xs/q5_k")
-# where each GGUF super-block keeps its fp16 scales (d, and Q4_K / Q5_K's dmin)
-SCALE_AT = {"q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,), "iq4_xs": (0,)}
+SUPER = ("q4_k", "q5_k", "q6_k", "iq4_xs", "mxfp4", "q4_k/q6_k", "iq4_xs/q5_k")
+# where each GGUF block keeps its fp16 scales (d, and Q4_K / Q5_K's dmin)
+SCALE_AT = {"q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,), "iq4_xs": (0,), "mxfp4": ()}
 
 
-def super_blocks(quant: str, rows: int, cols: int, g) -> list[torch.Tensor]:
-    """Random GGUF super-blocks (moefit never makes them: they come from files): random bytes,
-    the fp16 scales set to small values so the weights are of order 1."""
-    size = SUPER_BLOCKS[quant]
-    raw = torch.randint(0, 256, (rows, cols // 256, size), generator=g, dtype=torch.uint8)
+def gguf_blocks(quant: str, rows: int, cols: int, g) -> list[torch.Tensor]:
+    """Random GGUF blocks (moefit never makes them: they come from files): random bytes, the fp16
+    scales set small (MXFP4's exponent near 2^-3) so the weights are of order 1."""
+    weights, size = GGUF_BLOCKS[quant]
+    raw = torch.randint(0, 256, (rows, cols // weights, size), generator=g, dtype=torch.uint8)
     for at in SCALE_AT[quant]:
-        d = (torch.rand(rows, cols // 256, generator=g) * 0.004 + 0.001).half()
+        d = (torch.rand(rows, cols // weights, generator=g) * 0.004 + 0.001).half()
         raw[:, :, at:at + 2] = d[..., None].view(torch.uint8)
+    if quant == "mxfp4":
+        raw[:, :, 0] = torch.randint(122, 128, (rows, cols // weights), generator=g, dtype=torch.uint8)
     return [raw.reshape(rows, -1)]
 
 
 def matrix(quant: str, rows: int, cols: int, g) -> list[torch.Tensor]:
-    if quant in SUPER_BLOCKS:
-        return super_blocks(quant, rows, cols, g)
+    if quant in GGUF_BLOCKS:
+        return gguf_blocks(quant, rows, cols, g)
     return quantize(torch.randn(rows, cols, generator=g), quant, 32)
 
 
@@ -84,9 +86,9 @@ def test_one_call_per_layer_matches_the_reference(quant, tokens, threads):
 
 @pytest.mark.parametrize("tokens", [1, 5, 64])
 @pytest.mark.parametrize("quant", SUPER)
-def test_gguf_super_blocks_are_multiplied_as_the_file_stores_them(quant, tokens):
-    """Q4_K, Q5_K, Q6_K and IQ4_XS (and a layer mixing two, as Q4_K_M files do) straight from their
-    blocks, against the reference on the same blocks dequantised (pack/kblocks.py, itself checked
+def test_gguf_blocks_are_multiplied_as_the_file_stores_them(quant, tokens):
+    """Q4_K, Q5_K, Q6_K, IQ4_XS and MXFP4 (and a layer mixing two, as Q4_K_M files do) straight from
+    their blocks, against the reference on the same blocks dequantised (pack/kblocks.py, itself checked
     against gguf.quants in test_gguf.py)."""
     for hidden, inter, n in ((256, 256, 3), (512, 768, 2)):
         x, experts, rows, weights = make(quant, hidden, inter, n, tokens, seed=tokens + hidden)

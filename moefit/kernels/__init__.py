@@ -29,7 +29,7 @@ log = logging.getLogger("moefit.kernels")
 HERE = Path(__file__).parent
 _lib: ctypes.CDLL | None | bool = None
 # the C side's quant codes; the GGUF super-block types carry their scales inside (kquants.h)
-Q = {"int8": 8, "int4": 4, "q8_0": 9, "q4_k": 10, "q5_k": 11, "q6_k": 12, "iq4_xs": 13}
+Q = {"int8": 8, "int4": 4, "q8_0": 9, "q4_k": 10, "q5_k": 11, "q6_k": 12, "iq4_xs": 13, "mxfp4": 14}
 GROUPED = ("int4", "q8_0")                      # a scale per (row, group of inputs)
 c_i64, c_ptr = ctypes.c_int64, ctypes.c_void_p
 

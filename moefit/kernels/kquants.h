@@ -13,6 +13,8 @@
  *   IQ4_XS 136 bytes: d (fp16), 6-bit scales (2 high bits in a uint16, 4 low in 4 bytes), 128
  *         bytes of 4-bit indices (per sub-block: low nibbles elements 0-15, high 16-31) into a
  *         non-linear table;            w = d (ls - 32) table[q]
+ *   MXFP4 17 bytes a block of 32 (gpt-oss): an e8m0 exponent e, 16 bytes of e2m1 codes as IQ4_XS
+ *         orders them;                 w = 2^(e - 128) doubled_e2m1[q]  (the doubled values are integers)
  *
  * so a sub-block's dot is sum q x over the integers, scaled once: d sc s (sum q x) - dmin m s
  * (sum x). Bodies: portable C, and 256-bit ones per instruction set (maddubs, or dpbusd).
@@ -20,9 +22,12 @@
 #define QK_K 256
 
 static const int8_t IQ4NL[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+static const int8_t MXFP4X2[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
-static int kquant_block_bytes(int quant) {
-    return quant == 10 ? 144 : quant == 11 ? 176 : quant == 12 ? 210 : quant == 13 ? 136 : 0;
+/* bytes of a row of `cols` weights (14: MXFP4, blocks of 32; the others super-blocks of 256) */
+static size_t block_row_bytes(int quant, int64_t cols) {
+    if (quant == 14) return (size_t)(cols / 32) * 17;
+    return (size_t)(cols / QK_K) * (quant == 10 ? 144 : quant == 11 ? 176 : quant == 12 ? 210 : 136);
 }
 
 /* Q4_K / Q5_K: sub-block j's 6-bit scale and min, from the 12 packed bytes */
@@ -124,6 +129,20 @@ static float dot_iq4xs_portable(const void *w, const void *ws, const int8_t *q, 
     return acc;
 }
 
+static float dot_mxfp4_portable(const void *w, const void *ws, const int8_t *q, const float *qs,
+                                const int32_t *qsum, int64_t n, int64_t group) {
+    (void)ws, (void)group, (void)qsum;
+    float acc = 0.0f;
+    for (int64_t b = 0; b < n / QK; b++) {
+        const uint8_t *blk = (const uint8_t *)w + b * 17;
+        int32_t isum = 0;
+        for (int j = 0; j < 16; j++)
+            isum += MXFP4X2[blk[1 + j] & 15] * q[b * QK + j] + MXFP4X2[blk[1 + j] >> 4] * q[b * QK + 16 + j];
+        acc += qs[b] * ldexpf(1.0f, (int)blk[0] - 128) * (float)isum;
+    }
+    return acc;
+}
+
 #if defined(__x86_64__)
 /* ---- 256-bit bodies: DOT32(u8, s8) -> eight int32 sums, lane i = bytes 4i..4i+3 ---------- */
 /* 16 where byte i of qh has `bit` set, else 0 */
@@ -220,9 +239,29 @@ static float dot_iq4xs_portable(const void *w, const void *ws, const int8_t *q, 
         return hsum8(acc);                                                                       \
     }
 
+#define MXFP4_BODY(NAME, TARGET, DOT32)                                                          \
+    __attribute__((target(TARGET))) static float NAME(const void *w, const void *ws,             \
+            const int8_t *q, const float *qs, const int32_t *qsum, int64_t n, int64_t group) {   \
+        (void)ws, (void)group, (void)qsum;                                                       \
+        const __m256i low = _mm256_set1_epi8(15);                                                \
+        const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)MXFP4X2)); \
+        __m256 acc = _mm256_setzero_ps();                                                        \
+        for (int64_t b = 0; b < n / QK; b++) {                                                   \
+            const uint8_t *blk = (const uint8_t *)w + b * 17;                                    \
+            const __m128i bytes = _mm_loadu_si128((const __m128i *)(blk + 1));                   \
+            const __m256i idx = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(bytes, 4), bytes), low); \
+            const __m256i v = _mm256_shuffle_epi8(table, idx);                                   \
+            const __m256i x = _mm256_loadu_si256((const __m256i *)(q + b * QK));                 \
+            const __m256i isum = DOT32(_mm256_sign_epi8(v, v), _mm256_sign_epi8(x, v));          \
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(qs[b] * ldexpf(1.0f, blk[0] - 128)), acc); \
+        }                                                                                        \
+        return hsum8(acc);                                                                       \
+    }
+
 #define KQUANT_BODIES(SUFFIX, TARGET, DOT32)                                                     \
     Q45K_BODY(dot_q4k_##SUFFIX, TARGET, DOT32, 0)                                                \
     Q45K_BODY(dot_q5k_##SUFFIX, TARGET, DOT32, 1)                                                \
     Q6K_BODY(dot_q6k_##SUFFIX, TARGET, DOT32)                                                    \
-    IQ4XS_BODY(dot_iq4xs_##SUFFIX, TARGET, DOT32)
+    IQ4XS_BODY(dot_iq4xs_##SUFFIX, TARGET, DOT32)                                                \
+    MXFP4_BODY(dot_mxfp4_##SUFFIX, TARGET, DOT32)
 #endif

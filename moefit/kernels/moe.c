@@ -282,9 +282,10 @@ __attribute__((target(AVX512))) static float dot_q4_vnni512(const void *w, const
 
 static dot_fn dot_q8 = dot_q8_portable, dot_q4 = dot_q4_portable, dot_q8g = dot_q8g_portable;
 static dot_fn dot_q4k = dot_q4k_portable, dot_q5k = dot_q5k_portable, dot_q6k = dot_q6k_portable,
-              dot_iq4xs = dot_iq4xs_portable;
-#define SET_KQUANTS(SUFFIX) \
-    (dot_q4k = dot_q4k_##SUFFIX, dot_q5k = dot_q5k_##SUFFIX, dot_q6k = dot_q6k_##SUFFIX, dot_iq4xs = dot_iq4xs_##SUFFIX)
+              dot_iq4xs = dot_iq4xs_portable, dot_mxfp4 = dot_mxfp4_portable;
+#define SET_KQUANTS(SUFFIX)                                                                  \
+    (dot_q4k = dot_q4k_##SUFFIX, dot_q5k = dot_q5k_##SUFFIX, dot_q6k = dot_q6k_##SUFFIX,             \
+     dot_iq4xs = dot_iq4xs_##SUFFIX, dot_mxfp4 = dot_mxfp4_##SUFFIX)
 static const char *isa = "portable";
 
 /* The best the CPU has, or at most MOEFIT_ISA (portable, avx2, avx-vnni): how the tests run
@@ -436,7 +437,7 @@ typedef struct {
 } layer;
 
 /* quant: 8 int8 (a scale per row), 4 int4 (fp16 per group), 9 Q8_0 (int8, fp16 per 32), and the
- * GGUF super-block types of kquants.h: 10 Q4_K, 11 Q5_K, 12 Q6_K, 13 IQ4_XS (no separate scales) */
+ * GGUF block types of kquants.h: 10 Q4_K, 11 Q5_K, 12 Q6_K, 13 IQ4_XS, 14 MXFP4 (no separate scales) */
 static dot_fn dot_for(int quant) {
     switch (quant) {
     case 8: return dot_q8;
@@ -445,12 +446,13 @@ static dot_fn dot_for(int quant) {
     case 11: return dot_q5k;
     case 12: return dot_q6k;
     case 13: return dot_iq4xs;
+    case 14: return dot_mxfp4;
     default: return dot_q4;
     }
 }
 
 static size_t row_bytes(int quant, int64_t cols) {
-    if (quant >= 10) return (size_t)(cols / QK_K) * kquant_block_bytes(quant);
+    if (quant >= 10) return block_row_bytes(quant, cols);
     return quant == 4 ? (size_t)cols / 2 : (size_t)cols;
 }
 
@@ -460,6 +462,7 @@ static int takes(int quant, int64_t cols, int64_t group) {
     if (quant == 4) return group % QK == 0;
     if (quant == 9) return group == QK;
     if (quant >= 10 && quant <= 13) return cols % QK_K == 0;
+    if (quant == 14) return 1;                                                   /* MXFP4: blocks of 32 */
     return quant == 8;
 }
 

@@ -5,8 +5,9 @@ expert's slice of a [N, rows, cols] tensor at a time), so RSS stays near one ten
 
 Experts keep their blocks (KEEP): Q4_0 is moefit's int4 layout (4-bit codes offset by 8, one
 fp16 scale per 32) up to the order of the nibbles, so the codes are reshuffled, not
-re-quantised; Q8_0 is moefit's q8_0 as it is; MXFP4 becomes q8_0 exactly; Q4_K, Q5_K, Q6_K and
-IQ4_XS stay the file's super-blocks (the host kernel and pack/kblocks.py read them); a layer may
+re-quantised; Q8_0 is moefit's q8_0 as it is; Q4_K, Q5_K, Q6_K, IQ4_XS and MXFP4 stay the file's
+blocks (the host kernel and pack/kblocks.py read them; MXFP4 converts to q8_0 exactly when that
+recipe is asked for); a layer may
 mix two (a Q4_K_M file's Q4_K gate and up, Q6_K down). The pack holds llama.cpp's exact weights.
 With --requant (or --quant) every expert is dequantised to float and packed in that recipe.
 Architectures: pack/gguf_archs.py (qwen3moe, llama as Mixtral, olmoe, glm4moe, deepseek2);
@@ -26,7 +27,7 @@ import torch
 
 from moefit.errors import PackError
 from moefit.pack.gguf_archs import ARCHS, TOP, common_config
-from moefit.pack.layout import SUPER_BLOCKS, matrix_quants
+from moefit.pack.layout import GGUF_BLOCKS, matrix_quants
 from moefit.pack.quant import FP4_VALUES
 
 LAYER = re.compile(r"blk\.(\d+)\.(.+)$")
@@ -175,9 +176,9 @@ class GGUFSource:
         tensors = [self.tensors.get(f"blk.{layer}.{n}") for n in EXPERTS]
         if any(t is None for t in tensors) or (group != 32 and "int4" in matrix_quants(quant)):
             return None
-        if (KEEP.get(tensors[0].tensor_type.name), KEEP.get(tensors[2].tensor_type.name)) != matrix_quants(quant):
-            return None                                          # another recipe (--requant): through float
-        parts = [_kept_parts(np.asarray(t.data[expert]), t.tensor_type) for t in tensors]
+        gate_up, down = matrix_quants(quant)
+        parts = [_kept_parts(np.asarray(t.data[expert]), t.tensor_type, want)
+                 for t, want in zip(tensors, (gate_up, gate_up, down))]
         if any(p is None for p in parts):
             return None
         gate, up, down = parts
@@ -245,21 +246,24 @@ def _shape(t) -> tuple[int, ...]:
 
 
 # GGUF types kept as they are, and the pack layout that holds them (pack/layout.py)
-KEEP = {"Q4_0": "int4", "Q8_0": "q8_0", "MXFP4": "q8_0", "Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k",
+KEEP = {"Q4_0": "int4", "Q8_0": "q8_0", "MXFP4": "mxfp4", "Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k",
         "IQ4_XS": "iq4_xs", "F32": "fp32", "F16": "fp16", "BF16": "bf16"}
 
 
-def _kept_parts(raw: np.ndarray, qtype) -> tuple[torch.Tensor, ...] | None:
-    """One matrix's rows of blocks [rows, bytes] as the parts of its kept layout, or None: a
-    float type (read through float), an MXFP4 block that q8_0 cannot hold."""
+def _kept_parts(raw: np.ndarray, qtype, want: str) -> tuple[torch.Tensor, ...] | None:
+    """One matrix's rows of blocks [rows, bytes] as the parts of layout `want`, or None where that
+    is not its kept layout (a float type, another recipe: read through float). MXFP4 also converts
+    to q8_0 exactly (an exponent beyond fp16's powers of two aside)."""
     name = qtype.name
+    if name == "MXFP4" and want == "q8_0":
+        return _mxfp4_as_q8_0(raw)
+    if KEEP.get(name) != want:
+        return None
     if name == "Q4_0":
         return _q4_0_as_int4(raw)
     if name == "Q8_0":
         return _q8_0_parts(raw)
-    if name == "MXFP4":
-        return _mxfp4_as_q8_0(raw)
-    if KEEP.get(name) in SUPER_BLOCKS:                    # the super-blocks as they are
+    if want in GGUF_BLOCKS:                               # the blocks as they are
         return (torch.from_numpy(np.ascontiguousarray(raw).copy()),)
     return None
 

@@ -1,8 +1,9 @@
-"""llama.cpp's K-quant and IQ4_XS super-blocks (256 weights each) dequantised in torch, on any
-device: the device path and the portable fallback multiply these, the host kernel reads the
-blocks directly (kernels/kquants.h has the layouts). Checked against gguf.quants.dequantize.
+"""llama.cpp's K-quant and IQ4_XS super-blocks (256 weights each) and MXFP4 blocks (32)
+dequantised in torch, on any device: the device path and the portable fallback multiply these,
+the host kernel reads the blocks directly (kernels/kquants.h has the layouts). Checked against
+gguf.quants.dequantize.
 
-Legend: R rows, B super-blocks per row, 256 weights a block, 8 sub-blocks of 32 (Q6_K: 16 of 16).
+Legend: R rows, B blocks per row, 256 weights a super-block, 8 sub-blocks of 32 (Q6_K: 16 of 16).
 """
 
 from __future__ import annotations
@@ -11,14 +12,15 @@ import torch
 
 QK_K = 256
 IQ4NL = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+MXFP4_DOUBLED = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)       # e2m1 values x 2
 
 
-def dequantize_super_blocks(w: torch.Tensor, quant: str) -> torch.Tensor:
-    """w [R, B * bytes] uint8 -> [R, B * 256] fp32."""
+def dequantize_blocks(w: torch.Tensor, quant: str) -> torch.Tensor:
+    """w [R, B * bytes] uint8 -> [R, B * weights] fp32."""
     rows = w.shape[0]
-    size = {"q4_k": 144, "q5_k": 176, "q6_k": 210, "iq4_xs": 136}[quant]
+    size = {"q4_k": 144, "q5_k": 176, "q6_k": 210, "iq4_xs": 136, "mxfp4": 17}[quant]
     blocks = w.reshape(rows, -1, size)
-    out = {"q4_k": _q4_k, "q5_k": _q5_k, "q6_k": _q6_k, "iq4_xs": _iq4_xs}[quant](blocks)
+    out = {"q4_k": _q4_k, "q5_k": _q5_k, "q6_k": _q6_k, "iq4_xs": _iq4_xs, "mxfp4": _mxfp4}[quant](blocks)
     return out.reshape(rows, -1)
 
 
@@ -80,3 +82,12 @@ def _iq4_xs(b: torch.Tensor) -> torch.Tensor:
     idx = torch.cat((qs & 15, qs >> 4), dim=-1)                                      # [..., 8, 32]
     values = torch.tensor(IQ4NL, dtype=torch.float32, device=b.device)[idx]
     return (d[..., None, None] * (ls - 32).float()[..., None] * values).flatten(-2)
+
+
+def _mxfp4(b: torch.Tensor) -> torch.Tensor:
+    """An e8m0 exponent e, then 16 bytes of e2m1 codes (low nibbles elements 0-15): the doubled
+    value x 2^(e - 128)."""
+    qs = b[..., 1:17].long()
+    idx = torch.cat((qs & 15, qs >> 4), dim=-1)                                      # [..., 32]
+    values = torch.tensor(MXFP4_DOUBLED, dtype=torch.float32, device=b.device)[idx]
+    return values * torch.exp2(b[..., 0:1].float() - 128)

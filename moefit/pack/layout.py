@@ -10,8 +10,8 @@ and their scales, each part aligned to PART_ALIGN bytes inside the blob.
                          per (row, group of `group_size` inputs)
     q8_0                 group-wise symmetric: int8 codes + one fp16 scale per (row, 32 inputs):
                          llama.cpp's Q8_0, so a GGUF file's Q8_0 experts are packed as they are
-    q4_k q5_k q6_k       a GGUF file's super-blocks of 256 weights as the file stores them (scales
-    iq4_xs               inside the blocks; kernels/kquants.h): kept, never made by moefit
+    q4_k q5_k q6_k       a GGUF file's blocks as the file stores them (super-blocks of 256 weights;
+    iq4_xs mxfp4         MXFP4: 32), scales inside (kernels/kquants.h): kept, never made by moefit
     GU/DN                gate_up in GU, down in DN (a GGUF file's Q4_K_M mixes Q4_K and Q6_K)
 """
 
@@ -25,9 +25,8 @@ FLOAT_QUANTS = ("fp32", "fp16", "bf16")
 QUANTS = FLOAT_QUANTS + ("int8", "int4", "q8_0")
 Q8_0_GROUP = 32
 RECIPES = QUANTS + ("mixed",)
-# GGUF super-block types kept as they are: bytes per 256 weights
-SUPER_BLOCKS = {"q4_k": 144, "q5_k": 176, "q6_k": 210, "iq4_xs": 136}
-QK_K = 256
+# GGUF block types kept as they are: (weights, bytes) a block
+GGUF_BLOCKS = {"q4_k": (256, 144), "q5_k": (256, 176), "q6_k": (256, 210), "iq4_xs": (256, 136), "mxfp4": (32, 17)}
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 1, "uint8": 1}
 
 
@@ -60,10 +59,11 @@ def matrix_parts(name: str, rows: int, cols: int, quant: str, group: int) -> lis
         return [(name, "uint8", (rows, cols // 2)), (name + ".scale", "fp16", (rows, cols // group))]
     if quant == "q8_0":
         return [(name, "int8", (rows, cols)), (name + ".scale", "fp16", (rows, cols // Q8_0_GROUP))]
-    if quant in SUPER_BLOCKS:
-        if cols % QK_K:
-            raise ValueError(f"{quant} needs rows of a multiple of {QK_K} weights, not {cols}")
-        return [(name, "uint8", (rows, cols // QK_K * SUPER_BLOCKS[quant]))]
+    if quant in GGUF_BLOCKS:
+        weights, size = GGUF_BLOCKS[quant]
+        if cols % weights:
+            raise ValueError(f"{quant} needs rows of a multiple of {weights} weights, not {cols}")
+        return [(name, "uint8", (rows, cols // weights * size))]
     raise ValueError(f"unknown quantization {quant!r}")
 
 

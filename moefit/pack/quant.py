@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from moefit import kernels
-from moefit.pack.kblocks import dequantize_super_blocks
-from moefit.pack.layout import FLOAT_QUANTS, Q8_0_GROUP, SUPER_BLOCKS, Part, matrix_quant
+from moefit.pack.kblocks import dequantize_blocks
+from moefit.pack.layout import FLOAT_QUANTS, GGUF_BLOCKS, Q8_0_GROUP, Part, matrix_quant
 
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
                 "int8": torch.int8, "uint8": torch.uint8}
@@ -53,8 +53,8 @@ def dequantize(parts: dict[str, torch.Tensor], name: str, quant: str, dtype: tor
     w = parts[name]
     if quant in FLOAT_QUANTS:
         return w.to(dtype)
-    if quant in SUPER_BLOCKS:
-        return dequantize_super_blocks(w, quant).to(dtype)
+    if quant in GGUF_BLOCKS:
+        return dequantize_blocks(w, quant).to(dtype)
     scale = parts[name + ".scale"].float()
     if quant == "int8":
         return (w.float() * scale[:, None]).to(dtype)
