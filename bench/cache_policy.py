@@ -3,10 +3,13 @@ LRU, LFU, moefit's adaptive tier, the adaptive tier with look-ahead prefetch, an
 with bypass (the best any demand cache can do), at budgets of 5, 10, 15, 25 and 50 % of the
 experts. Prints hit rates and each policy's ratio to MIN.
 
-Look-ahead: traces made with a cache (a simulated card) carry each token's predicted top-k
-for the layer (the layer's own router on the residual stream one layer earlier); before a
-step, up to B predicted experts that are not resident are brought in, in place of the
-coldest slots no prediction wants. B is the PCIe budget per layer, in experts.
+Look-ahead: traces made with a cache (a simulated card) carry each token's guess for the layer
+(the layer's own router on the residual stream one layer earlier: 2k experts, most likely
+first; the first k are the prediction whose recall is printed); before a step, up to B guessed
+experts that are not resident are brought in, most likely first, in place of the coldest slots
+that neither the step before (the layer computing while the copies run) routed to nor the
+guess's first k names, as the engine does (experts/runner.prefetch). B is the PCIe budget per
+layer, in experts.
 
     .venv/bin/python bench/cache_policy.py [TRACE.jsonl[.gz] ...]
     .venv/bin/python bench/cache_policy.py --make-traces PACK      # dump fresh traces first
@@ -136,9 +139,10 @@ def adaptive(profile_steps, steps, capacity, layers, experts, preds=None, budget
         book.usage[key] = c * 0.02
     hits = total = 0
     per_token = max(1, len({k[0] for s in steps[:50] for k in s}))
+    top_k = max(len(s) for s in steps[:50])
     for i, step in enumerate(steps):
-        if budget and preds[i]:
-            prefetch(book, preds[i], set(preds[i]) | set((preds[i - 1] if i else None) or ()), budget)
+        if budget and preds[i]:             # kept: the step before's routing and this guess's first k (the engine's)
+            prefetch(book, preds[i], set(preds[i][:top_k]) | set(steps[i - 1] if i else ()), budget)
         resident = [key in book.resident for key in step]
         hits, total = hits + sum(resident), total + len(step)
         if step:
@@ -286,7 +290,8 @@ def main() -> None:
 
 
 def _recall(steps, preds) -> float:
-    hit = sum(len(set(s) & set(p)) for s, p in zip(steps, preds) if p is not None)
+    """Of the routed experts, the share among each guess's first k (a guess ranks more)."""
+    hit = sum(len(set(s) & set(p[:len(s)])) for s, p in zip(steps, preds) if p is not None)
     return hit / sum(len(s) for s, p in zip(steps, preds) if p is not None)
 
 

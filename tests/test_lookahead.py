@@ -25,10 +25,10 @@ def sim(card_path, **flags) -> ServeConfig:
 
 
 def test_predictions_are_ranked_scored_and_prefetch_hits_counted():
-    ahead = LookAhead(num_layers=3, budget=2)
-    assert ahead.expect(1, [[4, 2], [4, 7]]) == [4, 2, 7]             # first choices first
+    ahead = LookAhead(num_layers=3, budget=2, top_k=2)
+    assert ahead.expect(1, [[4, 2, 9, 5], [4, 7, 8, 9]]) == [4, 2, 7, 9, 8, 5]   # first choices first
     ahead.fetched_for(1, 7)
-    ahead.score(1, [2, 7, 9])
+    ahead.score(1, [2, 7, 9])                          # 9 was only a third choice: not foreseen
     assert ahead.recall() == 2 / 3 and ahead.prefetch_hits == 1 and ahead.prefetched == 1
     ahead.score(2, [1])                                                  # no prediction: not scored
     assert ahead.layer_recall() == [None, 2 / 3, None]
@@ -67,7 +67,7 @@ def test_routing_dumps_carry_the_prediction(packs, card, tmp_path):
     assert r.returncode == 0, r.stderr
     rows = [json.loads(line) for line in dump.read_text().splitlines()]
     later = [row for row in rows if row["layer"] > min(r["layer"] for r in rows)]
-    assert later and all(len(row["predicted"]) == len(row["experts"]) for row in later)
+    assert later and all(len(row["predicted"]) == 2 * len(row["experts"]) for row in later)   # 2k ranked
     assert "prediction_recall" in json.loads(r.stdout)["expert_cache"]
 
 
@@ -116,3 +116,10 @@ def test_the_prefetch_budget_is_what_pcie_moves_in_a_layers_time():
     assert ahead.pcie_budget(5e9, blob, now=0.001) == 2               # 1 ms at 5 GB/s: two blobs
     assert ahead.pcie_budget(0.0, blob, now=0.002) == 3               # no PCIe rate: the flag's
     assert ahead.to_json()["layer_ms"] > 0
+
+
+def test_a_prefetch_keeps_what_the_layer_computing_now_routed_to_and_the_first_k_of_the_guess():
+    ahead = LookAhead(num_layers=4, budget=2, top_k=2)
+    ahead.expect(2, [[5, 6, 7, 8]])                       # ranks 3 and 4 may be brought in, not protected
+    assert ahead.wanted(2, 1, [3, 4]) == {(1, 3), (1, 4), (2, 5), (2, 6)}
+    assert ahead.next_guessed(1) == 2 and ahead.next_guessed(2) == -1

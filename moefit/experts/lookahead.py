@@ -2,10 +2,12 @@
 
 The hidden state after layer l's attention, put through layer l+1's own norm and router,
 predicts layer l+1's routing (no training: published figures give 90-97 % recall on
-Qwen3-30B and Mixtral). Predictions are scored against the routing that follows (recall per
-layer), and on a device with an expert cache the predicted experts that are not resident
-are brought in ahead of use, at most `budget` per layer and no more than PCIe moves in one
-layer's time (pcie_budget), in place of the coldest slots no prediction wants. A prefetched expert the layer then uses is a hit (it is resident when the
+Qwen3-30B and Mixtral). Each token's guess ranks 2k experts: its first k are the prediction,
+scored against the routing that follows (recall per layer); on a device with an expert cache
+the guessed experts that are not resident are brought in ahead of use, most likely first (the
+first k of every token, then the next ranks), at most `budget` per layer and no more than PCIe
+moves in one layer's time (pcie_budget), once the layer computing now has routed, in place of
+the coldest slots neither that layer's experts nor the prediction need (wanted). A prefetched expert the layer then uses is a hit (it is resident when the
 layer runs) and a prefetch hit. No torch: the runner applies the moves.
 """
 
@@ -20,9 +22,11 @@ import numpy as np
 class LookAhead:
     num_layers: int
     budget: int                                     # experts a layer may bring in ahead (0: predict only)
+    top_k: int = 0                                  # the ranks that are the prediction (0: all)
     predicted: dict[int, list[int]] = field(default_factory=dict)   # layer -> experts, most confident first
     per_token: dict[int, list[list[int]]] = field(default_factory=dict)  # layer -> each token's top-k guess
     fetched: dict[int, set[int]] = field(default_factory=dict)      # layer -> brought in, not yet used
+    foreseen: dict[int, set[int]] = field(default_factory=dict)     # layer -> every token's first k
     guessed: np.ndarray = None                      # [L] routed experts that were predicted
     routed: np.ndarray = None                       # [L] routed experts (distinct per forward)
     prefetched: int = 0
@@ -35,11 +39,12 @@ class LookAhead:
         self.routed = np.zeros(self.num_layers, dtype=np.int64)
 
     def expect(self, layer: int, per_token: list[list[int]]) -> list[int]:
-        """Record each token's predicted top-k for `layer`; returns the union, rank by rank
-        (every token's first choice, then every second choice, ...)."""
+        """Record each token's ranked guess for `layer`; returns the union, rank by rank (every
+        token's first choice, then every second choice, ...)."""
         self.per_token[layer] = per_token
         order = list(dict.fromkeys(e for rank in zip(*per_token) for e in rank))
         self.predicted[layer] = order
+        self.foreseen[layer] = {e for guess in per_token for e in guess[:self.top_k or None]}
         return order
 
     def pcie_budget(self, pcie_bytes_per_s: float, blob_bytes: int, now: float) -> int:
@@ -54,10 +59,14 @@ class LookAhead:
             return self.budget
         return min(self.budget, int(pcie_bytes_per_s * self.layer_seconds / blob_bytes))
 
-    def wanted(self, layer: int) -> set[tuple[int, int]]:
-        """(layer, expert) keys a prefetch must not evict: what the layer computing now and
-        the next one are predicted to use."""
-        return {(l, e) for l in (layer - 1, layer) for e in self.predicted.get(l, ())}
+    def wanted(self, layer: int, now: int, busy: list[int]) -> set[tuple[int, int]]:
+        """(layer, expert) keys a prefetch for `layer` must not evict: what the layer computing
+        now routed to, and what `layer` is predicted to use (every token's first k)."""
+        return {(now, e) for e in busy} | {(layer, e) for e in self.foreseen.get(layer, ())}
+
+    def next_guessed(self, layer: int) -> int:
+        """The first layer after `layer` with a guess waiting (-1: none)."""
+        return min((l for l in self.predicted if l > layer), default=-1)
 
     def fetched_for(self, layer: int, expert: int) -> None:
         self.fetched.setdefault(layer, set()).add(expert)
@@ -65,12 +74,13 @@ class LookAhead:
 
     def score(self, layer: int, experts: list[int]) -> None:
         """The layer has routed to `experts` (distinct): count what was foreseen."""
-        guess = self.predicted.pop(layer, None)
+        self.predicted.pop(layer, None)
         self.per_token.pop(layer, None)
+        guess = self.foreseen.pop(layer, None)
         if guess is None:
             return
         routed = set(experts)
-        self.guessed[layer] += len(routed & set(guess))
+        self.guessed[layer] += len(routed & guess)
         self.routed[layer] += len(routed)
         self.prefetch_hits += len(routed & self.fetched.pop(layer, set()))
 

@@ -278,17 +278,21 @@ def decoder_stack(model, tokens: torch.Tensor, start: int, kv, experts) -> torch
     for i, layer in enumerate(model.layers):
         x = x + model.attention(i, layer, rms_norm(x, layer["input_norm"], cfg.rms_norm_eps), start, cos, sin, mask, kv)
         if experts.look_ahead and i + 1 < len(model.layers) and "router" in model.layers[i + 1]:
-            experts.expect(i + 1, next_layer_guess(model, i + 1, x))
+            experts.expect(i + 1, next_layer_guess(model, i + 1, x), "router" in layer)
         x = x + model.mlp(i, layer, rms_norm(x, layer["post_norm"], cfg.rms_norm_eps), experts)
     return rms_norm(x, model.norm, cfg.rms_norm_eps)
 
 
+GUESS_RANKS = 2          # a guess ranks 2k experts: the first k are the prediction, the rest a spare budget's
+
+
 def next_layer_guess(model, j: int, h: torch.Tensor) -> torch.Tensor:
-    """Layer j's top-k experts as its own norm and router see h, the residual stream before
-    layer j-1's MoE: [T, k]. Softmax is monotonic, so the logits' top-k is every family's."""
+    """Layer j's most likely experts as its own norm and router see h, the residual stream before
+    layer j-1's MoE: [T, 2k], most likely first. Softmax is monotonic, so the logits' ranking is
+    every family's."""
     nxt = model.layers[j]
     logits = F.linear(rms_norm(h, nxt["post_norm"], model.cfg.rms_norm_eps), nxt["router"])      # [T, N]
-    return torch.topk(logits, model.cfg.top_k, dim=-1).indices
+    return torch.topk(logits, min(GUESS_RANKS * model.cfg.top_k, logits.shape[-1]), dim=-1).indices
 
 
 def output_weights(cfg, w: "Weights") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

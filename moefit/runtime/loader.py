@@ -100,7 +100,7 @@ def _place(pack: Pack, cfg: ServeConfig, mem: DeviceMemory, cdt: str, the_plan: 
     if the_plan is not None:
         notes = fill_cache(runner, the_plan, kind, log)
         if cfg.prefetch_per_layer > 0:            # a device with an expert cache: look ahead
-            runner.ahead = LookAhead(m.num_layers, cfg.prefetch_per_layer)
+            runner.ahead = LookAhead(m.num_layers, cfg.prefetch_per_layer, m.top_k)
         runner.costs = miss_costs(runner, cfg, mem)
     return Loaded(pack, mem, the_plan, model, kv, runner, cdt, notes)
 
