@@ -48,6 +48,14 @@ static inline float iq4_scale(const uint8_t *blk, int ib) {
 
 static inline float f16(const uint8_t *p) { return half_to_float((uint16_t)(p[0] | (p[1] << 8))); }
 
+/* MXFP4's scale 2^(e - 128) from its bits (ldexpf is a call per block) */
+static inline float e8m0_half(uint8_t e) {
+    const uint32_t bits = e >= 2 ? (uint32_t)(e - 1) << 23 : 0x00200000u << e;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
 /* ---- portable bodies ----------------------------------------------------------------- */
 static float dot_q45k_portable(const uint8_t *w, const int8_t *q, const float *qs, const int32_t *qsum, int64_t n,
                                int fifth) {
@@ -138,49 +146,65 @@ static float dot_mxfp4_portable(const void *w, const void *ws, const int8_t *q, 
         int32_t isum = 0;
         for (int j = 0; j < 16; j++)
             isum += MXFP4X2[blk[1 + j] & 15] * q[b * QK + j] + MXFP4X2[blk[1 + j] >> 4] * q[b * QK + 16 + j];
-        acc += qs[b] * ldexpf(1.0f, (int)blk[0] - 128) * (float)isum;
+        acc += qs[b] * e8m0_half(blk[0]) * (float)isum;
     }
     return acc;
 }
 
 #if defined(__x86_64__)
 /* ---- 256-bit bodies: DOT32(u8, s8) -> eight int32 sums, lane i = bytes 4i..4i+3 ---------- */
+/* Q4_K / Q5_K's 12 packed bytes -> 8 scales (bytes of out[0..1]) and 8 mins (out[2..3]), all at once */
+static inline void k4_unpack(const uint8_t *s, uint32_t out[4]) {
+    uint32_t u[3];
+    memcpy(u, s, 12);
+    out[3] = ((u[2] >> 4) & 0x0f0f0f0f) | (((u[1] >> 6) & 0x03030303) << 4);
+    out[2] = u[1] & 0x3f3f3f3f;
+    out[1] = (u[2] & 0x0f0f0f0f) | (((u[0] >> 6) & 0x03030303) << 4);
+    out[0] = u[0] & 0x3f3f3f3f;
+}
+
 /* 16 where byte i of qh has `bit` set, else 0 */
 #define FIFTH_BIT(qh, bit, sixteen) \
     _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256((qh), (bit)), (bit)), (sixteen))
 
+/* per super-block: its 8 scales and mins unpacked at once; each sub-block's d sc s as one lane of
+ * a vector (broadcast by a permute), the dmin m s (sum x) terms in a vector summed at the end */
 #define Q45K_BODY(NAME, TARGET, DOT32, FIFTH)                                                    \
     __attribute__((target(TARGET))) static float NAME(const void *w, const void *ws,             \
             const int8_t *q, const float *qs, const int32_t *qsum, int64_t n, int64_t group) {   \
         (void)ws, (void)group;                                                                   \
         const int bytes = FIFTH ? 176 : 144;                                                     \
         const __m256i low = _mm256_set1_epi8(15), sixteen = _mm256_set1_epi8(16);               \
-        __m256 acc = _mm256_setzero_ps();                                                        \
-        float off = 0.0f;                                                                        \
+        __m256 acc = _mm256_setzero_ps(), off = _mm256_setzero_ps();                             \
         for (int64_t sb = 0; sb < n / QK_K; sb++) {                                              \
             const uint8_t *blk = (const uint8_t *)w + sb * bytes, *codes = blk + (FIFTH ? 48 : 16); \
-            const float d = f16(blk), dmin = f16(blk + 2);                                       \
+            uint32_t sm[4];                                                                      \
+            k4_unpack(blk + 4, sm);                                                              \
+            const __m256 xs = _mm256_loadu_ps(qs + sb * 8);                                     \
+            const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)sm))); \
+            const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sm + 2)))); \
+            const __m256 dv = _mm256_mul_ps(_mm256_mul_ps(sc, xs), _mm256_set1_ps(f16(blk)));   \
+            const __m256 sums = _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)(qsum + sb * 8))); \
+            off = _mm256_fmadd_ps(_mm256_mul_ps(mn, _mm256_mul_ps(xs, sums)), _mm256_set1_ps(f16(blk + 2)), off); \
             const __m256i qh = FIFTH ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : low;    \
             for (int j = 0; j < 8; j += 2) {                                                     \
                 const __m256i c = _mm256_loadu_si256((const __m256i *)(codes + 16 * j));         \
                 __m256i c0 = _mm256_and_si256(c, low), c1 = _mm256_and_si256(_mm256_srli_epi16(c, 4), low); \
                 if (FIFTH) {                                                                     \
                     const __m256i b0 = _mm256_set1_epi8((char)(1 << j)), b1 = _mm256_set1_epi8((char)(2 << j)); \
-                    c0 = _mm256_or_si256(c0, FIFTH_BIT(qh, b0, sixteen));                          \
-                    c1 = _mm256_or_si256(c1, FIFTH_BIT(qh, b1, sixteen));                          \
+                    c0 = _mm256_or_si256(c0, FIFTH_BIT(qh, b0, sixteen));                        \
+                    c1 = _mm256_or_si256(c1, FIFTH_BIT(qh, b1, sixteen));                        \
                 }                                                                                \
-                float sc0, m0, sc1, m1;                                                          \
-                k4_scale_min(j, blk + 4, &sc0, &m0);                                             \
-                k4_scale_min(j + 1, blk + 4, &sc1, &m1);                                         \
                 const int64_t b = sb * 8 + j;                                                    \
                 const __m256i x0 = _mm256_loadu_si256((const __m256i *)(q + b * QK));            \
                 const __m256i x1 = _mm256_loadu_si256((const __m256i *)(q + (b + 1) * QK));      \
-                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(DOT32(c0, x0)), _mm256_set1_ps(qs[b] * d * sc0), acc); \
-                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(DOT32(c1, x1)), _mm256_set1_ps(qs[b + 1] * d * sc1), acc); \
-                off += dmin * (m0 * qs[b] * (float)qsum[b] + m1 * qs[b + 1] * (float)qsum[b + 1]); \
+                const __m256 d0 = _mm256_permutevar8x32_ps(dv, _mm256_set1_epi32(j));            \
+                const __m256 d1 = _mm256_permutevar8x32_ps(dv, _mm256_set1_epi32(j + 1));        \
+                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(DOT32(c0, x0)), d0, acc);               \
+                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(DOT32(c1, x1)), d1, acc);               \
             }                                                                                    \
         }                                                                                        \
-        return hsum8(acc) - off;                                                                 \
+        return hsum8(acc) - hsum8(off);                                                          \
     }
 
 #define Q6K_BODY(NAME, TARGET, DOT32)                                                            \
@@ -253,7 +277,7 @@ static float dot_mxfp4_portable(const void *w, const void *ws, const int8_t *q, 
             const __m256i v = _mm256_shuffle_epi8(table, idx);                                   \
             const __m256i x = _mm256_loadu_si256((const __m256i *)(q + b * QK));                 \
             const __m256i isum = DOT32(_mm256_sign_epi8(v, v), _mm256_sign_epi8(x, v));          \
-            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(qs[b] * ldexpf(1.0f, blk[0] - 128)), acc); \
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(qs[b] * e8m0_half(blk[0])), acc); \
         }                                                                                        \
         return hsum8(acc);                                                                       \
     }
