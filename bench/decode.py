@@ -169,7 +169,8 @@ def main() -> None:
             pack = work / f"pack-keep-{Path(file).stem}"
             if not (pack / "moefit-pack.json").exists():
                 convert(Path(file), pack, "keep", progress=False)
-            kept = "+".join(sorted(set(json.loads((pack / "moefit-pack.json").read_text())["quant"]["layers"].values())))
+            layers = json.loads((pack / "moefit-pack.json").read_text())["quant"]["layers"]
+            kept = "+".join(sorted(set(layers.values())))
             rows[f"moefit from {name} ({kept}+dense{dense[-1]})"] = time_moefit(
                 pack, prompt, args.new, args.threads, dense)
     report(rows, args)

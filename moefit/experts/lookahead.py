@@ -7,8 +7,9 @@ scored against the routing that follows (recall per layer); on a device with an 
 the guessed experts that are not resident are brought in ahead of use, most likely first (the
 first k of every token, then the next ranks), at most `budget` per layer and no more than PCIe
 moves in one layer's time (pcie_budget), once the layer computing now has routed, in place of
-the coldest slots neither that layer's experts nor the prediction need (wanted). A prefetched expert the layer then uses is a hit (it is resident when the
-layer runs) and a prefetch hit. No torch: the runner applies the moves.
+the coldest slots neither that layer's experts nor the prediction need (wanted). A prefetched
+expert the layer then uses is a hit (it is resident when the layer runs) and a prefetch hit.
+No torch: the runner applies the moves.
 """
 
 from __future__ import annotations
