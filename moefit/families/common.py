@@ -104,6 +104,17 @@ def nextn(i: int, m) -> Shapes:
             p + "shared_head.norm.weight": (e,)}
 
 
+def nextn_layer(layer_shapes, m, j: int) -> Shapes:
+    """MTP layer j in DeepSeek-V3's layout: the family's MoE decoder layer L + j and its extras."""
+    i = m.num_layers + j
+    return layer_shapes(i, m, moe=True) | nextn(i, m)
+
+
+def first_layer_state(m):
+    """An MTP layer's state: the family's first layer's (the same attention)."""
+    return m.layer_states()[0]
+
+
 def rope_dim(m) -> int:
     """Channels RoPE rotates per head: MLA's rope key, else the partial or whole head."""
     return m.raw["qk_rope_head_dim"] if m.family == "deepseek_v3" else rotary_dim(m.raw, m.head_dim)

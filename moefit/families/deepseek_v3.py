@@ -57,13 +57,8 @@ def dense_shapes(m) -> c.Shapes:
 
 # Multi-token prediction (DeepSeek-V3 section 2.2): layer L + j past the last is an MoE decoder
 # layer fed RMSNorm(embedding of the next token) and RMSNorm(the hidden state) through eh_proj.
-MTP = "nextn"
-mtp_layers = c.mtp_count
+MTP, mtp_layers, mtp_state = "nextn", c.mtp_count, c.first_layer_state
 
 
 def mtp_shapes(m, j: int) -> c.Shapes:
-    return layer_shapes(m.num_layers + j, m, moe=True) | c.nextn(m.num_layers + j, m)
-
-
-def mtp_state(m):
-    return layer_states(m)[0]
+    return c.nextn_layer(layer_shapes, m, j)

@@ -37,13 +37,8 @@ def dense_shapes(m) -> c.Shapes:
 
 
 # Multi-token prediction: DeepSeek-V3's (its names and layout), after the last layer.
-MTP = "nextn"
-mtp_layers = c.mtp_count
+MTP, mtp_layers, mtp_state = "nextn", c.mtp_count, c.first_layer_state
 
 
 def mtp_shapes(m, j: int) -> c.Shapes:
-    return layer_shapes(m.num_layers + j, m, moe=True) | c.nextn(m.num_layers + j, m)
-
-
-def mtp_state(m):
-    return layer_states(m)[0]
+    return c.nextn_layer(layer_shapes, m, j)

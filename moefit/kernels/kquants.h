@@ -118,21 +118,21 @@ static float dot_q6k_portable(const void *w, const void *ws, const int8_t *q, co
     return acc;
 }
 
+/* 16 bytes of 4-bit indices (low nibbles elements 0-15, high 16-31) into a 16-entry int8 table,
+ * dotted with 32 activations (IQ4_XS's sub-blocks, MXFP4's blocks) */
+static inline int32_t table_dot(const int8_t *table, const uint8_t *codes, const int8_t *x) {
+    int32_t isum = 0;
+    for (int j = 0; j < 16; j++) isum += table[codes[j] & 15] * x[j] + table[codes[j] >> 4] * x[16 + j];
+    return isum;
+}
+
 static float dot_iq4xs_portable(const void *w, const void *ws, const int8_t *q, const float *qs,
                                 const int32_t *qsum, int64_t n, int64_t group) {
     (void)ws, (void)group, (void)qsum;
     float acc = 0.0f;
-    for (int64_t sb = 0; sb < n / QK_K; sb++) {
-        const uint8_t *blk = (const uint8_t *)w + sb * 136;
-        const float d = f16(blk);
-        for (int ib = 0; ib < 8; ib++) {
-            const uint8_t *codes = blk + 8 + 16 * ib;
-            const int64_t b = sb * 8 + ib;
-            int32_t isum = 0;
-            for (int j = 0; j < 16; j++)
-                isum += IQ4NL[codes[j] & 15] * q[b * QK + j] + IQ4NL[codes[j] >> 4] * q[b * QK + 16 + j];
-            acc += qs[b] * d * iq4_scale(blk, ib) * (float)isum;
-        }
+    for (int64_t b = 0; b < n / QK; b++) {                          /* sub-block b % 8 of super-block b / 8 */
+        const uint8_t *blk = (const uint8_t *)w + (b / 8) * 136;
+        acc += qs[b] * f16(blk) * iq4_scale(blk, b % 8) * (float)table_dot(IQ4NL, blk + 8 + 16 * (b % 8), q + b * QK);
     }
     return acc;
 }
@@ -143,10 +143,7 @@ static float dot_mxfp4_portable(const void *w, const void *ws, const int8_t *q, 
     float acc = 0.0f;
     for (int64_t b = 0; b < n / QK; b++) {
         const uint8_t *blk = (const uint8_t *)w + b * 17;
-        int32_t isum = 0;
-        for (int j = 0; j < 16; j++)
-            isum += MXFP4X2[blk[1 + j] & 15] * q[b * QK + j] + MXFP4X2[blk[1 + j] >> 4] * q[b * QK + 16 + j];
-        acc += qs[b] * e8m0_half(blk[0]) * (float)isum;
+        acc += qs[b] * e8m0_half(blk[0]) * (float)table_dot(MXFP4X2, blk + 1, q + b * QK);
     }
     return acc;
 }
@@ -240,24 +237,32 @@ static inline void k4_unpack(const uint8_t *s, uint32_t out[4]) {
         return hsum8(acc);                                                                       \
     }
 
+/* 16 bytes of 4-bit indices (low nibbles elements 0-15, high 16-31) looked up in a 16-entry int8
+ * table, dotted with 32 activations: eight int32 sums (IQ4_XS's sub-blocks, MXFP4's blocks) */
+#define TABLE_DOT(DOT32, table, bytes, x)                                                        \
+    ({                                                                                           \
+        const __m256i idx_ = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16((bytes), 4), (bytes)), \
+                                              _mm256_set1_epi8(15));                             \
+        const __m256i v_ = _mm256_shuffle_epi8((table), idx_);                                   \
+        DOT32(_mm256_sign_epi8(v_, v_), _mm256_sign_epi8((x), v_));                              \
+    })
+#define TABLE(values) _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(values)))
+#define ACTIVATIONS(b) _mm256_loadu_si256((const __m256i *)(q + (b) * QK))
+
 #define IQ4XS_BODY(NAME, TARGET, DOT32)                                                          \
     __attribute__((target(TARGET))) static float NAME(const void *w, const void *ws,             \
             const int8_t *q, const float *qs, const int32_t *qsum, int64_t n, int64_t group) {   \
         (void)ws, (void)group, (void)qsum;                                                       \
-        const __m256i low = _mm256_set1_epi8(15);                                                \
-        const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4NL)); \
+        const __m256i table = TABLE(IQ4NL);                                                      \
         __m256 acc = _mm256_setzero_ps();                                                        \
         for (int64_t sb = 0; sb < n / QK_K; sb++) {                                              \
             const uint8_t *blk = (const uint8_t *)w + sb * 136;                                  \
             const float d = f16(blk);                                                            \
             for (int ib = 0; ib < 8; ib++) {                                                     \
                 const __m128i bytes = _mm_loadu_si128((const __m128i *)(blk + 8 + 16 * ib));     \
-                const __m256i idx = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(bytes, 4), bytes), low); \
-                const __m256i v = _mm256_shuffle_epi8(table, idx);                               \
                 const int64_t b = sb * 8 + ib;                                                   \
-                const __m256i x = _mm256_loadu_si256((const __m256i *)(q + b * QK));             \
-                const __m256i isum = DOT32(_mm256_sign_epi8(v, v), _mm256_sign_epi8(x, v));      \
-                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(qs[b] * d * iq4_scale(blk, ib)), acc); \
+                const __m256 scale = _mm256_set1_ps(qs[b] * d * iq4_scale(blk, ib));             \
+                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(TABLE_DOT(DOT32, table, bytes, ACTIVATIONS(b))), scale, acc); \
             }                                                                                    \
         }                                                                                        \
         return hsum8(acc);                                                                       \
@@ -267,17 +272,13 @@ static inline void k4_unpack(const uint8_t *s, uint32_t out[4]) {
     __attribute__((target(TARGET))) static float NAME(const void *w, const void *ws,             \
             const int8_t *q, const float *qs, const int32_t *qsum, int64_t n, int64_t group) {   \
         (void)ws, (void)group, (void)qsum;                                                       \
-        const __m256i low = _mm256_set1_epi8(15);                                                \
-        const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)MXFP4X2)); \
+        const __m256i table = TABLE(MXFP4X2);                                                    \
         __m256 acc = _mm256_setzero_ps();                                                        \
         for (int64_t b = 0; b < n / QK; b++) {                                                   \
             const uint8_t *blk = (const uint8_t *)w + b * 17;                                    \
             const __m128i bytes = _mm_loadu_si128((const __m128i *)(blk + 1));                   \
-            const __m256i idx = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(bytes, 4), bytes), low); \
-            const __m256i v = _mm256_shuffle_epi8(table, idx);                                   \
-            const __m256i x = _mm256_loadu_si256((const __m256i *)(q + b * QK));                 \
-            const __m256i isum = DOT32(_mm256_sign_epi8(v, v), _mm256_sign_epi8(x, v));          \
-            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(qs[b] * e8m0_half(blk[0])), acc); \
+            const __m256 scale = _mm256_set1_ps(qs[b] * e8m0_half(blk[0]));                      \
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(TABLE_DOT(DOT32, table, bytes, ACTIVATIONS(b))), scale, acc); \
         }                                                                                        \
         return hsum8(acc);                                                                       \
     }
