@@ -183,6 +183,11 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor |
     (GiBs at 32K, more than the prompt-path line holds): there the KV heads are expanded (a
     [H, S, D] copy, one layer at a time) and the memory-efficient kernel takes the mask."""
     gqa = q.shape[0] != k.shape[0]
+    if gqa and mask is None and q.device.type == "cpu":      # a decode step: each kv head's query heads as rows
+        h, t, d = q.shape                                     # (half the time of enable_gqa on the host)
+        out = F.scaled_dot_product_attention(q.reshape(k.shape[0], h // k.shape[0] * t, d)[None], k[None], v[None],
+                                             scale=scale)[0]
+        return out.reshape(h, t, -1)
     if q.device.type == "cuda" and mask is not None:
         from torch.nn.attention import SDPBackend, sdpa_kernel
         if gqa:
