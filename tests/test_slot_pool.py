@@ -170,3 +170,16 @@ def test_prefill_misses_go_over_pcie_when_that_is_cheaper_and_the_tokens_do_not_
     assert runs[None][1] == runs[0.000001][1] == 0 and runs[1000.0][1] > 0
     assert runs[1000.0][2]["pcie_gbps"] == 1000.0 and runs[None][2]["pcie_gbps"] == 0.0
     assert runs[1000.0][2]["slots"] == 4                                  # admitted in place of cold ones
+
+
+def test_a_one_token_routing_groups_as_the_general_path_does():
+    """A decode step's routing is grouped in Python (experts/groups.py); it must equal the
+    tensor path a multi-token step takes."""
+    from moefit.experts.groups import Groups
+    gen = torch.Generator().manual_seed(4)
+    ids = torch.randperm(64, generator=gen)[:8][None]                     # [1, k] distinct, unsorted
+    weights = torch.rand(1, 8, generator=gen)
+    fast = Groups.of(ids, weights)
+    both = Groups.of(torch.cat([ids, ids]), torch.cat([weights, weights]))   # the general path, two tokens
+    assert fast.experts == both.experts == sorted(ids[0].tolist()) and fast.start == list(range(9))
+    assert torch.equal(fast.weights, both.weights[0::2]) and torch.equal(fast.rows, both.rows[0::2])
