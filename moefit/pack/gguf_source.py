@@ -7,11 +7,10 @@ Experts keep their blocks (KEEP): Q4_0 is moefit's int4 layout (4-bit codes offs
 fp16 scale per 32) up to the order of the nibbles, so the codes are reshuffled, not
 re-quantised; Q8_0 is moefit's q8_0 as it is; Q4_K, Q5_K, Q6_K, IQ4_XS and MXFP4 stay the file's
 blocks (the host kernel and pack/kblocks.py read them; MXFP4 converts to q8_0 exactly when that
-recipe is asked for); a layer may
-mix two (a Q4_K_M file's Q4_K gate and up, Q6_K down). The pack holds llama.cpp's exact weights.
-With --requant (or --quant) every expert is dequantised to float and packed in that recipe.
-Architectures: pack/gguf_archs.py (qwen3moe, llama as Mixtral, olmoe, glm4moe, deepseek2);
-others are named in the error.
+recipe is asked for); a layer may mix two (a Q4_K_M file's Q4_K gate and up, Q6_K down). The
+pack holds llama.cpp's exact weights. With --requant (or --quant) every expert is dequantised to
+float and packed in that recipe. Architectures: pack/gguf_archs.py, one entry per llama.cpp
+architecture; others are named in the error.
 
 Usage: source = GGUFSource("model.gguf"); source.hf_config(); source.write_tokenizer(out)
 """
@@ -191,15 +190,15 @@ class GGUFSource:
         out = {}
         for layer in layers:
             tensors = [self.tensors[f"blk.{layer}.{n}"] for n in EXPERTS if f"blk.{layer}.{n}" in self.tensors]
-            odd = next((t for t in tensors if t.tensor_type.name not in KEEP), None)
-            if odd is None and len(tensors) == 3 and KEEP[tensors[0].tensor_type.name] != KEEP[
-                    tensors[1].tensor_type.name]:
+            kinds = [KEEP.get(t.tensor_type.name) for t in tensors]
+            odd = next((t for t, kind in zip(tensors, kinds) if kind is None), None)
+            if odd is None and len(kinds) == 3 and kinds[0] != kinds[1]:
                 odd = tensors[1]                                     # gate and up are one matrix
             if odd is not None:
                 raise PackError(f"{self.path}: {odd.name} is {odd.tensor_type.name}: moefit keeps "
                                 f"{', '.join(KEEP)} experts as they are (gate and up of one type); "
                                 "re-quantise the others with --requant int4|int8|q8_0")
-            gate_up, down = KEEP[tensors[0].tensor_type.name], KEEP[tensors[-1].tensor_type.name]
+            gate_up, down = kinds[0], kinds[-1]
             if gate_up != down and {gate_up, down} & {"fp32", "fp16", "bf16"}:
                 raise PackError(f"{self.path}: {tensors[-1].name} is {tensors[-1].tensor_type.name} and its gate "
                                 f"{tensors[0].tensor_type.name}: a float matrix with a quantised one in one layer; "
