@@ -122,12 +122,13 @@ class ExpertRunner:
 
     def _make_room(self, key: Key, keep: set) -> bool:
         """A free slot of key's size class: there is one, or the coldest resident of that
-        class not in `keep` is evicted for it; False when every one is kept."""
+        class not in `keep` (nor still arriving: a CUDA copy is writing its slot) is evicted for
+        it; False when every one is kept."""
         if self.pool.free_slots(key):
             return True
         size = self.book.sizes[key]
         for victim in self.book.coldest():
-            if victim not in keep and self.book.sizes[victim] == size:
+            if victim not in keep and victim not in self.arriving and self.book.sizes[victim] == size:
                 self.unload(victim)
                 return True
         return False
