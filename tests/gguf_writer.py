@@ -65,20 +65,23 @@ def write_gguf(hf_dir: Path, path: Path, family: str, expert_type=None, down_typ
     return Path(path)
 
 
-# where each K-quant / IQ4_XS super-block keeps its fp16 scales (d, and Q4_K / Q5_K's dmin)
+# where each K-quant / IQ4_XS super-block keeps its fp16 scales (d, and Q4_K / Q5_K's dmin);
+# gguf.quants cannot make these, so the writer fills such experts with random blocks
 SCALE_AT = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_XS": (0,)}
 
 
 def super_blocks(shape: tuple[int, ...], qtype, seed: int):
-    """Random super-blocks for a [..., cols] tensor: random bytes, the fp16 scales small enough
-    that the weights are of order 0.1-1."""
+    """Random GGUF blocks for a [..., cols] tensor (K-quants, IQ4_XS, MXFP4): random bytes, the
+    fp16 scales small (MXFP4's exponent near 2^-3) so the weights are of order 0.1-1."""
     import numpy as np
-    size = gguf.GGML_QUANT_SIZES[qtype][1]
+    weights, size = gguf.GGML_QUANT_SIZES[qtype]
     rng = np.random.default_rng(seed)
-    raw = rng.integers(0, 256, (*shape[:-1], shape[-1] // 256, size), dtype=np.uint8)
-    for at in SCALE_AT[qtype.name]:
+    raw = rng.integers(0, 256, (*shape[:-1], shape[-1] // weights, size), dtype=np.uint8)
+    for at in SCALE_AT.get(qtype.name, ()):
         d = rng.uniform(0.0005, 0.002, raw.shape[:-1]).astype(np.float16)
         raw[..., at:at + 2] = d[..., None].view(np.uint8)
+    if qtype.name == "MXFP4":
+        raw[..., 0] = rng.integers(122, 128, raw.shape[:-1], dtype=np.uint8)
     return raw.reshape(*shape[:-1], -1)
 
 

@@ -30,21 +30,14 @@ def reference(x, quant, experts, rows, weights):
 
 
 SUPER = ("q4_k", "q5_k", "q6_k", "iq4_xs", "mxfp4", "q4_k/q6_k", "iq4_xs/q5_k")
-# where each GGUF block keeps its fp16 scales (d, and Q4_K / Q5_K's dmin)
-SCALE_AT = {"q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,), "iq4_xs": (0,), "mxfp4": ()}
 
 
 def gguf_blocks(quant: str, rows: int, cols: int, g) -> list[torch.Tensor]:
-    """Random GGUF blocks (moefit never makes them: they come from files): random bytes, the fp16
-    scales set small (MXFP4's exponent near 2^-3) so the weights are of order 1."""
-    weights, size = GGUF_BLOCKS[quant]
-    raw = torch.randint(0, 256, (rows, cols // weights, size), generator=g, dtype=torch.uint8)
-    for at in SCALE_AT[quant]:
-        d = (torch.rand(rows, cols // weights, generator=g) * 0.004 + 0.001).half()
-        raw[:, :, at:at + 2] = d[..., None].view(torch.uint8)
-    if quant == "mxfp4":
-        raw[:, :, 0] = torch.randint(122, 128, (rows, cols // weights), generator=g, dtype=torch.uint8)
-    return [raw.reshape(rows, -1)]
+    """Random GGUF blocks (moefit never makes them: they come from files), tests/gguf_writer.py's."""
+    import gguf
+    from gguf_writer import super_blocks
+    qtype = getattr(gguf.GGMLQuantizationType, quant.upper())
+    return [torch.from_numpy(super_blocks((rows, cols), qtype, int(torch.randint(1 << 30, (1,), generator=g))))]
 
 
 def matrix(quant: str, rows: int, cols: int, g) -> list[torch.Tensor]:

@@ -218,13 +218,13 @@ def add_mtp(ckpt: Path, family: str, seed: int = 7) -> Path:
     """Give a tiny checkpoint an MTP layer (transformers builds none): its weights in their own
     shard, listed in the index, and the config's count (num_nextn_predict_layers / mtp_num_hidden_layers)."""
     from safetensors.torch import save_file
+    from moefit.pack.convert import _weight_map
     ckpt = Path(ckpt)
     weights = mtp_weights(ckpt, family, seed)
+    before = _weight_map(ckpt)                        # the checkpoint's own weights, before the MTP shard
     save_file(weights, str(ckpt / "mtp.safetensors"))
     index_file = ckpt / "model.safetensors.index.json"
-    index = json.loads(index_file.read_text()) if index_file.exists() else {
-        "metadata": {}, "weight_map": {k: f.name for f in ckpt.glob("model*.safetensors")
-                                       for k in _keys(f)}}
+    index = json.loads(index_file.read_text()) if index_file.exists() else {"metadata": {}, "weight_map": before}
     index["weight_map"] |= {k: "mtp.safetensors" for k in weights}
     index_file.write_text(json.dumps(index))
     cfg = json.loads((ckpt / "config.json").read_text())
@@ -232,8 +232,3 @@ def add_mtp(ckpt: Path, family: str, seed: int = 7) -> Path:
     (ckpt / "config.json").write_text(json.dumps(cfg))
     return ckpt
 
-
-def _keys(f: Path) -> list[str]:
-    from safetensors import safe_open
-    with safe_open(str(f), framework="pt") as h:
-        return list(h.keys())

@@ -78,9 +78,11 @@ class ExpertRunner:
         order = self.ahead.predicted.get(layer)
         if not order:
             return
-        missing = [e for e in order if (layer, e) not in self.slots and (layer, e) not in self.arriving]
         budget = self.ahead.pcie_budget(self.costs.pcie_bytes_per_s, self.book.sizes[(layer, order[0])],
-                                        time.perf_counter())
+                                        time.perf_counter())                # also times the layer: every call
+        missing = [e for e in order if (layer, e) not in self.slots and (layer, e) not in self.arriving]
+        if not missing:
+            return
         keep = self.ahead.wanted(layer, now, busy)
         for n, e in enumerate(missing):
             if n >= budget or not self._make_room((layer, e), keep):

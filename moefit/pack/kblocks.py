@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from moefit.pack.layout import GGUF_BLOCKS
+
 QK_K = 256
 IQ4NL = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 MXFP4_DOUBLED = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)       # e2m1 values x 2
@@ -18,8 +20,7 @@ MXFP4_DOUBLED = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)       
 def dequantize_blocks(w: torch.Tensor, quant: str) -> torch.Tensor:
     """w [R, B * bytes] uint8 -> [R, B * weights] fp32."""
     rows = w.shape[0]
-    size = {"q4_k": 144, "q5_k": 176, "q6_k": 210, "iq4_xs": 136, "mxfp4": 17}[quant]
-    blocks = w.reshape(rows, -1, size)
+    blocks = w.reshape(rows, -1, GGUF_BLOCKS[quant][1])
     out = {"q4_k": _q4_k, "q5_k": _q5_k, "q6_k": _q6_k, "iq4_xs": _iq4_xs, "mxfp4": _mxfp4}[quant](blocks)
     return out.reshape(rows, -1)
 

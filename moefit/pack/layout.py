@@ -18,6 +18,7 @@ and their scales, each part aligned to PART_ALIGN bytes inside the blob.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 PART_ALIGN = 64
 BLOB_ALIGN = 4096
@@ -67,6 +68,7 @@ def matrix_parts(name: str, rows: int, cols: int, quant: str, group: int) -> lis
     raise ValueError(f"unknown quantization {quant!r}")
 
 
+@lru_cache(maxsize=None)
 def matrix_quants(quant: str) -> tuple[str, str]:
     """(gate_up's, down's) quantization of a blob: "q4_k/q6_k" names both, "int4" one for both."""
     gate_up, _, down = quant.partition("/")

@@ -33,7 +33,7 @@ PENDING_MAX = 64          # decode steps' hidden rows held before they are writt
 
 class MtpDrafter:
     def __init__(self, model, mtp: dict, state: SequenceState, runner, chunk: int):
-        self.model, self.mtp, self.state, self.runner, self.chunk = model, mtp, state, runner, chunk
+        self.model, self.mtp, self.state, self.chunk = model, mtp, state, chunk
         self.done = 0                               # positions whose KV row is final
         self.pending: torch.Tensor | None = None    # the model's hidden states at positions done..
         self.experts = _HostExperts(runner)
