@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from moefit.config import ServeConfig
 from moefit.experts.lookahead import LookAhead
@@ -123,3 +124,76 @@ def test_a_prefetch_keeps_what_the_layer_computing_now_routed_to_and_the_first_k
     ahead.expect(2, [[5, 6, 7, 8]])                       # ranks 3 and 4 may be brought in, not protected
     assert ahead.wanted(2, 1, [3, 4]) == {(1, 3), (1, 4), (2, 5), (2, 6)}
     assert ahead.next_guessed(1) == 2 and ahead.next_guessed(2) == -1
+
+
+class _Stack:
+    """Two router layers, as decoder_stack shows them to ProbeFit."""
+
+    def __init__(self, routers):
+        from types import SimpleNamespace
+        e = routers[0].shape[1]
+        self.layers = [{"router": r, "post_norm": torch.ones(e)} for r in routers]
+        self.cfg = SimpleNamespace(rms_norm_eps=1e-6)
+
+
+def _fit(mix: torch.Tensor, prompts: int = 10):
+    """Layer 1's MLP input is layer 0's residual mixed by `mix`: the router alone misreads it."""
+    from moefit.experts.probe import ProbeFit
+    torch.manual_seed(0)
+    e, n = mix.shape[0], 16
+    model = _Stack([torch.randn(n, e), torch.randn(n, e)])
+    fit = ProbeFit(top_k=2)
+    for p in range(prompts):
+        fit.begin(p)
+        x = torch.randn(40, e)
+        fit.see(model, 0, x, x)
+        feat = torch.nn.functional.rms_norm(x, (e,), eps=1e-6)
+        fit.see(model, 1, feat @ mix.T, feat @ mix.T)
+    return fit.fit(model)
+
+
+def test_the_probe_learns_a_routing_the_router_misreads_and_keeps_the_router_where_it_reads_right():
+    torch.manual_seed(1)
+    e = 32
+    mixed = _fit(torch.eye(e) + 0.8 * torch.randn(e, e))
+    assert mixed.held_out == 80 and mixed.tokens == 320                     # prompts 4 and 9 score the fit
+    assert mixed.router_recall[1] < 0.6 and mixed.probe_recall[1] > 0.95 and 1 in mixed.matrices
+    plain = _fit(torch.eye(e))                                              # the router is the exact map
+    assert plain.router_recall[1] == 1.0 and plain.matrices == {}
+
+
+def test_a_fitted_probe_is_stored_placed_in_the_dense_line_and_guesses(packs, card, tmp_path):
+    import shutil
+    from moefit.memory import ledger as L
+    pack = tmp_path / "pack"
+    shutil.copytree(packs("qwen3_moe", "int8"), pack)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(f"the lantern {i} and the river {i * 7}" for i in range(10)) + "\n")
+    r = subprocess.run([sys.executable, "-m", "moefit", "profile", str(pack), "--prompts", str(prompts),
+                        "--max-tokens", "24", "--probe"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "look-ahead probe:" in r.stdout and "held out" in r.stdout
+    info = json.loads((pack / "moefit-pack.json").read_text()).get("probe")
+    assert info and info["layers"], r.stdout                                # the tiny model's probe beats its router
+    assert (pack / info["file"]).stat().st_size == 4 * info["params"]
+    assert all(info["probe_recall"][str(j)] > info["router_recall"][str(j)] for j in info["layers"])
+    runs = {}
+    for n in (0, 2):
+        engine = Engine.open(pack, sim(card(64), expert_cache="3", prefetch_per_layer=n))
+        runs[n] = engine, engine.generate(PROMPT, GREEDY)[1].generated
+    (off, out_off), (on, out_on) = runs[0], runs[2]
+    assert out_on == out_off                                                # placement only, never the tokens
+    assert sorted(on.loaded.model.probes) == info["layers"] and off.loaded.model.probes == {}
+    cb = on.loaded.model.norm.element_size()
+    dense = lambda e: e.loaded.mem.charged[L.DENSE]                         # noqa: E731
+    assert dense(on) - dense(off) == info["params"] * cb
+    assert dense(on) == on.loaded.plan.line(L.DENSE).bytes                  # the ledger holds it, exactly
+    assert cache_json(on)["predictor"] == f"probe on {len(info['layers'])} layers"
+
+
+def test_the_demo_pack_carries_the_shipped_probe():
+    from moefit.demo import PROBE_SECTION, demo_pack
+    from moefit.pack.reader import Pack
+    shipped = json.loads(PROBE_SECTION.read_text())
+    assert all(shipped["probe_recall"][str(j)] > shipped["router_recall"][str(j)] for j in shipped["layers"])
+    assert Pack.open(demo_pack(), checksums=False).header["probe"]["layers"] == shipped["layers"]

@@ -106,7 +106,7 @@ def test_the_hit_rate_chart_updates_after_requests(server, browser):
     wait_for(lambda: points() > before, what="new points on the chart")
     bars = browser.execute_script("return document.querySelectorAll('#layer-bars div').length")
     assert bars == 3
-    look = r"look-ahead: next-layer recall \d+ %, (\d+) prefetched \(\d+ used in time\)"
+    look = r"look-ahead \(router\): next-layer recall \d+ %, (\d+) prefetched \(\d+ used in time\)"
     wait_for(lambda: re.search(look, browser.find_element("id", "cache-summary").text), what="the look-ahead figures")
 
 

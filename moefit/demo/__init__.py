@@ -5,6 +5,7 @@ to the demo model so that about a quarter of its experts fit (card.json)."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from pathlib import Path
 
@@ -12,6 +13,8 @@ HERE = Path(__file__).parent
 MODEL = HERE / "model"
 CARD = HERE / "card.json"
 PROFILE = HERE / "profile.json"         # expert hotness from the training corpus (tools/profile_demo.py)
+PROBE = HERE / "probe.bin"              # the look-ahead's probe, fitted on the same documents
+PROBE_SECTION = HERE / "probe.json"     # ... and its pack header section (layers, recalls)
 QUANT = "int8"
 # The seed's desktop baseline (2,367 MiB of a 12,282 MiB RTX 4070), as shares of the card.
 SEED_DESKTOP = [(2101, "gnome-shell", 587), (2300, "hermes", 573), (2410, "chromium", 434),
@@ -48,14 +51,17 @@ def model_digest() -> str:
 
 def demo_pack(log=print) -> Path:
     """The demo model's pack, written on first use and reused after, with the shipped
-    expert profile (the demo never serves blind)."""
+    expert profile and look-ahead probe (the demo never serves blind)."""
+    from moefit.experts import probe
     from moefit.pack.convert import convert
     from moefit.pack.reader import Pack
     pack = cache_dir() / f"demo-{model_digest()}-{QUANT}.pack"
     if not (pack / "moefit-pack.json").exists():
         log(f"packing the demo model into {pack} ...")
         convert(MODEL, pack, QUANT, progress=False)
-    profile = Pack.open(pack, checksums=False).profile_path
-    if PROFILE.exists() and not profile.exists():
-        profile.write_bytes(PROFILE.read_bytes())
+    opened = Pack.open(pack, checksums=False)
+    if PROFILE.exists() and not opened.profile_path.exists():
+        opened.profile_path.write_bytes(PROFILE.read_bytes())
+    if PROBE.exists() and "probe" not in opened.header:
+        probe.install(pack, PROBE, json.loads(PROBE_SECTION.read_text()))
     return pack

@@ -21,14 +21,14 @@ def main() -> None:
     fp = from_pack_header(header, "fp32")
     ctx, resident = int(flag("--ctx")), int(flag("--kv-resident"))
     chunk = int(flag("--prefill-chunk"))
-    moefit = (fp.dense_bytes + fp.rope_bytes(ctx) + fp.state_bytes(ctx, "fp32", chunk, resident)
+    moefit = (fp.dense_bytes + fp.probe_bytes + fp.rope_bytes(ctx) + fp.state_bytes(ctx, "fp32", chunk, resident)
               + flag("--vram-reserve-mib") * MIB + sum(sorted(fp.blob_sizes.values())[: len(fp.blob_sizes) // 4]))
     desktop_share = sum(m for _, _, m in SEED_DESKTOP) / SEED_TOTAL_MIB
     total = (moefit + 16 * 1024) / (1 - desktop_share) / MIB            # a few KiB of slack
     scale = total / SEED_TOTAL_MIB
     procs = [(pid, name, round(mib * scale, 4)) for pid, name, mib in SEED_DESKTOP]
     write_card(CARD, f"RTX 4070 12 GB (simulated, scaled 1:{1 / scale:.0f} to the demo model)", round(total, 4), procs,
-               allocator="exact")      # scaled 1:481: a 2 MiB CUDA segment would be 8 % of it
+               allocator="exact")      # scaled 1:480: a 2 MiB CUDA segment would be 8 % of it
     print(f"wrote {CARD}: {total:.2f} MiB, desktop {sum(p[2] for p in procs):.2f} MiB; {ctx} tokens of context, {resident} on the card")
 
 

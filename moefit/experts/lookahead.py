@@ -24,6 +24,7 @@ class LookAhead:
     num_layers: int
     budget: int                                     # experts a layer may bring in ahead (0: predict only)
     top_k: int = 0                                  # the ranks that are the prediction (0: all)
+    probe_layers: list[int] = field(default_factory=list)    # layers guessed by a trained probe (experts/probe.py)
     predicted: dict[int, list[int]] = field(default_factory=dict)   # layer -> experts, most confident first
     per_token: dict[int, list[list[int]]] = field(default_factory=dict)  # layer -> each token's top-k guess
     fetched: dict[int, set[int]] = field(default_factory=dict)      # layer -> brought in, not yet used
@@ -95,4 +96,5 @@ class LookAhead:
     def to_json(self) -> dict:
         return {"prefetched": self.prefetched, "prefetch_hits": self.prefetch_hits,
                 "prediction_recall": self.recall(), "layer_prediction_recall": self.layer_recall(),
-                "prefetch_per_layer": self.budget, "layer_ms": 1e3 * self.layer_seconds}
+                "prefetch_per_layer": self.budget, "layer_ms": 1e3 * self.layer_seconds,
+                "predictor": f"probe on {len(self.probe_layers)} layers" if self.probe_layers else "router"}

@@ -2,7 +2,7 @@
 No torch.
 
 `exact`: an allocation of n bytes costs n bytes, and freeing it gives them back at once.
-Scaled cards (the demo's, 1:481) use it: a 2 MiB segment would be 8 % of such a card.
+Scaled cards (the demo's, 1:480) use it: a 2 MiB segment would be 8 % of such a card.
 
 `cuda`: PyTorch's CUDA caching allocator (c10/cuda/CUDACachingAllocator.cpp, defaults):
   - every block is rounded up to a multiple of 512 bytes (what memory_allocated counts);

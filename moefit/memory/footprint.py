@@ -27,6 +27,7 @@ class Footprint:
     draft_head_bytes: int = 0
     mtp_layers: int = 0              # multi-token-prediction layers (a draft source, in the reserve)
     mtp_dense_bytes: int = 0         # their device weights (their experts stay on the host)
+    probe_bytes: int = 0             # the look-ahead's trained probe, with the dense weights when it looks ahead
 
     @property
     def cb(self) -> int:
@@ -171,4 +172,5 @@ def from_pack_header(header: dict, compute_dtype: str, dense_quant: str = "off")
     cb = COMPUTE_BYTES[compute_dtype]
     draft = (header.get("draft") or {}).get("params", 0) * cb
     mtp = dense_bytes({n: tuple(tensors[n]["shape"]) for n in mtp_dense_names(m, tensors)}, cb, "off")
-    return Footprint(m, compute_dtype, dense, blobs, draft, (header.get("mtp") or {}).get("layers", 0), mtp)
+    return Footprint(m, compute_dtype, dense, blobs, draft, (header.get("mtp") or {}).get("layers", 0), mtp,
+                     (header.get("probe") or {}).get("params", 0) * cb)

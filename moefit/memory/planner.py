@@ -170,7 +170,7 @@ def plan(fp: Footprint, cfg: ServeConfig, snap: DeviceSnapshot, order: list[Key]
     min_slots = cfg.min_expert_slots if cfg.min_expert_slots is not None else fp.min_slots
     resident = resident_window(fp, cfg, snap, kv_dtype, spec_on, min_slots)
     reserve = plan_reserve(fp, cfg, kv_dtype, spec_on, resident)
-    dense = fp.dense_bytes + fp.rope_bytes(cfg.ctx)
+    dense = device_dense(fp, cfg)
     kv = fp.state_bytes(cfg.ctx, kv_dtype, cfg.prefill_chunk, resident) * cfg.sessions
     host = fp.host_state_bytes(cfg.ctx, kv_dtype, resident) * cfg.sessions
     if spec_on and spec_mode(cfg.spec, fp) == "mtp":
@@ -191,6 +191,11 @@ def plan(fp: Footprint, cfg: ServeConfig, snap: DeviceSnapshot, order: list[Key]
                 host_free)
 
 
+def device_dense(fp: Footprint, cfg: ServeConfig) -> int:
+    """The dense line: the dense weights, RoPE's frequencies, and the look-ahead's probe when it looks ahead."""
+    return fp.dense_bytes + fp.rope_bytes(cfg.ctx) + (fp.probe_bytes if cfg.prefetch_per_layer > 0 else 0)
+
+
 WINDOW_STEP = 1024
 
 
@@ -206,7 +211,7 @@ def resident_window(fp: Footprint, cfg: ServeConfig, snap: DeviceSnapshot, kv_dt
     if not streaming_per_token:
         return None
     need = slots_bytes(min_slots, fp.largest_blob)
-    left = lambda w: (snap.free_bytes - fp.dense_bytes - fp.rope_bytes(cfg.ctx)  # noqa: E731
+    left = lambda w: (snap.free_bytes - device_dense(fp, cfg)  # noqa: E731
                       - fp.state_bytes(cfg.ctx, kv_dtype, cfg.prefill_chunk, w) * cfg.sessions
                       - plan_reserve(fp, cfg, kv_dtype, spec_on, w).total)
     if left(None) >= need:

@@ -262,7 +262,12 @@ def _merge(out, lse, o, m):
 
 class DecoderModel:
     """What every family's model shares: the residual stack (decoder_stack, which calls the
-    family's attention and mlp) and the lm_head."""
+    family's attention and mlp) and the lm_head. `probes` (layer -> [N, E]) replace the routers
+    in the look-ahead's guess where the pack has a trained probe (experts/probe.py); `probe_fit`
+    records the probe's training pairs while `moefit profile --probe` runs."""
+
+    probes: dict = {}
+    probe_fit = None
 
     def forward(self, tokens: torch.Tensor, start: int, kv, experts) -> torch.Tensor:
         """Final hidden states [T, E] for tokens at positions start..start+T."""
@@ -284,7 +289,10 @@ def decoder_stack(model, tokens: torch.Tensor, start: int, kv, experts) -> torch
         x = x + model.attention(i, layer, rms_norm(x, layer["input_norm"], cfg.rms_norm_eps), start, cos, sin, mask, kv)
         if experts.look_ahead and i + 1 < len(model.layers) and "router" in model.layers[i + 1]:
             experts.expect(i + 1, next_layer_guess(model, i + 1, x), "router" in layer)
-        x = x + model.mlp(i, layer, rms_norm(x, layer["post_norm"], cfg.rms_norm_eps), experts)
+        h = rms_norm(x, layer["post_norm"], cfg.rms_norm_eps)
+        if model.probe_fit is not None:
+            model.probe_fit.see(model, i, x, h)
+        x = x + model.mlp(i, layer, h, experts)
     return rms_norm(x, model.norm, cfg.rms_norm_eps)
 
 
@@ -293,10 +301,11 @@ GUESS_RANKS = 2          # a guess ranks 2k experts: the first k are the predict
 
 def next_layer_guess(model, j: int, h: torch.Tensor) -> torch.Tensor:
     """Layer j's most likely experts as its own norm and router see h, the residual stream before
-    layer j-1's MoE: [T, 2k], most likely first. Softmax is monotonic, so the logits' ranking is
-    every family's."""
+    layer j-1's MoE: [T, 2k], most likely first, read by the layer's trained probe where the pack
+    has one. Softmax is monotonic, so the logits' ranking is every family's."""
     nxt = model.layers[j]
-    logits = F.linear(rms_norm(h, nxt["post_norm"], model.cfg.rms_norm_eps), nxt["router"])      # [T, N]
+    read = model.probes.get(j, nxt["router"])
+    logits = F.linear(rms_norm(h, nxt["post_norm"], model.cfg.rms_norm_eps), read)                # [T, N]
     return torch.topk(logits, min(GUESS_RANKS * model.cfg.top_k, logits.shape[-1]), dim=-1).indices
 
 

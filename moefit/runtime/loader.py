@@ -15,6 +15,7 @@ from moefit.errors import DeviceOutOfMemory, RefusedError, UsageError
 from moefit.experts.cache import CacheBook, SwapPolicy
 from moefit.experts.profile import Profile, no_profile_note
 from moefit import kernels
+from moefit.experts import probe
 from moefit.experts.lookahead import LookAhead
 from moefit.experts.costs import MissCosts, measure_pcie
 from moefit.experts.pool import SlotPool
@@ -98,9 +99,11 @@ def _place(pack: Pack, cfg: ServeConfig, mem: DeviceMemory, cdt: str, the_plan: 
     runner.native_act = getattr(model, "native_act", None)
     notes = []
     if the_plan is not None:
+        if cfg.prefetch_per_layer > 0:            # the look-ahead's trained probe, in the dense line
+            model.probes = probe.load(pack, lambda t: mem.copy_in(L.DENSE, t, dtype))
         notes = fill_cache(runner, the_plan, kind, log)
         if cfg.prefetch_per_layer > 0:            # a device with an expert cache: look ahead
-            runner.ahead = LookAhead(m.num_layers, cfg.prefetch_per_layer, m.top_k)
+            runner.ahead = LookAhead(m.num_layers, cfg.prefetch_per_layer, m.top_k, probe_layers=sorted(model.probes))
         runner.costs = miss_costs(runner, cfg, mem)
     return Loaded(pack, mem, the_plan, model, kv, runner, cdt, notes)
 

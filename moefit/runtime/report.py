@@ -25,7 +25,7 @@ def cache_json(engine) -> dict:
                                          if engine.runner.tokens else 0.0),
         **(engine.runner.ahead.to_json() if engine.runner.ahead else
            {"prefetched": 0, "prefetch_hits": 0, "prediction_recall": None, "layer_prediction_recall": [],
-            "prefetch_per_layer": 0}),
+            "prefetch_per_layer": 0, "predictor": None}),
     }
 
 

@@ -101,7 +101,8 @@ function drawChecks(status) {
 function lookAhead(c) {
   if (!c.prefetch_per_layer) return "look-ahead off";
   const recall = c.prediction_recall == null ? "-" : (100 * c.prediction_recall).toFixed(0) + " %";
-  return `look-ahead: next-layer recall ${recall}, ${c.prefetched} prefetched (${c.prefetch_hits} used in time)`;
+  return `look-ahead (${c.predictor}): next-layer recall ${recall}, ${c.prefetched} prefetched ` +
+    `(${c.prefetch_hits} used in time)`;
 }
 
 function drawCache(status) {
