@@ -4,20 +4,23 @@ with bypass (the best any demand cache can do), at budgets of 5, 10, 15, 25 and 
 experts. Prints hit rates and each policy's ratio to MIN.
 
 Look-ahead: traces made with a cache (a simulated card) carry each token's guess for the layer
-(the layer's own router on the residual stream one layer earlier: 2k experts, most likely
-first; the first k are the prediction whose recall is printed); before a step, up to B guessed
-experts that are not resident are brought in, most likely first, in place of the coldest slots
-that neither the step before (the layer computing while the copies run) routed to nor the
-guess's first k names, as the engine does (experts/runner.prefetch). B is the PCIe budget per
-layer, in experts.
+(the pack's probe, or the layer's own router, on the residual stream one layer earlier: 2k
+experts, most likely first; the first k are the prediction whose recall is printed). Before a
+step, up to B experts that are not resident are brought in, in the engine's order
+(experts/lookahead.py): the guess's first k, the layer's routing for the previous token, the
+guess's other ranks; the first MoE layer (no guess) gets its previous routing. They replace the
+coldest slots that neither the step before (the layer computing while the copies run) routed
+to, nor the guess's first k, nor the layer's previous routing names. B is the PCIe budget per
+layer, in experts (PF_BUDGETS says what PCIe moves).
 
     .venv/bin/python bench/cache_policy.py [TRACE.jsonl[.gz] ...]
     .venv/bin/python bench/cache_policy.py --make-traces PACK      # dump fresh traces first
     .venv/bin/python bench/cache_policy.py --fixture DIR           # a random fixture's traces instead
 
 The fixture: a random Qwen3-MoE of tests/tiny.py's kind, larger (6 layers of 64 experts, top-8,
-routers sharpened as the tests do), packed int8 and run on a generous simulated card with a
-quarter of its experts cached, so that its look-ahead predictions are in the traces too.
+routers sharpened as the tests do), packed int8, its look-ahead probe fitted (`moefit profile
+--probe`) on 30 other prompts, and run on a generous simulated card with a quarter of its
+experts cached, so that its look-ahead predictions are in the traces too.
 
 A trace is what `moefit generate --dump-routing FILE` writes: one JSON line per (token,
 layer) with the routed expert ids. The first quarter of each trace is the profiling
@@ -43,8 +46,15 @@ from moefit.experts.cache import CacheBook, SwapPolicy  # noqa: E402
 
 DEFAULT_TRACES = Path(__file__).parent / "traces"
 BUDGETS = (0.05, 0.10, 0.15, 0.25, 0.30, 0.50)
+# Experts one layer's time lets PCIe bring in: Qwen3-30B-A3B's int4 expert is 2.5 MB, a layer at
+# 40 tok/s is 0.52 ms (48 layers), so PCIe 4.0 x16 (~25 GB/s pinned) moves ~5, PCIe 5.0 ~10.
+PF_BUDGETS = (1, 2, 4, 8)
 PROMPTS = ["Define: lantern", "Define: river", "Define: justice", "Define: harbor", "Define: to wander",
            "Define: bright", "Define: quickly", "Define: orchestra"]
+# the fixture's probe is fitted on these, never on PROMPTS
+PROBE_WORDS = ("mountain silver anchor echo garden whisper candle forest thunder bridge mirror pebble meadow "
+               "compass velvet glacier lantern-fish ember orchard ripple cobalt falcon saddle quarry tundra "
+               "beacon marble hollow crimson drift").split()
 
 
 def read_trace(path: Path) -> tuple[list[list[tuple[int, int]]], list[list[tuple[int, int]] | None]]:
@@ -140,9 +150,16 @@ def adaptive(profile_steps, steps, capacity, layers, experts, preds=None, budget
     hits = total = 0
     per_token = max(1, len({k[0] for s in steps[:50] for k in s}))
     top_k = max(len(s) for s in steps[:50])
+    first = min(k[0] for s in steps[:50] for k in s)
+    recent = {}                              # layer -> the previous token's routing there
     for i, step in enumerate(steps):
-        if budget and preds[i]:             # kept: the step before's routing and this guess's first k (the engine's)
-            prefetch(book, preds[i], set(preds[i][:top_k]) | set(steps[i - 1] if i else ()), budget)
+        layer = step[0][0] if step else None
+        before = recent.get(layer, [])
+        if budget and (preds[i] or layer == first):     # the engine's rule (experts/lookahead.py)
+            guess = list(dict.fromkeys((preds[i] or [])[:top_k] + before + (preds[i] or [])[top_k:]))
+            prefetch(book, guess, set((preds[i] or [])[:top_k]) | set(before) | set(steps[i - 1] if i else ()), budget)
+        if step:
+            recent[layer] = step
         resident = [key in book.resident for key in step]
         hits, total = hits + sum(resident), total + len(step)
         if step:
@@ -237,6 +254,11 @@ def make_fixture_traces(out: Path, tokens: int) -> None:
     pack = out / "pack"
     if not (pack / "moefit-pack.json").exists():
         convert(hf, pack, "int8", progress=False)
+    if "probe" not in json.loads((pack / "moefit-pack.json").read_text()):
+        prompts = out / "probe-prompts.txt"
+        prompts.write_text("".join(f"Define: {w}\n" for w in PROBE_WORDS))
+        subprocess.run([sys.executable, "-m", "moefit", "profile", str(pack), "--prompts", str(prompts),
+                        "--max-tokens", "200", "--probe"], check=True)
     card = out / "card.json"
     write_card(card, "fixture card (simulated)", 4096, [])
     dump_traces(pack, out, tokens, ["--device", f"sim:{card}", "--expert-cache", str(6 * 64 // 4),
@@ -269,13 +291,13 @@ def main() -> None:
     print(f"# {len(paths)} traces, {len(steps)} (token, layer) steps, {moe_layers} MoE layers x {experts} experts; "
           f"first quarter profiles, the rest is scored; prediction recall "
           f"{'-' if recall is None else f'{recall:.3f}'}; +pfB = adaptive with look-ahead, B experts a layer")
-    names = ("static", "LRU", "LFU", "adaptive") + (("+pf1", "+pf2", "+pf4") if have else ())
+    names = ("static", "LRU", "LFU", "adaptive") + tuple(f"+pf{b}" for b in PF_BUDGETS if have)
     print(f"{'budget':>8} " + " ".join(f"{n:>8}" for n in names) + f" {'MIN':>8}   ratio to MIN")
     for share in BUDGETS:
         cap = max(1, int(share * moe_layers * experts))
         r = {"static": static(profile_steps, scored, cap), "LRU": lru(profile_steps, scored, cap),
              "LFU": lfu(profile_steps, scored, cap), "adaptive": adaptive(profile_steps, scored, cap, layers, experts)}
-        for b in (1, 2, 4) if have else ():
+        for b in PF_BUDGETS if have else ():
             r[f"+pf{b}"] = adaptive(profile_steps, scored, cap, layers, experts, scored_preds, b)
         r["MIN"] = belady(profile_steps, scored, cap)
         ratios = " ".join(f"{r[k] / r['MIN']:.2f}" if r["MIN"] else "-" for k in names)

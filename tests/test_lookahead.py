@@ -29,9 +29,9 @@ def test_predictions_are_ranked_scored_and_prefetch_hits_counted():
     ahead = LookAhead(num_layers=3, budget=2, top_k=2)
     assert ahead.expect(1, [[4, 2, 9, 5], [4, 7, 8, 9]]) == [4, 2, 7, 9, 8, 5]   # first choices first
     ahead.fetched_for(1, 7)
-    ahead.score(1, [2, 7, 9])                          # 9 was only a third choice: not foreseen
+    ahead.score(1, [2, 7, 9], [7, 9])                  # 9 was only a third choice: not foreseen
     assert ahead.recall() == 2 / 3 and ahead.prefetch_hits == 1 and ahead.prefetched == 1
-    ahead.score(2, [1])                                                  # no prediction: not scored
+    ahead.score(2, [1], [1])                                             # no prediction: not scored
     assert ahead.layer_recall() == [None, 2 / 3, None]
 
 
@@ -124,6 +124,27 @@ def test_a_prefetch_keeps_what_the_layer_computing_now_routed_to_and_the_first_k
     ahead.expect(2, [[5, 6, 7, 8]])                       # ranks 3 and 4 may be brought in, not protected
     assert ahead.wanted(2, 1, [3, 4]) == {(1, 3), (1, 4), (2, 5), (2, 6)}
     assert ahead.next_guessed(1) == 2 and ahead.next_guessed(2) == -1
+
+
+def test_the_previous_routing_ranks_after_the_guess_and_the_first_moe_layer_is_guessed_from_it():
+    ahead = LookAhead(num_layers=4, budget=4, top_k=2, moe_layers=[1, 2, 3])
+    ahead.score(2, [0, 3, 9], [9, 3])                     # layer 2's last token went to 9 and 3
+    assert ahead.expect(2, [[5, 9, 7, 8]]) == [5, 9, 3, 7, 8]          # first k, then recency, then the rest
+    assert ahead.wanted(2, 1, [4]) == {(1, 4), (2, 5), (2, 9), (2, 3)}
+    assert ahead.next_guessed(1) == 2 and ahead.next_guessed(2) == -1   # layer 1 has no routing yet
+    ahead.score(1, [6, 1], [1, 6])
+    assert ahead.next_guessed(3) == 1 and ahead.predicted[1] == [1, 6]  # after the last layer: the first's recency
+    ahead.fetched_for(1, 6)
+    ahead.score(1, [6, 2], [6, 2])
+    assert ahead.prefetch_hits == 1 and ahead.recall() == 0.0 and ahead.layer_recall()[1] is None
+
+
+def test_the_first_moe_layers_last_routing_is_resident_before_the_next_token(packs, card):
+    engine = Engine.open(packs("qwen3_moe", "int8"), sim(card(64), expert_cache="6", prefetch_per_layer=2))
+    engine.generate(PROMPT, GREEDY)
+    first = engine.pack.model.moe_layers[0]
+    recent = engine.runner.ahead.recent[first]
+    assert recent and all((first, e) in engine.runner.slots for e in recent)
 
 
 class _Stack:

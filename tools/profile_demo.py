@@ -55,8 +55,8 @@ def main() -> None:
     PROBE.write_bytes((engine.pack.path / PROBE_FILE).read_bytes())
     section = json.loads((engine.pack.path / HEADER).read_text())["probe"]
     PROBE_SECTION.write_text(json.dumps(section, indent=1) + "\n")
-    print(f"wrote {PROBE}: held-out recall per layer, router -> probe: "
-          + ", ".join(f"{fitted.router_recall[j]:.3f} -> {fitted.probe_recall[j]:.3f}" for j in sorted(fitted.router_recall)))
+    recalls = [f"{fitted.router_recall[j]:.3f} -> {fitted.probe_recall[j]:.3f}" for j in sorted(fitted.matrices)]
+    print(f"wrote {PROBE}: held-out recall per layer, router -> probe: {', '.join(recalls)}")
 
 
 if __name__ == "__main__":

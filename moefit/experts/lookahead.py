@@ -2,14 +2,18 @@
 
 The hidden state after layer l's attention, put through layer l+1's own norm and router,
 predicts layer l+1's routing (no training: published figures give 90-97 % recall on
-Qwen3-30B and Mixtral). Each token's guess ranks 2k experts: its first k are the prediction,
-scored against the routing that follows (recall per layer); on a device with an expert cache
-the guessed experts that are not resident are brought in ahead of use, most likely first (the
-first k of every token, then the next ranks), at most `budget` per layer and no more than PCIe
-moves in one layer's time (pcie_budget), once the layer computing now has routed, in place of
-the coldest slots neither that layer's experts nor the prediction need (wanted). A prefetched
-expert the layer then uses is a hit (it is resident when the layer runs) and a prefetch hit.
-No torch: the runner applies the moves.
+Qwen3-30B and Mixtral; a trained probe, experts/probe.py, does better). Each token's guess ranks
+2k experts: its first k are the prediction, scored against the routing that follows (recall per
+layer). On a device with an expert cache the guessed experts that are not resident are brought
+in ahead of use, most likely first: the first k of every token, then what the layer routed the
+previous token to (recency: consecutive tokens share experts), then the guess's next ranks; at
+most `budget` per layer and no more than PCIe moves in one layer's time (pcie_budget), once the
+layer computing now has routed, in place of the coldest slots that neither that layer's experts,
+the prediction nor the layer's previous routing needs (wanted). The first MoE layer has no layer
+before it to guess from: once the last MoE layer has routed, its previous routing is brought in
+for the next forward (while the lm_head and the sampler run). A prefetched expert the layer then
+uses is a hit (it is resident when the layer runs) and a prefetch hit. Measured on the demo's
+and a random fixture's traces (bench/cache_policy.py). No torch: the runner applies the moves.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ class LookAhead:
     budget: int                                     # experts a layer may bring in ahead (0: predict only)
     top_k: int = 0                                  # the ranks that are the prediction (0: all)
     probe_layers: list[int] = field(default_factory=list)    # layers guessed by a trained probe (experts/probe.py)
+    moe_layers: list[int] = field(default_factory=list)      # the first is guessed from its own previous routing
+    recent: dict[int, list[int]] = field(default_factory=dict)      # layer -> what the last token routed to
     predicted: dict[int, list[int]] = field(default_factory=dict)   # layer -> experts, most confident first
     per_token: dict[int, list[list[int]]] = field(default_factory=dict)  # layer -> each token's top-k guess
     fetched: dict[int, set[int]] = field(default_factory=dict)      # layer -> brought in, not yet used
@@ -44,7 +50,10 @@ class LookAhead:
         """Record each token's ranked guess for `layer`; returns the union, rank by rank (every
         token's first choice, then every second choice, ...)."""
         self.per_token[layer] = per_token
-        order = list(dict.fromkeys(e for rank in zip(*per_token) for e in rank))
+        ranks = list(zip(*per_token))
+        first, rest = ranks[:self.top_k or len(ranks)], ranks[self.top_k or len(ranks):]
+        order = list(dict.fromkeys([e for rank in first for e in rank] + self.recent.get(layer, [])
+                                   + [e for rank in rest for e in rank]))
         self.predicted[layer] = order
         self.foreseen[layer] = {e for guess in per_token for e in guess[:self.top_k or None]}
         return order
@@ -63,28 +72,37 @@ class LookAhead:
 
     def wanted(self, layer: int, now: int, busy: list[int]) -> set[tuple[int, int]]:
         """(layer, expert) keys a prefetch for `layer` must not evict: what the layer computing
-        now routed to, and what `layer` is predicted to use (every token's first k)."""
-        return {(now, e) for e in busy} | {(layer, e) for e in self.foreseen.get(layer, ())}
+        now routed to, what `layer` is predicted to use (every token's first k) and what it
+        routed the previous token to."""
+        mine = self.foreseen.get(layer, set()) | set(self.recent.get(layer, ()))
+        return {(now, e) for e in busy} | {(layer, e) for e in mine}
 
     def next_guessed(self, layer: int) -> int:
-        """The first layer after `layer` with a guess waiting (-1: none)."""
-        return min((l for l in self.predicted if l > layer), default=-1)
+        """The first layer after `layer` with a guess waiting; after the last MoE layer, the
+        first one, guessed for the next forward as its previous routing (-1: none)."""
+        after = min((l for l in self.predicted if l > layer), default=-1)
+        if after < 0 and self.moe_layers and layer == self.moe_layers[-1] and self.recent.get(self.moe_layers[0]):
+            after = self.moe_layers[0]
+            self.predicted[after] = list(self.recent[after])
+        return after
 
     def fetched_for(self, layer: int, expert: int) -> None:
         self.fetched.setdefault(layer, set()).add(expert)
         self.prefetched += 1
 
-    def score(self, layer: int, experts: list[int]) -> None:
-        """The layer has routed to `experts` (distinct): count what was foreseen."""
+    def score(self, layer: int, experts: list[int], last_token: list[int]) -> None:
+        """The layer has routed to `experts` (distinct), its last token to `last_token`: count
+        what was foreseen and what arrived in time, and remember the last token's routing."""
         self.predicted.pop(layer, None)
         self.per_token.pop(layer, None)
+        self.recent[layer] = list(dict.fromkeys(last_token))
+        routed = set(experts)
+        self.prefetch_hits += len(routed & self.fetched.pop(layer, set()))
         guess = self.foreseen.pop(layer, None)
         if guess is None:
             return
-        routed = set(experts)
         self.guessed[layer] += len(routed & guess)
         self.routed[layer] += len(routed)
-        self.prefetch_hits += len(routed & self.fetched.pop(layer, set()))
 
     def recall(self) -> float:
         total = self.routed.sum()

@@ -7,7 +7,7 @@ the probe is the least-squares map from the earlier state to the router logits l
 computes, pulled towards the router itself (ridge regression with the router as its prior), so
 it starts from the untrained guess and moves only as far as the recorded tokens justify. The
 fit keeps sums, not tokens: per layer the features' Gram matrix [E, E] and their cross product
-with the targets [E, N] (fp32 on the host: L x E^2 x 4 bytes, 805 MiB for Qwen3-30B-A3B); every
+with the targets [E, N] (fp32 on the host: L x E^2 x 4 bytes, about 790 MB for Qwen3-30B-A3B); every
 fifth prompt (up to 4,096 tokens) is held out and scores the fit, its recall of the layer's top-k against the
 router's; a layer keeps the probe only where it beats the router there.
 

@@ -190,7 +190,7 @@ class ExpertRunner:
         if self.arriving:
             self._arrived(layer)
         if self.ahead is not None:
-            self.ahead.score(layer, groups.experts)
+            self.ahead.score(layer, groups.experts, ids_h[-1].tolist())
         resident = [(layer, e) in self.slots for e in groups.experts]
         self.book.record(layer, groups.experts, resident)
         if self.ahead is not None:                                # the next layer's guess, brought in

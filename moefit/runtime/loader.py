@@ -103,7 +103,8 @@ def _place(pack: Pack, cfg: ServeConfig, mem: DeviceMemory, cdt: str, the_plan: 
             model.probes = probe.load(pack, lambda t: mem.copy_in(L.DENSE, t, dtype))
         notes = fill_cache(runner, the_plan, kind, log)
         if cfg.prefetch_per_layer > 0:            # a device with an expert cache: look ahead
-            runner.ahead = LookAhead(m.num_layers, cfg.prefetch_per_layer, m.top_k, probe_layers=sorted(model.probes))
+            runner.ahead = LookAhead(m.num_layers, cfg.prefetch_per_layer, m.top_k, probe_layers=sorted(model.probes),
+                                     moe_layers=list(m.moe_layers))
         runner.costs = miss_costs(runner, cfg, mem)
     return Loaded(pack, mem, the_plan, model, kv, runner, cdt, notes)
 
