@@ -218,3 +218,19 @@ def test_the_demo_pack_carries_the_shipped_probe():
     shipped = json.loads(PROBE_SECTION.read_text())
     assert all(shipped["probe_recall"][str(j)] > shipped["router_recall"][str(j)] for j in shipped["layers"])
     assert Pack.open(demo_pack(), checksums=False).header["probe"]["layers"] == shipped["layers"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_probe_fits_every_family_and_is_kept_only_where_it_beats_the_router(family, packs):
+    from moefit.experts.probe import ProbeFit
+    engine = Engine.open(packs(family, "int8"), ServeConfig(ctx=256))
+    model, m = engine.loaded.model, engine.pack.model
+    fit = model.probe_fit = ProbeFit(m.top_k)
+    for n in range(10):                                     # prompts 4 and 9 are held out
+        fit.begin(n)
+        engine.generate([5 + n, 17, 42, 99, 7 * n + 1, 3], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
+    probe = fit.fit(model)
+    guessed = [j for j in m.moe_layers if j >= 1]                   # a layer before it to guess from
+    assert sorted(probe.router_recall) == guessed and probe.held_out == 2 * (6 + 19)     # the last token is not run
+    assert probe.matrices and all(probe.probe_recall[j] > probe.router_recall[j] for j in probe.matrices)
+    assert all(w.shape == (m.num_experts, m.hidden_size) for w in probe.matrices.values())
