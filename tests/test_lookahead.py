@@ -228,7 +228,8 @@ def test_the_probe_fits_every_family_and_is_kept_only_where_it_beats_the_router(
     fit = model.probe_fit = ProbeFit(m.top_k)
     for n in range(10):                                     # prompts 4 and 9 are held out
         fit.begin(n)
-        engine.generate([5 + n, 17, 42, 99, 7 * n + 1, 3], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
+        engine.generate([5 + n, 17, 42, 99, 7 * n + 1, 3], SamplingParams(max_tokens=20, temperature=0,
+                                                                          ignore_eos=True))
     probe = fit.fit(model)
     guessed = [j for j in m.moe_layers if j >= 1]                   # a layer before it to guess from
     assert sorted(probe.router_recall) == guessed and probe.held_out == 2 * (6 + 19)     # the last token is not run
