@@ -25,11 +25,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from moefit.models.layers import rms_norm
 from moefit.pack.format import HEADER, write_json_atomic
 
 PROBE_FILE = "probe.bin"
 ALPHAS = (1e-3, 1e-2, 1e-1, 1.0)     # ridge strength tried, as a share of the features' mean energy
-HOLD_EVERY = 5                        # every fifth token scores the fit instead of fitting it
+HOLD_EVERY = 5                        # every fifth prompt scores the fit instead of fitting it
 HELD_MAX = 4096                       # held-out tokens kept per layer
 
 
@@ -60,7 +61,7 @@ class ProbeFit:
         if i in self.pending:
             self._add(i, self.pending.pop(i), F.linear(h.float(), layers[i]["router"].float()))
         if i + 1 < len(layers) and "router" in layers[i + 1]:
-            self.pending[i + 1] = F.rms_norm(x.float(), (x.shape[-1],), eps=eps) * layers[i + 1]["post_norm"].float()
+            self.pending[i + 1] = rms_norm(x, layers[i + 1]["post_norm"], eps).float()      # what the guess reads
 
     def begin(self, prompt: int) -> None:
         """The tokens that follow belong to prompt number `prompt`: every fifth prompt is held out."""
@@ -86,7 +87,7 @@ class ProbeFit:
         tokens = held_out = 0
         for j in sorted(self.gram):
             feat, tgt = (torch.cat(t) for t in zip(*self.held[j])) if self.held.get(j) else (None, None)
-            if feat is None or j not in self.gram:
+            if feat is None:
                 continue
             prior = model.layers[j]["router"].float().cpu()                       # [N, E]
             router[j] = recall(feat @ prior.T, tgt, self.top_k)
@@ -144,10 +145,6 @@ def install(pack_path: Path, matrices: Path, section: dict) -> None:
 
 def _keyed(per_layer: dict[int, float]) -> dict[str, float]:
     return {str(j): round(v, 4) for j, v in per_layer.items()}
-
-
-def probe_params(header: dict) -> int:
-    return (header.get("probe") or {}).get("params", 0)
 
 
 def load(pack, place) -> dict[int, torch.Tensor]:
