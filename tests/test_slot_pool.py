@@ -124,12 +124,15 @@ def test_the_split_path_resident_on_the_device_and_misses_on_the_host_gives_the_
     assert 0 < sum(resident) < len(resident)
     split = (runner._device_experts(layer, x, groups.subset(resident))
              + runner.handoff.to_device(runner._host_experts(layer, x, groups.subset([not r for r in resident])), x))
-    torch.testing.assert_close(split, runner._host_experts(layer, x, groups), rtol=2e-2, atol=2e-3)
+    host = runner._host_experts(layer, x, groups)
+    # the device part is torch on exact weights (experts/grouped.py), the host rounds activations to 8 bits
+    assert float((split - host).norm() / host.norm()) < 0.02
 
 
 def test_the_device_check_runs_its_checks_on_the_simulated_card(tmp_path):
     """bench/gpu_check.py is what a GPU session runs once: here the same checks on the demo's
-    simulated card, so the script is known to work before a GPU is at hand."""
+    simulated card, without the server's packages, so the script is known to work before a GPU
+    is at hand."""
     import json
     import shutil
     import subprocess

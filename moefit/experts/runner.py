@@ -5,8 +5,9 @@ The host part is one native call per layer (kernels.moe_layer) for all its exper
 device's memory is host memory (cpu, a simulated card), resident experts go through that same
 call, so the numbers do not depend on the cache size. On CUDA, the layer's routing and hidden
 rows come to the host in one hand-off (experts/handoff.py), the resident experts are queued on
-the device from their pool slots, and the host computes the misses meanwhile; its sum goes
-back without a wait. Each side sums in expert-id order.
+the device from their pool slots (a few launches a layer: experts/grouped.py), and the host
+computes the misses meanwhile; its sum goes back without a wait. Each side sums in fp32, in
+expert-id order.
 
 Legend: T tokens, E hidden, k top-k.
 """
@@ -22,6 +23,7 @@ from moefit import kernels
 from moefit.experts.cache import CacheBook, Key
 from moefit.errors import DeviceOutOfMemory
 from moefit.experts.costs import MissCosts, measure_host
+from moefit.experts.grouped import DENSE_TOKENS, combine_matrix, grouped_swiglu, stack_parts
 from moefit.experts.groups import Groups, expert_forward
 from moefit.experts.handoff import Handoff
 from moefit.experts.lookahead import LookAhead
@@ -51,6 +53,8 @@ class ExpertRunner:
         self.arriving: dict[Key, object] = {}   # CUDA prefetches in flight: key -> the copy's event
         self.side_stream = None                # the look-ahead's copy stream (CUDA)
         self.tokens = 0                        # token positions run through the MoE layers (engine.forward)
+        self.group = 1                         # resident experts multiplied at once (the plan's resident_group) ...
+        self.slice_weights = 1 << 62           # ... in row slices of at most this many weights (its expert_slice)
         # a family whose experts are not plain SwiGLU (gpt-oss: biases, a clamped gate) gives its own
         # expert(layer, e, x, parts, quant) (the torch path) and native_act(layer, experts) (the native call)
         self.expert_fn = None
@@ -202,8 +206,8 @@ class ExpertRunner:
         out = self._device_experts(layer, x, groups.subset(resident))   # queued on the device ...
         misses = groups.subset([not r for r in resident])
         if misses.experts:                     # ... while the host computes the misses
-            out = out + self.handoff.to_device(self._host_experts(layer, xh.float(), misses), x)
-        return out
+            out = out + self.handoff.to_device(self._host_experts(layer, xh.float(), misses), out)
+        return out.to(x.dtype)
 
     def run_on_host(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """A layer whose experts are not the cache's (an MTP layer's): all on the host, from the
@@ -267,18 +271,31 @@ class ExpertRunner:
         return out
 
     def _device_experts(self, layer: int, x: torch.Tensor, groups: "Groups") -> torch.Tensor:
-        """Resident experts on the device from their pool slots; every launch is queued (the
-        rows and weights go down from pinned memory without a wait). Decode needs no rows."""
-        out = torch.zeros_like(x)
+        """Resident experts on the device from their pool slots, summed in fp32; every launch is
+        queued (rows and weights go down from pinned memory without a wait). A step of a few rows
+        runs them `group` at a time on all its rows (experts/grouped.py); a prefill chunk runs
+        each on its own rows; a family with its own expert function (gpt-oss) runs that."""
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        if not groups.experts:
+            return out
+        quant = self.pack.blobs[(layer, groups.experts[0])].quant
+        if x.shape[0] <= DENSE_TOKENS and self.expert_fn is None:
+            combine = _down(combine_matrix(len(groups.experts), x.shape[0], groups.rows, groups.start,
+                                           groups.weights), x.device)
+            for a in range(0, len(groups.experts), self.group):
+                views = [self.slots[(layer, e)] for e in groups.experts[a:a + self.group]]
+                out += grouped_swiglu(x, stack_parts(views), quant, combine[a:a + self.group], self.slice_weights)
+            return out
         for i, e in enumerate(groups.experts):
             rows, w = groups.rows_of(i)
-            parts, quant = self.slots[(layer, e)], self.pack.blobs[(layer, e)].quant
-            if x.shape[0] == 1:
-                out += self._forward(layer, e)(x, parts, quant) * float(w[0])
-                continue
             rows_d, w_d = _down(rows, x.device), _down(w, x.device)
-            y = self._forward(layer, e)(x[rows_d], parts, quant)
-            out.index_add_(0, rows_d, (y * w_d[:, None]).to(x.dtype))
+            if self.expert_fn is None:
+                y = grouped_swiglu(x[rows_d], stack_parts([self.slots[(layer, e)]]), quant, w_d[None].float(),
+                                   self.slice_weights)
+                out.index_add_(0, rows_d, y)
+            else:
+                y = self.expert_fn(layer, e, x[rows_d], self.slots[(layer, e)], quant)
+                out.index_add_(0, rows_d, y.float() * w_d[:, None])
         return out
 
     def _forward(self, layer: int, e: int):

@@ -15,6 +15,8 @@ from moefit.families.state import layer_bytes
 from moefit.pack.layout import DENSE_GROUP, dense_quantizable, expert_blob_sizes
 
 COMPUTE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
+RESIDENT_GROUP = 8     # at most this many resident experts multiplied at once (experts/grouped.py) ...
+SCRATCH_SHARE = 100    # ... and their scratch at most 1/100 of the card (at least one expert's)
 Key = tuple[int, int]
 
 
@@ -77,15 +79,44 @@ class Footprint:
                  + m.top_k * (3 * m.expert_size + m.hidden_size))
         return width * self.cb + 4 * m.num_experts
 
-    def prompt_path_bytes(self, chunk: int, ctx: int, kv_dtype: str, resident: int | None = None) -> int:
-        """A prefill chunk's activations, its logits row, and one layer's state read back in the
-        compute dtype when it is stored in another (the largest layer; within the window)."""
+    def prompt_path_bytes(self, chunk: int, ctx: int, kv_dtype: str, resident: int | None = None,
+                          group: tuple[int, int] = (1, 1 << 62)) -> int:
+        """A prefill chunk's activations, its logits row, one layer's state read back in the
+        compute dtype when it is stored in another (the largest layer; within the window), and
+        the scratch of multiplying resident experts (`group`: resident_group's answer)."""
         m = self.model
         dequant = 0
         if kv_dtype != self.compute_dtype:
             dequant = max((layer_bytes(s, ctx, "fp32", 1, chunk, resident) // 4 * self.cb
                            for s in self.states if s.kind != "recurrent"), default=0)
-        return chunk * self.activation_bytes_per_token() + 4 * m.vocab_size + dequant
+        activations = chunk * self.activation_bytes_per_token() + 4 * m.vocab_size
+        return activations + dequant + self.expert_scratch_bytes(*group)
+
+    def expert_scratch_per_weight(self) -> int:
+        """Device bytes a resident expert's multiply holds per weight of the slice it multiplies
+        (experts/grouped.py): int4's codes as int8, in the compute dtype and transposed (1 + 2 cb),
+        the per-group partial sums of a few rows (2), or a dequantised slice in fp32 and in the
+        compute dtype (4 + cb). A K-quant's dequantisation can hold more (not measured on a GPU)."""
+        return 6 + 2 * self.cb
+
+    def resident_group(self, card_bytes: int) -> tuple[int, int]:
+        """(experts multiplied at once, weights of a matrix slice) for a device step: their scratch
+        within 1/SCRATCH_SHARE of the card, 1 to RESIDENT_GROUP experts, and where one expert's
+        gate_up alone would exceed it, that expert in row slices (a 12 GiB card: Qwen3-30B-A3B
+        3 experts whole, Mixtral-8x7B one in slices)."""
+        m = self.model
+        budget, whole = card_bytes // SCRATCH_SHARE, 2 * m.expert_size * m.hidden_size
+        one = self.largest_blob + whole * self.expert_scratch_per_weight()
+        if one <= budget:
+            return min(RESIDENT_GROUP, budget // one), whole
+        return 1, max(m.hidden_size, m.expert_size, (budget - self.largest_blob) // self.expert_scratch_per_weight())
+
+    def expert_scratch_bytes(self, group: int, slice_weights: int) -> int:
+        """The scratch of multiplying `group` resident experts in slices of `slice_weights`: their
+        blobs stacked, and each one's slice."""
+        m = self.model
+        weights = min(slice_weights, 2 * m.expert_size * m.hidden_size)
+        return group * (self.largest_blob + weights * self.expert_scratch_per_weight())
 
     def mtp_bytes(self, ctx: int, kv_dtype: str, chunk: int, resident: int | None = None) -> int:
         """The first MTP layer as a draft source (runtime/mtp.py): its weights and its own KV over

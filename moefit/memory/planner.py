@@ -52,6 +52,8 @@ class Plan:
     spec_reason: str
     fixes: list[str] = field(default_factory=list)
     host_free_bytes: int | None = None  # RAM available when planned (KV streaming's host part is checked against it)
+    resident_group: int = 1             # resident experts a device step multiplies at once ...
+    expert_slice: int = 1 << 62         # ... in row slices of at most this many weights (the scratch is planned)
 
     @property
     def refused(self) -> bool:
@@ -94,6 +96,8 @@ class Plan:
                             "message": self.serve_message},
             "speculative": {"enabled": self.spec_enabled, "mode": self.spec_mode, "reason": self.spec_reason},
             "fixes": self.fixes,
+            "resident_group": self.resident_group,
+            "expert_slice": self.expert_slice,
         }
 
 
@@ -106,8 +110,9 @@ def resolve_kv_dtype(cfg: ServeConfig, compute_dtype: str) -> str:
     return compute_dtype if cfg.kv_dtype == "auto" else cfg.kv_dtype
 
 
-def plan_reserve(fp: Footprint, cfg: ServeConfig, kv_dtype: str, spec_on: bool, resident: int | None = None) -> Reserve:
-    prompt = fp.prompt_path_bytes(cfg.prefill_chunk, cfg.ctx, kv_dtype, resident)
+def plan_reserve(fp: Footprint, cfg: ServeConfig, kv_dtype: str, spec_on: bool, resident: int | None = None,
+                 group: tuple[int, int] = (1, 1 << 62)) -> Reserve:
+    prompt = fp.prompt_path_bytes(cfg.prefill_chunk, cfg.ctx, kv_dtype, resident, group)
     verify = fp.verify_arena_bytes(cfg.spec_window) if cfg.spec != "off" else 0
     draft = fp.draft_bytes(spec_mode(cfg.spec, fp), cfg.ctx, kv_dtype, cfg.prefill_chunk, resident)
     recommended = _round_mib(prompt + verify + draft + HEADROOM_MIB * MIB)
@@ -138,7 +143,8 @@ def spec_mode(spec: str, fp: Footprint | None = None, has_head: bool = False, mt
     return "mtp" if mtp_layers else "head" if has_head else "lookup"
 
 
-def speculative(fp: Footprint, cfg: ServeConfig, kv_dtype: str) -> tuple[bool, str]:
+def speculative(fp: Footprint, cfg: ServeConfig, kv_dtype: str, group: tuple[int, int] = (1, 1 << 62)
+                ) -> tuple[bool, str]:
     """Whether the verify arena and the draft source's weights fit the reserve, and why not."""
     if cfg.spec == "off":
         return False, "--spec off"
@@ -148,7 +154,7 @@ def speculative(fp: Footprint, cfg: ServeConfig, kv_dtype: str) -> tuple[bool, s
         return False, NO_MTP
     mode = spec_mode(cfg.spec, fp)
     what = "MTP layers (weights and KV)" if mode == "mtp" else "draft head"
-    want = plan_reserve(fp, cfg, kv_dtype, spec_on=True)
+    want = plan_reserve(fp, cfg, kv_dtype, spec_on=True, group=group)
     short = -(want.headroom)
     if short > 0:
         need = _round_mib(want.prompt + want.verify + want.draft)
@@ -166,10 +172,11 @@ def plan(fp: Footprint, cfg: ServeConfig, snap: DeviceSnapshot, order: list[Key]
     Usage: p = plan(footprint, ServeConfig(ctx=131072), device.snapshot(), profile.hottest_first(keys))
     """
     kv_dtype = resolve_kv_dtype(cfg, fp.compute_dtype)
-    spec_on, spec_reason = speculative(fp, cfg, kv_dtype)
+    group = fp.resident_group(snap.total_bytes)
+    spec_on, spec_reason = speculative(fp, cfg, kv_dtype, group)
     min_slots = cfg.min_expert_slots if cfg.min_expert_slots is not None else fp.min_slots
-    resident = resident_window(fp, cfg, snap, kv_dtype, spec_on, min_slots)
-    reserve = plan_reserve(fp, cfg, kv_dtype, spec_on, resident)
+    resident = resident_window(fp, cfg, snap, kv_dtype, spec_on, min_slots, group)
+    reserve = plan_reserve(fp, cfg, kv_dtype, spec_on, resident, group)
     dense = device_dense(fp, cfg)
     kv = fp.state_bytes(cfg.ctx, kv_dtype, cfg.prefill_chunk, resident) * cfg.sessions
     host = fp.host_state_bytes(cfg.ctx, kv_dtype, resident) * cfg.sessions
@@ -188,7 +195,7 @@ def plan(fp: Footprint, cfg: ServeConfig, snap: DeviceSnapshot, order: list[Key]
     status, message, fixes = _host_check(status, message, fixes, cfg, resident, host, host_free)
     return Plan(snap, lines, reserve, kv_dtype, resident, host, budget, keys, used, fp.largest_blob, min_slots,
                 len(fp.blob_sizes), status, message, spec_on and status != "REFUSED", cfg.spec, spec_reason, fixes,
-                host_free)
+                host_free, *group)
 
 
 def device_dense(fp: Footprint, cfg: ServeConfig) -> int:
@@ -200,7 +207,7 @@ WINDOW_STEP = 1024
 
 
 def resident_window(fp: Footprint, cfg: ServeConfig, snap: DeviceSnapshot, kv_dtype: str, spec_on: bool,
-                    min_slots: int) -> int | None:
+                    min_slots: int, group: tuple[int, int] = (1, 1 << 62)) -> int | None:
     """KV streaming's window: None (the whole context on the card), --kv-resident N, or with
     auto, when the whole context would leave the expert cache below its minimum, the largest
     window (a multiple of 1024 tokens, at least a prefill chunk) that leaves it that minimum."""
@@ -213,7 +220,7 @@ def resident_window(fp: Footprint, cfg: ServeConfig, snap: DeviceSnapshot, kv_dt
     need = slots_bytes(min_slots, fp.largest_blob)
     left = lambda w: (snap.free_bytes - device_dense(fp, cfg)  # noqa: E731
                       - fp.state_bytes(cfg.ctx, kv_dtype, cfg.prefill_chunk, w) * cfg.sessions
-                      - plan_reserve(fp, cfg, kv_dtype, spec_on, w).total)
+                      - plan_reserve(fp, cfg, kv_dtype, spec_on, w, group).total)
     if left(None) >= need:
         return None
     window = (left(0) - need) // streaming_per_token // WINDOW_STEP * WINDOW_STEP

@@ -60,13 +60,13 @@ def dequantize(parts: dict[str, torch.Tensor], name: str, quant: str, dtype: tor
         return (w.float() * scale[:, None]).to(dtype)
     if quant == "q8_0":
         rows = w.shape[0]
-        return (w.float().view(rows, scale.shape[1], -1) * scale[:, :, None]).view(rows, -1).to(dtype)
+        return w.float().view(rows, scale.shape[1], -1).mul_(scale[:, :, None]).view(rows, -1).to(dtype)
     rows = w.shape[0]
     lo = (w & 0xF).to(torch.int8) - 8
     hi = (w >> 4).to(torch.int8) - 8
     codes = torch.stack((lo, hi), dim=2).view(rows, -1, 1)                     # [R, C, 1]
     groups = scale.shape[1]
-    return (codes.view(rows, groups, -1).float() * scale[:, :, None]).view(rows, -1).to(dtype)
+    return codes.view(rows, groups, -1).float().mul_(scale[:, :, None]).view(rows, -1).to(dtype)
 
 
 def qlinear(x: torch.Tensor, parts: dict[str, torch.Tensor], name: str, quant: str) -> torch.Tensor:

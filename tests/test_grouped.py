@@ -1,0 +1,165 @@
+"""The resident experts' device path in a few launches a layer (experts/grouped.py): the same
+numbers as expert by expert, and a launch count that does not grow with the resident experts.
+
+These run the CUDA path's code on CPU tensors (the slots of a simulated card): what differs on a
+GPU is where the tensors live, not which operations are queued.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from moefit import kernels
+from moefit.experts import runner as runner_mod
+from moefit.experts.grouped import combine_matrix
+from moefit.experts.groups import Groups
+
+
+class CountOps(TorchDispatchMode):
+    """Counts the aten operations issued: on a GPU each is (at least) one launch."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _engine(packs, card, family: str, quant: str):
+    from moefit.config import ServeConfig
+    from moefit.runtime.engine import Engine
+    return Engine.open(packs(family, quant), ServeConfig(device=f"sim:{card(64)}", ctx=64, vram_reserve_mib=1,
+                                                         low_headroom_mib=0, min_expert_slots=0, expert_cache="16"))
+
+
+def _resident(runner, layer: int, experts: list[int]) -> None:
+    """Exactly these experts of `layer` in the cache."""
+    for key in [k for k in runner.slots if k[0] == layer and k[1] not in experts]:
+        runner.unload(key)
+    for e in experts:
+        if (layer, e) not in runner.slots:
+            if not runner.pool.free_slots((layer, e)):
+                runner.unload(next(k for k in runner.book.coldest() if k[0] != layer))
+            runner.load((layer, e))
+
+
+def _routing(m, tokens: int, seed: int) -> tuple[torch.Tensor, Groups]:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, m.hidden_size, generator=gen)
+    ids = torch.stack([torch.randperm(m.num_experts, generator=gen)[: m.top_k] for _ in range(tokens)])
+    return x, Groups.of(ids, torch.rand(tokens, m.top_k, generator=gen))
+
+
+@pytest.mark.parametrize("quant", ["int8", "int4", "q8_0", "bf16"])
+@pytest.mark.parametrize("tokens", [1, 3, 40])
+def test_grouped_resident_experts_equal_expert_by_expert_and_the_host_call(quant, tokens, packs, card, monkeypatch):
+    engine = _engine(packs, card, "qwen3_moe", quant)
+    runner, m = engine.runner, engine.pack.model
+    assert runner.group == engine.plan.resident_group > 1       # a 64 MiB card: 1 % of it holds several
+    assert runner.slice_weights == engine.plan.expert_slice >= 2 * m.expert_size * m.hidden_size   # whole
+    layer = m.moe_layers[0]
+    x, groups = _routing(m, tokens, seed=tokens)
+    _resident(runner, layer, groups.experts)
+    host = runner._host_experts(layer, x, groups)
+    monkeypatch.setattr(kernels, "usable", lambda x, quant: False)     # the device path runs torch, as on a GPU
+    grouped = runner._device_experts(layer, x, groups)
+    monkeypatch.setattr(runner_mod, "DENSE_TOKENS", 0)                 # expert by expert, on its own rows
+    one_by_one = runner._device_experts(layer, x, groups)
+    assert grouped.dtype == torch.float32
+    torch.testing.assert_close(grouped, one_by_one, rtol=1e-5, atol=1e-5)
+    # the host's call rounds activations to 8 bits (bf16 experts: to bf16 here, not there)
+    assert float((grouped - host).norm() / host.norm()) < 0.02
+
+def test_a_decode_step_queues_the_same_launches_for_two_resident_experts_as_for_eight(packs, card, monkeypatch):
+    """Per expert, an int4 SwiGLU is a couple of dozen launches; grouped, the layer's count is
+    the same however many of its experts are resident (up to a group of 8)."""
+    engine = _engine(packs, card, "qwen3_moe", "int4")
+    runner, m = engine.runner, engine.pack.model
+    runner.group, runner.slice_weights = 8, 1 << 62
+    layer = m.moe_layers[0]
+    x = torch.randn(1, m.hidden_size)
+
+    def launches(experts: list[int]) -> int:
+        _resident(runner, layer, experts)
+        groups = Groups.of(torch.tensor([experts]), torch.rand(1, len(experts)))
+        with CountOps() as count:
+            runner._device_experts(layer, x, groups)
+        return count.ops
+    grouped = (launches([1, 5]), launches(list(range(8))))
+    monkeypatch.setattr(runner_mod, "DENSE_TOKENS", 0)
+    monkeypatch.setattr(kernels, "usable", lambda x, quant: False)
+    one_by_one = (launches([1, 5]), launches(list(range(8))))
+    assert grouped[0] == grouped[1]
+    assert one_by_one[1] - one_by_one[0] >= 6 * 10                   # each extra expert: 10+ more
+    assert grouped[1] * 3 < one_by_one[1]
+
+
+def test_the_combine_matrix_holds_each_tokens_router_weight_for_its_experts():
+    ids = torch.tensor([[3, 1], [1, 0], [3, 0]])
+    weights = torch.tensor([[0.6, 0.4], [0.7, 0.3], [0.9, 0.1]])
+    groups = Groups.of(ids, weights)
+    combine = combine_matrix(len(groups.experts), 3, groups.rows, groups.start, groups.weights)
+    assert groups.experts == [0, 1, 3]
+    torch.testing.assert_close(combine, torch.tensor([[0.0, 0.3, 0.1], [0.4, 0.7, 0.0], [0.6, 0.0, 0.9]]))
+
+
+@pytest.mark.parametrize("quant", ["int4", "q8_0"])
+def test_in_bf16_the_grouped_path_stays_as_close_to_the_exact_weights_as_a_bf16_matrix_does(quant, packs, card,
+                                                                                          monkeypatch):
+    """Per-group scales after the multiply: in bf16 the grouped path's error against the fp32
+    answer is no larger than that of multiplying by the dequantised bf16 matrix."""
+    engine = _engine(packs, card, "qwen3_moe", quant)
+    runner, m = engine.runner, engine.pack.model
+    layer = m.moe_layers[0]
+    x, groups = _routing(m, 2, seed=7)
+    _resident(runner, layer, groups.experts)
+    monkeypatch.setattr(kernels, "usable", lambda x, quant: False)
+    exact = runner._device_experts(layer, x, groups)
+    grouped = runner._device_experts(layer, x.bfloat16(), groups)
+    monkeypatch.setattr(runner_mod, "DENSE_TOKENS", 0)
+    one_by_one = runner._device_experts(layer, x.bfloat16(), groups)
+    err = [float((y - exact).norm() / exact.norm()) for y in (grouped, one_by_one)]
+    assert err[0] < 0.02 and err[0] <= err[1] * 1.25, err
+
+
+@pytest.mark.parametrize("quant", ["int4", "int8"])
+@pytest.mark.parametrize("tokens", [1, 40])
+def test_an_expert_multiplied_in_row_slices_gives_the_same_sum(quant, tokens, packs, card, monkeypatch):
+    """Where one expert's scratch would exceed the plan's share of the card (Mixtral on 12 GiB),
+    its matrices go in slices of rows: the same numbers."""
+    engine = _engine(packs, card, "qwen3_moe", quant)
+    runner, m = engine.runner, engine.pack.model
+    layer = m.moe_layers[0]
+    x, groups = _routing(m, tokens, seed=3)
+    _resident(runner, layer, groups.experts)
+    monkeypatch.setattr(kernels, "usable", lambda x, quant: False)
+    whole = runner._device_experts(layer, x, groups)
+    runner.slice_weights = 5 * max(m.hidden_size, m.expert_size)          # 5 rows or more a slice
+    torch.testing.assert_close(runner._device_experts(layer, x, groups), whole, rtol=1e-5, atol=1e-5)
+
+
+def test_the_plan_holds_the_resident_experts_scratch_and_slices_what_one_expert_would_overrun():
+    """1 % of the card for the resident experts' scratch: a 12 GiB card multiplies 3 of
+    Qwen3-30B-A3B's experts at once, and one Mixtral-8x7B expert in slices; the prompt-path line
+    holds exactly that scratch."""
+    from pathlib import Path
+
+    from moefit.config import ModelConfig
+    from moefit.memory.footprint import from_config
+    configs = Path(__file__).resolve().parent.parent / "configs"
+    card = 12 << 30
+    qwen = from_config(ModelConfig.from_hf_file(configs / "qwen3-30b-a3b.json"), "int4", "bf16")
+    group, weights = qwen.resident_group(card)
+    assert group == 3 and weights == 2 * 768 * 2048
+    assert qwen.expert_scratch_bytes(group, weights) <= card // 100
+    plain = qwen.prompt_path_bytes(512, 4096, "bf16")
+    assert qwen.prompt_path_bytes(512, 4096, "bf16", group=(group, weights)) - plain == \
+        qwen.expert_scratch_bytes(group, weights) - qwen.expert_scratch_bytes(1, 1 << 62)
+    mixtral = from_config(ModelConfig.from_hf_file(configs / "mixtral-8x7b.json"), "int4", "bf16")
+    group, weights = mixtral.resident_group(card)
+    assert group == 1 and weights < 2 * 14336 * 4096
+    assert mixtral.expert_scratch_bytes(group, weights) <= card // 100
