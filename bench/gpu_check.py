@@ -11,7 +11,8 @@ the others still run:
   greedy       the demo's greedy tokens on the device equal the cpu's
   cache        ... and do not change with the expert cache size (0, 8, auto)
   syncs        device->host waits per MoE layer per decode token: the hand-off's count, and
-               on CUDA torch.cuda.set_sync_debug_mode's warnings (goal: <= 2)
+               on CUDA torch.cuda.set_sync_debug_mode's warnings (goal: <= 2); on CUDA also
+               kernel launches per decode token (torch.profiler)
   ledger       the plan against memory_allocated, memory_reserved and NVML (goal: within 2 %)
   auto         an --expert-cache auto start: slots, and free memory left against the reserve
   guard        shrink by 25 % of the cache and grow back: bytes given back to the driver
@@ -103,10 +104,25 @@ def check_syncs(device: str, pack) -> dict:
         out["sync_debug_warnings_per_token"] = len(synced) / max(1, len(engine.last.generated))
         out["sync_debug_warnings_per_moe_layer_token"] = len(synced) / decoded / layers
         out["sync_debug_samples"] = sorted(set(synced))[:8]
+        out["launches_per_token"] = _launches_per_token(engine)
         out["ok"] = per_layer <= 2 and out["sync_debug_warnings_per_moe_layer_token"] <= 2
     else:
         out["ok"] = per_layer <= 2
     return out
+
+
+def _launches_per_token(engine) -> float | str:
+    """CUDA kernel launches per decode token (torch.profiler's launch calls over 8 tokens); the
+    resident experts go a group at a time (experts/grouped.py), so this should not grow with them."""
+    from torch.profiler import ProfilerActivity, profile
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    try:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            engine.generate(engine.codec.encode(PROMPT), params)
+    except Exception as e:                          # a profiler that will not start is not a failed check
+        return f"not measured: {type(e).__name__}: {e}"[:200]
+    launches = sum(ev.count for ev in prof.key_averages() if "LaunchKernel" in ev.key)
+    return launches / max(1, len(engine.last.generated))
 
 
 def check_ledger(device: str, pack) -> dict:
@@ -270,11 +286,19 @@ def main(argv=None) -> int:
         print(f"{name:<8} {_verdict(results[name]['ok']):<5} {results[name]['seconds']:>6.1f} s  "
               f"{_summary(results[name])}", flush=True)
     report = {"device": args.device, "torch": torch.__version__, "seconds": round(time.time() - started, 1),
+              "fused_expert_kernel": _fused_kernel(),
               "gpu": torch.cuda.get_device_name(0) if args.device.startswith("cuda") else None, "checks": results}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1, default=str))
     print(f"wrote {args.out} ({report['seconds']} s)")
     return 0 if all(r["ok"] is not False for r in results.values()) else 1
+
+
+def _fused_kernel() -> str:
+    """Whether the resident experts' fused kernel (kernels/device_experts.py) was there to run."""
+    from moefit.kernels import device_experts
+    module = device_experts._kernel()
+    return f"triton {module.triton.__version__}" if module is not None else "absent: the torch path ran"
 
 
 def _verdict(ok) -> str:
