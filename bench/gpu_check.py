@@ -23,7 +23,8 @@ the others still run:
   decode       tok/s of a Qwen3-30B-A3B-shaped int4 pack (the first 12 of its 48 layers) under
                an emulated 12 GiB card with 25 / 50 / 100 % of its experts cached; a 48-layer
                figure is extrapolated as 12 / 48 of the per-token time (experts and attention
-               scale with layers; the lm_head, ~4 % of a token, is counted 4 times: a lower bound)
+               scale with layers; the lm_head, ~4 % of a token, is counted 4 times: a lower bound);
+               at 100 % also without the fused expert kernel (the torch path), to show its worth
 """
 
 from __future__ import annotations
@@ -248,9 +249,23 @@ def check_decode(device: str, quick: bool) -> dict:
         rows[f"{int(share * 100)}%"] = {"slots": len(e.runner.slots), "tok_s_12_layers": 1 / dt,
                                         "tok_s_48_layers_extrapolated": 1 / (dt * 4),
                                         "hit_rate": e.runner.book.hit_rate()}
+        if share == 1.0:                        # the same without the fused expert kernel: what it is worth
+            rows["100%"]["tok_s_12_layers_torch_path"] = _without_fused_kernel(e, prompt)
         del e
         torch.cuda.empty_cache()
     return {"ok": rows["25%"]["tok_s_48_layers_extrapolated"] >= 40, "rows": rows}
+
+
+def _without_fused_kernel(e, prompt: list[int]) -> float:
+    """Decode tok/s with the resident experts on experts/grouped.py's torch path."""
+    from moefit.kernels import device_experts
+    usable = device_experts.usable
+    device_experts.usable = lambda *args: False
+    try:
+        e.generate(prompt, SamplingParams(max_tokens=64, temperature=1.0, seed=2, ignore_eos=True))
+    finally:
+        device_experts.usable = usable
+    return e.last.decode_tokens_per_s
 
 
 def _pid() -> int:
