@@ -313,7 +313,11 @@ def _fused_kernel() -> str:
     """Whether the resident experts' fused kernel (kernels/device_experts.py) was there to run."""
     from moefit.kernels import device_experts
     module = device_experts._kernel()
-    return f"triton {module.triton.__version__}" if module is not None else "absent: the torch path ran"
+    if module is None:
+        return "absent: the torch path ran"
+    if device_experts.broken is not None:
+        return f"triton {module.triton.__version__} did not compile it: {device_experts.broken}"
+    return f"triton {module.triton.__version__}"
 
 
 def _verdict(ok) -> str:

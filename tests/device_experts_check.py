@@ -82,16 +82,42 @@ def runner_sums(pack: str, card: str) -> dict:
     with CountOps():
         fused = runner._device_experts(layer, x, groups)
     fused_ops, CountOps.ops = CountOps.ops, 0
-    device_experts.usable = lambda *args: False                # the torch path
+    usable, device_experts.usable = device_experts.usable, lambda *args: False     # the torch path
     with CountOps():
         plain = runner._device_experts(layer, x, groups)
+    device_experts.usable, device_experts.matvec = usable, fused_matvec
     return {"fused_vs_torch": float((fused - plain).abs().max() / plain.abs().max()),
             "fused_vs_host": float((fused - host).norm() / host.norm()),
             "ops_fused": fused_ops, "ops_torch": CountOps.ops}
+
+
+def falls_back() -> dict:
+    """A kernel that does not compile (a Triton too old or too new) turns itself off, with the
+    reason, and the torch path gives the sum."""
+    import warnings
+    module = device_experts._kernel()
+    made = [quantize(torch.randn(40, 64), "int4", 32) for _ in range(2)]
+    parts = {"gate_up": torch.stack([a for a, _ in made]), "gate_up.scale": torch.stack([b for _, b in made])}
+    x = torch.randn(1, 64)
+    launch = module.launch
+
+    def fails(*args):
+        raise RuntimeError("CompilationError: an unsupported construct")
+    module.launch = fails
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            y = grouped._sliced_linear(x, parts, "gate_up", "int4", 1 << 62)
+    finally:
+        module.launch = launch
+    return {"same_as_torch": bool(torch.equal(y, grouped._batched_linear(x, parts, "gate_up", "int4"))),
+            "broken": device_experts.broken, "warned": len(caught),
+            "usable_after": device_experts.usable(x, "int4", parts, "gate_up")}
 
 
 if __name__ == "__main__":
     result = {"kernel": kernel_errors()}
     if len(sys.argv) == 3:
         result["runner"] = runner_sums(sys.argv[1], sys.argv[2])
+    result["fallback"] = falls_back()                          # last: it turns the kernel off
     print(json.dumps(result))

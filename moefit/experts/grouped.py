@@ -66,7 +66,9 @@ def _sliced_linear(x: torch.Tensor, parts: dict[str, torch.Tensor], name: str, q
     mine = {k: v for k, v in parts.items() if k.split(".")[0] == name}
     q = matrix_quant(quant, name)
     if x.shape[-2] <= DENSE_TOKENS and device_experts.usable(x, q, mine, name):
-        return device_experts.matvec(x, mine, name, q)              # fused, fp32, no scratch (CUDA + Triton)
+        fused = device_experts.matvec(x, mine, name, q)             # fp32, no scratch (CUDA + Triton)
+        if fused is not None:
+            return fused
     rows, step = mine[name].shape[1], max(1, slice_weights // x.shape[-1])
     if step >= rows:
         return _batched_linear(x, mine, name, quant)

@@ -20,6 +20,7 @@ Legend: m experts, T token rows, R / C a matrix's rows / columns, g the group si
 from __future__ import annotations
 
 import os
+import warnings
 from functools import lru_cache
 
 import torch
@@ -41,6 +42,9 @@ def _kernel():
     return triton_matvec
 
 
+broken: str | None = None                    # why the kernel would not compile here, once it did not
+
+
 def interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -48,15 +52,26 @@ def interpreted() -> bool:
 def usable(x: torch.Tensor, quant: str, parts: dict[str, torch.Tensor], name: str) -> bool:
     """Triton is here, the tensors are where it runs (CUDA, or the CPU under its interpreter),
     and the matrix's columns split into whole groups of a power of two (16 or more)."""
-    if quant not in KINDS or not (x.is_cuda or interpreted()) or _kernel() is None:
+    if broken is not None or quant not in KINDS or not (x.is_cuda or interpreted()) or _kernel() is None:
         return False
     group = _group(quant, parts, name, x.shape[-1])
     return group >= 16 and group & (group - 1) == 0 and x.shape[-1] % group == 0
 
 
-def matvec(x: torch.Tensor, parts: dict[str, torch.Tensor], name: str, quant: str) -> torch.Tensor:
+def matvec(x: torch.Tensor, parts: dict[str, torch.Tensor], name: str, quant: str) -> torch.Tensor | None:
     """x [T, C] (every expert's input) or [m, T, C] times each expert's matrix `name`
-    [m, R, C] transposed, in fp32: [m, T, R]."""
+    [m, R, C] transposed, in fp32: [m, T, R]; None, and never again in this process, where the
+    kernel does not compile (a Triton too old or too new): the caller's torch path runs."""
+    try:
+        return _matvec(x, parts, name, quant)
+    except Exception as e:  # noqa: BLE001 - compilation errors come in many types; the torch path is exact
+        global broken
+        broken = f"{type(e).__name__}: {e}"[:300]
+        warnings.warn(f"moefit: the fused expert kernel is off, the torch path runs ({broken})", stacklevel=2)
+        return None
+
+
+def _matvec(x: torch.Tensor, parts: dict[str, torch.Tensor], name: str, quant: str) -> torch.Tensor:
     w, scale = parts[name], parts[name + ".scale"]
     m, rows, cols = w.shape[0], w.shape[1], x.shape[-1]
     xs = x if x.dim() == 3 else x[None]
