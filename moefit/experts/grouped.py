@@ -13,9 +13,10 @@ experts are resident (tests/test_grouped.py counts them).
 Every resident expert runs on every row of the step (the combine matrix holds 0 where a
 token did not route to it), so this is for steps of at most DENSE_TOKENS rows (decode,
 verify windows), where reading the weights, not the multiply, is the cost. Larger steps
-(prefill chunks) run each expert on its own rows, through the same function with m = 1
-(experts/runner.py). Each matrix is multiplied in slices of its rows so that the scratch
-stays within what the plan holds for it (memory/footprint.expert_scratch_bytes).
+(prefill chunks) run each group on its experts' own rows, padded to the longest (experts of
+similar row counts grouped together: experts/runner.py). Each matrix is multiplied in slices
+of its rows so that the scratch stays within what the plan holds for it
+(memory/footprint.expert_scratch_bytes).
 
 On CUDA with Triton, int4 / Q8_0 / int8 matrices of a few rows go through one fused kernel each
 (kernels/device_experts.py: the stored codes read once, fp32 sums): a layer's group is then
@@ -52,11 +53,26 @@ def stack_parts(views: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]
 
 def grouped_swiglu(x: torch.Tensor, parts: dict[str, torch.Tensor], quant: str, combine: torch.Tensor,
                    slice_weights: int) -> torch.Tensor:
-    """sum_j combine[j, t] * swiglu_j(x[t]) in fp32: x [T, E], parts [m, ...], combine [m, T];
+    """sum_j combine[j, t] * swiglu_j(x[t]) in fp32: x [T, E], parts [m, ...], combine [m, T]."""
+    return (swiglu_each(x, parts, quant, slice_weights).float() * combine[:, :, None]).sum(0)
+
+
+def swiglu_each(x: torch.Tensor, parts: dict[str, torch.Tensor], quant: str, slice_weights: int) -> torch.Tensor:
+    """Each expert's SwiGLU of x [T, E] (the same rows for all) or [m, T, E] (its own): [m, T, E];
     each matrix is multiplied in slices of rows of at most slice_weights weights an expert."""
     gate, up = _sliced_linear(x, parts, "gate_up", quant, slice_weights).chunk(2, dim=-1)     # [m, T, I] each
-    y = _sliced_linear(F.silu(gate) * up, parts, "down", quant, slice_weights)               # [m, T, E]
-    return (y.float() * combine[:, :, None]).sum(0)
+    return _sliced_linear(F.silu(gate) * up, parts, "down", quant, slice_weights)
+
+
+def padded_rows(starts: list[tuple[int, int]], rows: torch.Tensor, weights: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A prefill step's group: expert j's token rows rows[a_j:b_j] and router weights, as
+    [m, R] (R the most rows any of them has), padded with row 0 at weight 0."""
+    most = max(b - a for a, b in starts)
+    index, weight = torch.zeros(len(starts), most, dtype=torch.long), torch.zeros(len(starts), most)
+    for j, (a, b) in enumerate(starts):
+        index[j, : b - a], weight[j, : b - a] = rows[a:b].long(), weights[a:b].float()
+    return index, weight
 
 
 def _sliced_linear(x: torch.Tensor, parts: dict[str, torch.Tensor], name: str, quant: str,

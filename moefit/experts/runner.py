@@ -23,7 +23,8 @@ from moefit import kernels
 from moefit.experts.cache import CacheBook, Key
 from moefit.errors import DeviceOutOfMemory
 from moefit.experts.costs import MissCosts, measure_host
-from moefit.experts.grouped import DENSE_TOKENS, combine_matrix, grouped_swiglu, stack_parts
+from moefit.experts.grouped import (DENSE_TOKENS, combine_matrix, grouped_swiglu, padded_rows, stack_parts,
+                                   swiglu_each)
 from moefit.experts.groups import Groups, expert_forward
 from moefit.experts.handoff import Handoff
 from moefit.experts.lookahead import LookAhead
@@ -272,9 +273,9 @@ class ExpertRunner:
 
     def _device_experts(self, layer: int, x: torch.Tensor, groups: "Groups") -> torch.Tensor:
         """Resident experts on the device from their pool slots, summed in fp32; every launch is
-        queued (rows and weights go down from pinned memory without a wait). A step of a few rows
-        runs them `group` at a time on all its rows (experts/grouped.py); a prefill chunk runs
-        each on its own rows; a family with its own expert function (gpt-oss) runs that."""
+        queued (rows and weights go down from pinned memory without a wait). `group` at a time
+        (experts/grouped.py): a step of a few rows on all its rows, a prefill chunk on each
+        expert's own rows; a family with its own expert function (gpt-oss) expert by expert."""
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         if not groups.experts:
             return out
@@ -286,16 +287,22 @@ class ExpertRunner:
                 views = [self.slots[(layer, e)] for e in groups.experts[a:a + self.group]]
                 out += grouped_swiglu(x, stack_parts(views), quant, combine[a:a + self.group], self.slice_weights)
             return out
-        for i, e in enumerate(groups.experts):
-            rows, w = groups.rows_of(i)
-            rows_d, w_d = _down(rows, x.device), _down(w, x.device)
-            if self.expert_fn is None:
-                y = grouped_swiglu(x[rows_d], stack_parts([self.slots[(layer, e)]]), quant, w_d[None].float(),
-                                   self.slice_weights)
-                out.index_add_(0, rows_d, y)
-            else:
+        if self.expert_fn is not None:
+            for i, e in enumerate(groups.experts):
+                rows, w = groups.rows_of(i)
+                rows_d, w_d = _down(rows, x.device), _down(w, x.device)
                 y = self.expert_fn(layer, e, x[rows_d], self.slots[(layer, e)], quant)
                 out.index_add_(0, rows_d, y.float() * w_d[:, None])
+            return out
+        spans = sorted((groups.start[i + 1] - groups.start[i], i) for i in range(len(groups.experts)))
+        for a in range(0, len(spans), self.group):          # experts of similar row counts together
+            members = [i for _, i in spans[a:a + self.group]]
+            index, weight = padded_rows([(groups.start[i], groups.start[i + 1]) for i in members], groups.rows,
+                                        groups.weights)
+            index_d, weight_d = _down(index, x.device), _down(weight, x.device)
+            views = [self.slots[(layer, groups.experts[i])] for i in members]
+            y = swiglu_each(x[index_d], stack_parts(views), quant, self.slice_weights)         # [m, R, E]
+            out.index_add_(0, index_d.flatten(), (y.float() * weight_d[:, :, None]).flatten(0, 1))
         return out
 
     def _forward(self, layer: int, e: int):
