@@ -32,3 +32,31 @@ def test_the_fused_kernel_multiplies_as_the_torch_path_and_the_runner_takes_it(p
     assert runner["ops_fused"] * 2 < runner["ops_torch"], runner
     assert result["fallback"] == {"same_as_torch": True, "warned": 1, "usable_after": False,
                                   "broken": "RuntimeError: CompilationError: an unsupported construct"}
+
+
+@pytest.mark.parametrize("capability", [89, 90])                    # an RTX 4070 (sm_89), an H100 / H200 (sm_90)
+def test_the_fused_kernel_compiles_to_a_cubin_for_the_gpus_it_is_for(capability):
+    """Triton compiles ahead of time without a GPU (ptxas comes in its wheel): every kind of
+    matrix, both input dtypes, the row counts it is launched with. The interpreter test checks
+    the arithmetic; this one that the compiled form exists (not that it is fast)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile
+
+    from moefit.kernels import triton_matvec
+    fn = triton_matvec._grouped_matvec
+    codes = {0: ("*u8", "*fp16", (32, 64)), 1: ("*i8", "*fp16", (32,)), 2: ("*i8", "*fp32", (32,))}
+    made = 0
+    for kind, (code_type, scale_type, groups) in codes.items():
+        for x_type in ("*bf16", "*fp32"):
+            for group in groups:
+                for rows in (2, 4):
+                    const = {"GROUP": group, "KIND": kind, "TP": rows, "BLOCK_R": 32}
+                    signature = {"x_ptr": x_type, "w_ptr": code_type, "s_ptr": scale_type, "out_ptr": "*fp32"}
+                    signature.update({n: "i32" for n in fn.arg_names[4:15]})
+                    signature.update({n: "constexpr" for n in const})
+                    source = ASTSource(fn=fn, signature=signature,
+                                       constexprs={(fn.arg_names.index(k),): v for k, v in const.items()})
+                    kernel = compile(source, target=GPUTarget("cuda", capability, 32))
+                    assert kernel.asm["cubin"] and ".entry _grouped_matvec" in kernel.asm["ptx"]
+                    made += 1
+    assert made == 16
