@@ -2,11 +2,11 @@
 
     out = grouped_swiglu(x, stack_parts(views), quant, combine)   # [T, E] fp32
 
-Per expert, an int4 SwiGLU is ~25 launches (unpack, scale, cast, two matmuls, the gate), so
-eight resident experts of a 48-layer model cost ~10,000 launches a token: at ~5 us each the
-GPU waits on the launcher, not on memory. Here the parts of a group of experts (as many as
-the plan's scratch holds: memory/footprint.resident_group, up to 8) are stacked
-(one launch a part), dequantised together, multiplied as one batched matmul, and summed with
+Per expert, an int4 SwiGLU was ~40 operations (unpack, scale, cast, two matmuls, the gate), so
+eight resident experts of a 48-layer model cost ~16,000 a token: at ~5 us a launch the GPU
+waits on the launcher, not on memory. Here the parts of a group of experts (as many as the
+plan's scratch holds: memory/footprint.resident_group, up to 8) are stacked (one launch a
+part), multiplied together as batched matmuls, and summed with
 their router weights in fp32: the launches of a layer do not grow with how many of its
 experts are resident (tests/test_grouped.py counts them).
 
@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from moefit.kernels import device_experts
 from moefit.pack.layout import matrix_quant
-from moefit.pack.quant import dequantize
+from moefit.pack.quant import dequantize, int4_codes
 
 DENSE_TOKENS = 16      # steps up to this many rows run every resident expert on every row
 
@@ -106,10 +106,8 @@ def _batched_linear(x: torch.Tensor, parts: dict[str, torch.Tensor], name: str, 
 
 
 def _codes(w: torch.Tensor, quant: str) -> torch.Tensor:
-    """A matrix's codes as int8 [m, R, C] (int4: two a byte, low nibble first, stored + 8)."""
-    if quant == "q8_0":
-        return w
-    return torch.stack(((w & 0xF).to(torch.int8) - 8, (w >> 4).to(torch.int8) - 8), dim=-1).flatten(-2)
+    """A matrix's codes as int8 [m, R, C]."""
+    return w if quant == "q8_0" else int4_codes(w)
 
 
 def _group_scaled(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -61,12 +61,13 @@ def dequantize(parts: dict[str, torch.Tensor], name: str, quant: str, dtype: tor
     if quant == "q8_0":
         rows = w.shape[0]
         return w.float().view(rows, scale.shape[1], -1).mul_(scale[:, :, None]).view(rows, -1).to(dtype)
-    rows = w.shape[0]
-    lo = (w & 0xF).to(torch.int8) - 8
-    hi = (w >> 4).to(torch.int8) - 8
-    codes = torch.stack((lo, hi), dim=2).view(rows, -1, 1)                     # [R, C, 1]
-    groups = scale.shape[1]
-    return codes.view(rows, groups, -1).float().mul_(scale[:, :, None]).view(rows, -1).to(dtype)
+    rows, groups = w.shape[0], scale.shape[1]
+    return int4_codes(w).view(rows, groups, -1).float().mul_(scale[:, :, None]).view(rows, -1).to(dtype)
+
+
+def int4_codes(w: torch.Tensor) -> torch.Tensor:
+    """int4 parts [..., C/2] uint8 (two codes a byte, low nibble first, stored + 8) -> int8 [..., C]."""
+    return torch.stack(((w & 0xF).to(torch.int8) - 8, (w >> 4).to(torch.int8) - 8), dim=-1).flatten(-2)
 
 
 def qlinear(x: torch.Tensor, parts: dict[str, torch.Tensor], name: str, quant: str) -> torch.Tensor:
