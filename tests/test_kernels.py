@@ -90,6 +90,25 @@ def test_gguf_blocks_are_multiplied_as_the_file_stores_them(quant, tokens):
         assert (got - want).norm() / want.norm() < 1e-3
 
 
+@pytest.mark.parametrize("group", [64, 128])
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_int4_groups_wider_than_a_block(group, tokens):
+    """int4 scales per 64 or 128 columns (the AVX512 body's pair-at-a-time path, not its 16-block one)."""
+    g = torch.Generator().manual_seed(group + tokens)
+    hidden, inter = 3 * group, 2 * group
+    experts = []
+    for _ in range(3):
+        p = dict(zip(["gate_up", "gate_up.scale"], quantize(torch.randn(2 * inter, hidden, generator=g), "int4", group)))
+        p.update(zip(["down", "down.scale"], quantize(torch.randn(hidden, inter, generator=g), "int4", group)))
+        experts.append(p)
+    x = torch.randn(tokens, hidden, generator=g)
+    rows = [torch.arange(tokens)] * 3
+    weights = [torch.rand(tokens, generator=g) for _ in range(3)]
+    got = kernels.moe_layer(x, "int4", experts, rows, weights)
+    want = reference(x, "int4", experts, rows, weights)
+    assert (got - want).norm() / want.norm() < 1e-3
+
+
 def test_the_thread_count_does_not_change_a_bit():
     x, experts, rows, weights = make("int4", 128, 96, 6, 8, seed=5)
     outs = []

@@ -49,10 +49,18 @@ static float half_to_float(uint16_t h) {
 }
 
 /* ---- activation quantisation: x [n] -> q [n] int8, s [n / QK] scales, sum [n / QK] -------
- * perm != 0 stores each block as its 16 even then its 16 odd elements: the order of the int4
- * codes once a byte's low and high nibbles are split. The block sums let an int4 dot use the
- * unsigned nibble directly: sum (c - 8) x = sum c x - 8 sum x. */
-static void quantize_row(const float *x, int64_t n, int8_t *q, float *s, int32_t *sum, int perm) {
+ * order (where the int4 codes need it; 0 elsewhere): 1 stores each block as its 16 even then its
+ * 16 odd elements, the order of the codes once a byte's low and high nibbles are split; 2 (the
+ * AVX512 int4 body's) does so for a pair of blocks at once: the 16 even elements of block b,
+ * those of b + 1, then the odd ones of b, of b + 1 (a last block without a pair as in 1). The
+ * block sums let an int4 dot use the unsigned nibble directly: sum (c - 8) x = sum c x - 8 sum x. */
+static int element_at(int64_t b, int64_t nb, int i, int order) {
+    if (order == 0) return i;
+    if (order == 1 || (b % 2 == 0 && b + 1 == nb)) return (i & 1) * 16 + i / 2;
+    return (i & 1) * 32 + (int)(b % 2) * 16 + i / 2 - (int)(b % 2) * QK;      /* relative to block b */
+}
+
+static void quantize_row(const float *x, int64_t n, int8_t *q, float *s, int32_t *sum, int order) {
     for (int64_t b = 0; b < n / QK; b++) {
         const float *xb = x + b * QK;
         float amax = 0.0f;
@@ -61,9 +69,9 @@ static void quantize_row(const float *x, int64_t n, int8_t *q, float *s, int32_t
         int32_t total = 0;
         s[b] = d;
         for (int i = 0; i < QK; i++) {
-            const int at = perm ? (i & 1) * 16 + i / 2 : i;
-            q[b * QK + at] = (int8_t)lrintf(xb[i] * id);
-            total += q[b * QK + at];
+            const int8_t c = (int8_t)lrintf(xb[i] * id);
+            q[b * QK + element_at(b, n / QK, i, order)] = c;
+            total += c;
         }
         sum[b] = total;
     }
@@ -190,56 +198,92 @@ Q4_BODY(dot_q4_avxvnni, "avx2,fma,f16c,avxvnni", DOT_AVXVNNI)
 #define AVX512 "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq,avx512vnni"
 /* AVX512-VNNI CPUs need not have AVX-VNNI (Zen 4 has not): its 256-bit dot, EVEX-encoded */
 #define DOT_VNNI256(a, b) _mm256_dpbusd_epi32(_mm256_setzero_si256(), (a), (b))
-Q8_BODY(dot_q8g_vnni256, AVX512, DOT_VNNI256, BLOCK_SCALE_F16, 1.0f)
 KQUANT_BODIES(avx2, "avx2,fma,f16c", DOT_AVX2)
 KQUANT_BODIES(vnni256, AVX512, DOT_VNNI256)
 #ifdef HAVE_AVXVNNI
 KQUANT_BODIES(avxvnni, "avx2,fma,f16c,avxvnni", DOT_AVXVNNI)
 #endif
 
-__attribute__((target(AVX512))) static inline __m512 two_scales(float d0, float d1) {
-    return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(d0)), _mm256_set1_ps(d1), 1);
+/* Two int8 blocks against their activations: the codes made unsigned (c + 128: one xor, where a
+ * sign trick takes three operations), the 128 sum x that adds taken off through the block sums.
+ * int32 lanes 0-7: block b, 8-15: b + 1. */
+__attribute__((target(AVX512))) static inline __m512 q8_pair(__m512i codes, __m512i q) {
+    const __m512i u = _mm512_xor_si512(codes, _mm512_set1_epi8((char)0x80));
+    return _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), u, q));
 }
 
+/* `blocks` (16, or fewer at a row's end: masked, what lies beyond reads as zero) blocks whose
+ * scales are d, into two accumulators. */
+__attribute__((target(AVX512))) static inline void q8_chunk(const int8_t *c, const int8_t *q, __m512 d, int blocks,
+                                                             __m512 acc[2]) {
+    for (int k = 0; k < 16 && k < blocks; k += 2) {
+        const __m512i idx = _mm512_inserti64x4(_mm512_set1_epi32(k), _mm256_set1_epi32(k + 1), 1);
+        const __m512 dot = blocks - k >= 2
+            ? q8_pair(_mm512_loadu_si512(c + k * QK), _mm512_loadu_si512(q + k * QK))
+            : q8_pair(_mm512_maskz_loadu_epi8(0xffffffffu, c + k * QK), _mm512_maskz_loadu_epi8(0xffffffffu, q + k * QK));
+        acc[k / 2 % 2] = _mm512_fmadd_ps(dot, _mm512_permutexvar_ps(idx, d), acc[k / 2 % 2]);
+    }
+}
+
+/* sum over blocks of d_b * (codes . activations)_b, d_b = qs_b (times the block's fp16 scale
+ * where s is given: Q8_0), sixteen blocks' scales in one vector. */
+__attribute__((target(AVX512))) static float q8_blocks_vnni512(const int8_t *c, const uint16_t *s, const int8_t *q,
+        const float *qs, const int32_t *qsum, int64_t nb) {
+    __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()}, off = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b += 16) {
+        const int m = nb - b < 16 ? (int)(nb - b) : 16;
+        const __mmask16 lanes = (__mmask16)((1u << m) - 1);
+        __m512 d = _mm512_maskz_loadu_ps(lanes, qs + b);
+        if (s) d = _mm512_mul_ps(d, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lanes, s + b)));
+        off = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(lanes, qsum + b)), off);
+        if (m == 16) q8_chunk(c + b * QK, q + b * QK, d, 16, acc);
+        else q8_chunk(c + b * QK, q + b * QK, d, m, acc);
+    }
+    return _mm512_reduce_add_ps(_mm512_fnmadd_ps(_mm512_set1_ps(128.0f), off, _mm512_add_ps(acc[0], acc[1])));
+}
+
+/* int8: one fp32 scale per row */
 __attribute__((target(AVX512))) static float dot_q8_vnni512(const void *w, const void *ws, const int8_t *q,
         const float *qs, const int32_t *qsum, int64_t n, int64_t group) {
-    const int8_t *c = w;
-    const int64_t nb = n / QK;
-    __m512 acc = _mm512_setzero_ps();
-    int64_t b = 0;
-    for (; b + 1 < nb; b += 2) {
-        const __m512i wv = _mm512_loadu_si512(c + b * QK), xv = _mm512_loadu_si512(q + b * QK);
-        const __mmask64 neg = _mm512_movepi8_mask(wv);
-        const __m512i sx = _mm512_mask_sub_epi8(xv, neg, _mm512_setzero_si512(), xv);   /* sign(w) x */
-        const __m512i isum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_abs_epi8(wv), sx);
-        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), two_scales(qs[b], qs[b + 1]), acc);
-    }
-    float tail = b < nb ? dot_q8_avx2(c + b * QK, &(float){1.0f}, q + b * QK, qs + b, qsum + b, QK, group) : 0.0f;
-    return (_mm512_reduce_add_ps(acc) + tail) * *(const float *)ws;
+    (void)group;
+    return q8_blocks_vnni512(w, NULL, q, qs, qsum, n / QK) * *(const float *)ws;
 }
 
-/* Two int4 blocks (32 bytes of codes) against their activations: 16 int32 lanes, block b in
- * lanes 0-7 and block b + 1 in lanes 8-15. */
+/* Q8_0: an fp16 scale per block */
+__attribute__((target(AVX512))) static float dot_q8g_vnni512(const void *w, const void *ws, const int8_t *q,
+        const float *qs, const int32_t *qsum, int64_t n, int64_t group) {
+    (void)group;
+    return q8_blocks_vnni512(w, ws, q, qs, qsum, n / QK);
+}
+
+/* Two int4 blocks (32 bytes of codes) against their activations in pair order (quantize_row,
+ * order 2): the bytes loaded twice, the first copy's low nibbles kept, the second's high nibbles
+ * kept in place (16 times the code: no shift, the lanes' scales are divided by 16 instead; at
+ * most 4 * 240 * 127 a lane, exact in fp32). int32 lanes 0-3: block b, 4-7: b + 1, 8-11: b's
+ * high nibbles, 12-15: b + 1's. */
 __attribute__((target(AVX512))) static inline __m512 q4_pair(const uint8_t *c, const int8_t *q) {
-    const __m256i bytes = _mm256_loadu_si256((const __m256i *)c);
-    __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(bytes), _mm256_srli_epi16(bytes, 4), 1);
-    z = _mm512_and_si512(_mm512_shuffle_i64x2(z, z, _MM_SHUFFLE(3, 1, 2, 0)), _mm512_set1_epi8(15));
-    return _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), z, _mm512_loadu_si512(q)));
+    const __m512i nibbles = _mm512_inserti64x4(_mm512_set1_epi8(0x0f), _mm256_set1_epi8((char)0xf0), 1);
+    const __m512i bytes = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)c));
+    return _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(bytes, nibbles),
+                                                  _mm512_loadu_si512(q)));
 }
 
-/* group 32: sixteen (then eight) blocks at a time, their scales converted and multiplied in
- * one vector, the "- 8 sum x" terms in one FMA. Returns the blocks done. */
-__attribute__((target(AVX512))) static void q4_g32_chunk(const uint8_t *c, const int8_t *q, __m512 d, int blocks,
-                                                          __m512 *acc) {
-    for (int k = 0; k < blocks; k += 2) {
-        const __m512i idx = _mm512_set_epi32(k + 1, k + 1, k + 1, k + 1, k + 1, k + 1, k + 1, k + 1,
-                                             k, k, k, k, k, k, k, k);
-        *acc = _mm512_fmadd_ps(q4_pair(c + k * 16, q + k * QK), _mm512_permutexvar_ps(idx, d), *acc);
-    }
+/* The lane scales of pair k of a run of blocks whose scales are d (and d / 16 in d16). */
+#define PAIR_SCALES(k) _mm512_set_epi32(17 + (k), 17 + (k), 17 + (k), 17 + (k), 16 + (k), 16 + (k), 16 + (k),      \
+                                        16 + (k), 1 + (k), 1 + (k), 1 + (k), 1 + (k), k, k, k, k)
+
+/* group 32: sixteen (or eight) blocks whose scales are converted and multiplied in one vector;
+ * two accumulators, so that consecutive FMAs do not wait on each other. */
+__attribute__((target(AVX512))) static inline void q4_g32_chunk(const uint8_t *c, const int8_t *q, __m512 d,
+                                                                 int blocks, __m512 acc[2]) {
+    const __m512 d16 = _mm512_mul_ps(d, _mm512_set1_ps(1.0f / 16));
+    for (int k = 0; k < blocks; k += 2)
+        acc[k / 2 % 2] = _mm512_fmadd_ps(q4_pair(c + k * 16, q + k * QK),
+                                         _mm512_permutex2var_ps(d, PAIR_SCALES(k), d16), acc[k / 2 % 2]);
 }
 
 __attribute__((target(AVX512))) static int64_t q4_g32_vnni512(const uint8_t *c, const uint16_t *s, const int8_t *q,
-        const float *qs, const int32_t *qsum, int64_t nb, __m512 *acc, __m512 *off) {
+        const float *qs, const int32_t *qsum, int64_t nb, __m512 acc[2], __m512 *off) {
     int64_t b = 0;
     for (; b + 16 <= nb; b += 16) {
         const __m512 d = _mm512_mul_ps(_mm512_loadu_ps(qs + b),
@@ -263,12 +307,15 @@ __attribute__((target(AVX512))) static float dot_q4_vnni512(const void *w, const
     const uint8_t *c = w;
     const uint16_t *s = ws;
     const int64_t per_group = group / QK, nb = n / QK;
-    __m512 acc = _mm512_setzero_ps(), off = _mm512_setzero_ps();
-    int64_t b = group == QK ? q4_g32_vnni512(c, s, q, qs, qsum, nb, &acc, &off) : 0;
+    __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()}, off = _mm512_setzero_ps();
+    int64_t b = group == QK ? q4_g32_vnni512(c, s, q, qs, qsum, nb, acc, &off) : 0;
     float offset = 0.0f;
-    for (; b + 1 < nb; b += 2) {
+    for (; b + 1 < nb; b += 2) {                          /* groups of 64 and more: a pair at a time */
         const float d0 = qs[b] * _cvtsh_ss(s[b / per_group]), d1 = qs[b + 1] * _cvtsh_ss(s[(b + 1) / per_group]);
-        acc = _mm512_fmadd_ps(q4_pair(c + b * 16, q + b * QK), two_scales(d0, d1), acc);
+        const __m512 d = _mm512_castps128_ps512(_mm_set_ps(0.0f, 0.0f, d1, d0));
+        const __m512 d16 = _mm512_mul_ps(d, _mm512_set1_ps(1.0f / 16));
+        acc[0] = _mm512_fmadd_ps(q4_pair(c + b * 16, q + b * QK), _mm512_permutex2var_ps(d, PAIR_SCALES(0), d16),
+                                 acc[0]);
         offset += d0 * (float)qsum[b] + d1 * (float)qsum[b + 1];
     }
     float tail = 0.0f;
@@ -276,7 +323,8 @@ __attribute__((target(AVX512))) static float dot_q4_vnni512(const void *w, const
         const uint16_t one = s[b / per_group];
         tail = dot_q4_avx2(c + b * 16, &one, q + b * QK, qs + b, qsum + b, QK, QK);
     }
-    return _mm512_reduce_add_ps(acc) - 8.0f * (offset + _mm512_reduce_add_ps(off)) + tail;
+    const __m512 sum = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), off, _mm512_add_ps(acc[0], acc[1]));
+    return _mm512_reduce_add_ps(sum) - 8.0f * offset + tail;
 }
 #endif
 
@@ -302,7 +350,7 @@ static void choose_isa(void) {
     if (!below_512 && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
         __builtin_cpu_supports("avx512bw")) {
         dot_q8 = dot_q8_vnni512, dot_q4 = dot_q4_vnni512, isa = "avx512-vnni";
-        dot_q8g = dot_q8g_vnni256;                  /* Q8_0: the 256-bit body, EVEX-encoded VNNI */
+        dot_q8g = dot_q8g_vnni512;
         SET_KQUANTS(vnni256);
         return;
     }
@@ -385,6 +433,15 @@ static void parallel(task_fn fn, void *ctx, int64_t tasks) {
     pthread_mutex_unlock(&pool.lock);
     run_tasks(gen);
     while (atomic_load(&pool.done) < tasks) RELAX();
+}
+
+/* The order quantize_row stores activations in for a matrix of `quant` (after choose_isa). */
+static int int4_order(int quant) {
+    if (quant != 4) return 0;
+#if defined(__x86_64__)
+    if (dot_q4 == dot_q4_vnni512) return 2;
+#endif
+    return 1;
 }
 
 /* Threads used by later calls (the caller counts as one). Grows the pool; never shrinks it
@@ -506,7 +563,7 @@ static void act_task(void *ctx, int64_t p) {
     } else {
         for (int64_t i = 0; i < L->I; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
     }
-    quantize_row(g, L->I, L->hq + p * L->I, L->hs + p * (L->I / QK), L->hsum + p * (L->I / QK), L->quant_dn == 4);
+    quantize_row(g, L->I, L->hq + p * L->I, L->hs + p * (L->I / QK), L->hsum + p * (L->I / QK), int4_order(L->quant_dn));
 }
 
 static void down_task(void *ctx, int64_t task) {
@@ -553,7 +610,7 @@ static int run_layer(const float *x, int64_t T, int64_t E, int64_t I, int quant,
     L.task_expert = malloc(sizeof(int64_t) * max_tasks), L.task_row = malloc(sizeof(int64_t) * max_tasks);
     for (int64_t t = 0; t < T; t++)
         quantize_row(x + t * E, E, (int8_t *)L.xq + t * E, (float *)L.xs + t * (E / QK),
-                     (int32_t *)L.xsum + t * (E / QK), q_gu == 4);
+                     (int32_t *)L.xsum + t * (E / QK), int4_order(q_gu));
     parallel(gate_up_task, &L, plan_tasks(&L, 2 * I));
     parallel(act_task, &L, pairs);
     parallel(down_task, &L, plan_tasks(&L, E));
@@ -616,7 +673,7 @@ int moe_linear(const float *x, int64_t T, int64_t C, int64_t R, int quant, int64
     float *xs = malloc(sizeof(float) * T * (C / QK));
     int32_t *xsum = malloc(4 * T * (C / QK));
     for (int64_t t = 0; t < T; t++)
-        quantize_row(x + t * C, C, xq + t * C, xs + t * (C / QK), xsum + t * (C / QK), quant == 4);
+        quantize_row(x + t * C, C, xq + t * C, xs + t * (C / QK), xsum + t * (C / QK), int4_order(quant));
     linear L = {w, scales, quant, T, R, C, group, xq, xs, xsum, y, task_rows(R)};
     parallel(linear_task, &L, (R + L.chunk - 1) / L.chunk);
     free(xq), free(xs), free(xsum);
