@@ -140,57 +140,90 @@ __attribute__((target("avx2,fma"))) static inline float hsum8(__m256 v) {
 }
 
 /* The 256-bit bodies, once per instruction set: DOT32(u8, s8) gives eight int32 partial sums.
- * int8 weights: |w| against sign(w) * x. int4: the nibble (0..15) against x, less 8 sum x. */
+ * int8 weights: |w| against sign(w) * x, blocks two at a time into two accumulators. int4: the
+ * nibble (0..15) against x, less 8 sum x. */
+#define Q8_BLOCK(DOT32, BLOCK_SCALE, b, acc)                                                   \
+    do {                                                                                       \
+        const __m256i wv = _mm256_loadu_si256((const __m256i *)(c + (b) * QK));                \
+        const __m256i xv = _mm256_loadu_si256((const __m256i *)(q + (b) * QK));                \
+        const __m256i isum = DOT32(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv));        \
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(qs[b] * (BLOCK_SCALE(b))), acc); \
+    } while (0)
 #define Q8_BODY(NAME, TARGET, DOT32, BLOCK_SCALE, ROW_SCALE)                                \
     __attribute__((target(TARGET))) static float NAME(const void *w, const void *ws,           \
             const int8_t *q, const float *qs, const int32_t *qsum, int64_t n, int64_t group) { \
         (void)group, (void)qsum, (void)ws;                                                     \
         const int8_t *c = w;                                                                   \
-        __m256 acc = _mm256_setzero_ps();                                                      \
-        for (int64_t b = 0; b < n / QK; b++) {                                                 \
-            const __m256i wv = _mm256_loadu_si256((const __m256i *)(c + b * QK));              \
-            const __m256i xv = _mm256_loadu_si256((const __m256i *)(q + b * QK));              \
-            const __m256i isum = DOT32(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv));    \
-            const float d = qs[b] * (BLOCK_SCALE);                                             \
-            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(d), acc);           \
+        const int64_t nb = n / QK;                                                             \
+        __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();                         \
+        int64_t b = 0;                                                                         \
+        for (; b + 1 < nb; b += 2) {                                                           \
+            Q8_BLOCK(DOT32, BLOCK_SCALE, b, acc0);                                             \
+            Q8_BLOCK(DOT32, BLOCK_SCALE, b + 1, acc1);                                         \
         }                                                                                      \
-        return hsum8(acc) * (ROW_SCALE);                                                       \
+        if (b < nb) Q8_BLOCK(DOT32, BLOCK_SCALE, b, acc0);                                     \
+        return hsum8(_mm256_add_ps(acc0, acc1)) * (ROW_SCALE);                                 \
     }
 /* int8: one fp32 scale per row, applied once; Q8_0: each block's own fp16 scale */
 #define ROW_SCALE_F32 (*(const float *)ws)
-#define BLOCK_SCALE_F16 _cvtsh_ss(((const uint16_t *)ws)[b])
+#define BLOCK_SCALE_ONE(b) 1.0f
+#define BLOCK_SCALE_F16(b) _cvtsh_ss(((const uint16_t *)ws)[b])
 
-#define Q4_BODY(NAME, TARGET, DOT32)                                                          \
+/* int4: UNPACK turns a block's 16 bytes into 32 unsigned codes in the activations' order (1);
+ * LANES corrects the sum's lanes at the end. Blocks two at a time into two accumulators (an FMA's
+ * latency is not in every block's path), the group's scale converted once per group. AVX2: the
+ * high nibbles shifted down (maddubs saturates on 16 * 15 * 127 pairs); VNNI (no saturation): the
+ * bytes in both halves, the high nibbles masked in place (16 times the code: no shift, no lane
+ * insert), lanes 4-7 divided by 16 once. */
+#define Q4_UNPACK_SHIFT(c) _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(_mm_loadu_si128((const __m128i *)(c)), 4), \
+                                                             _mm_loadu_si128((const __m128i *)(c))), _mm256_set1_epi8(15))
+#define Q4_UNPACK_MASK(c) _mm256_and_si256(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(c))), \
+                                           _mm256_set_m128i(_mm_set1_epi8((char)0xf0), _mm_set1_epi8(0x0f)))
+#define Q4_LANES_SHIFT _mm256_set1_ps(1.0f)
+#define Q4_LANES_MASK _mm256_set_ps(0.0625f, 0.0625f, 0.0625f, 0.0625f, 1.0f, 1.0f, 1.0f, 1.0f)
+#define Q4_BLOCK(DOT32, UNPACK, b, d, acc)                                                     \
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(DOT32(UNPACK(c + (b) * 16),                        \
+                                                   _mm256_loadu_si256((const __m256i *)(q + (b) * QK)))), \
+                          _mm256_set1_ps(d), acc)
+
+#define Q4_BODY(NAME, TARGET, DOT32, UNPACK, LANES)                                           \
     __attribute__((target(TARGET))) static float NAME(const void *w, const void *ws,           \
             const int8_t *q, const float *qs, const int32_t *qsum, int64_t n, int64_t group) { \
         const uint8_t *c = w;                                                                  \
         const uint16_t *s = ws;                                                                \
-        const int64_t per_group = group / QK;                                                  \
-        const __m256i low = _mm256_set1_epi8(15);                                              \
-        __m256 acc = _mm256_setzero_ps();                                                      \
-        float offset = 0.0f;                                                                   \
-        for (int64_t b = 0; b < n / QK; b++) {                                                 \
-            const __m128i bytes = _mm_loadu_si128((const __m128i *)(c + b * 16));              \
-            const __m256i wv = _mm256_and_si256(                                               \
-                _mm256_set_m128i(_mm_srli_epi16(bytes, 4), bytes), low);                       \
-            const __m256i xv = _mm256_loadu_si256((const __m256i *)(q + b * QK));              \
-            const float d = qs[b] * _cvtsh_ss(s[b / per_group]);                               \
-            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(DOT32(wv, xv)), _mm256_set1_ps(d), acc);  \
-            offset += d * (float)qsum[b];                                                      \
+        const int64_t per_group = group / QK, nb = n / QK;                                     \
+        __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();                         \
+        float off0 = 0.0f, off1 = 0.0f;                                                        \
+        int64_t b = 0;                                                                         \
+        for (int64_t g = 0; b < nb; g++) {                                                     \
+            const float sw = _cvtsh_ss(s[g]);                                                  \
+            const int64_t end = b + per_group < nb ? b + per_group : nb;                       \
+            for (; b + 1 < end; b += 2) {                                                      \
+                const float d0 = qs[b] * sw, d1 = qs[b + 1] * sw;                              \
+                Q4_BLOCK(DOT32, UNPACK, b, d0, acc0);                                          \
+                Q4_BLOCK(DOT32, UNPACK, b + 1, d1, acc1);                                      \
+                off0 += d0 * (float)qsum[b], off1 += d1 * (float)qsum[b + 1];                  \
+            }                                                                                  \
+            if (b < end) {                                                                     \
+                const float d0 = qs[b] * sw;                                                   \
+                Q4_BLOCK(DOT32, UNPACK, b, d0, acc0);                                          \
+                off0 += d0 * (float)qsum[b];                                                   \
+                b++;                                                                           \
+            }                                                                                  \
         }                                                                                      \
-        return hsum8(acc) - 8.0f * offset;                                                     \
+        return hsum8(_mm256_mul_ps(_mm256_add_ps(acc0, acc1), LANES)) - 8.0f * (off0 + off1); \
     }
 
 #define DOT_AVX2(a, b) _mm256_madd_epi16(_mm256_maddubs_epi16((a), (b)), _mm256_set1_epi16(1))
 #define DOT_AVXVNNI(a, b) _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), (a), (b))
 
-Q8_BODY(dot_q8_avx2, "avx2,fma,f16c", DOT_AVX2, 1.0f, ROW_SCALE_F32)
+Q8_BODY(dot_q8_avx2, "avx2,fma,f16c", DOT_AVX2, BLOCK_SCALE_ONE, ROW_SCALE_F32)
 Q8_BODY(dot_q8g_avx2, "avx2,fma,f16c", DOT_AVX2, BLOCK_SCALE_F16, 1.0f)
-Q4_BODY(dot_q4_avx2, "avx2,fma,f16c", DOT_AVX2)
+Q4_BODY(dot_q4_avx2, "avx2,fma,f16c", DOT_AVX2, Q4_UNPACK_SHIFT, Q4_LANES_SHIFT)
 #if defined(__GNUC__) && (__GNUC__ >= 11 || defined(__clang__))
-Q8_BODY(dot_q8_avxvnni, "avx2,fma,f16c,avxvnni", DOT_AVXVNNI, 1.0f, ROW_SCALE_F32)
+Q8_BODY(dot_q8_avxvnni, "avx2,fma,f16c,avxvnni", DOT_AVXVNNI, BLOCK_SCALE_ONE, ROW_SCALE_F32)
 Q8_BODY(dot_q8g_avxvnni, "avx2,fma,f16c,avxvnni", DOT_AVXVNNI, BLOCK_SCALE_F16, 1.0f)
-Q4_BODY(dot_q4_avxvnni, "avx2,fma,f16c,avxvnni", DOT_AVXVNNI)
+Q4_BODY(dot_q4_avxvnni, "avx2,fma,f16c,avxvnni", DOT_AVXVNNI, Q4_UNPACK_MASK, Q4_LANES_MASK)
 #define HAVE_AVXVNNI 1
 #endif
 
