@@ -172,7 +172,7 @@ static inline void k4_unpack(const uint8_t *s, uint32_t out[4]) {
         (void)ws, (void)group;                                                                   \
         const int bytes = FIFTH ? 176 : 144;                                                     \
         const __m256i low = _mm256_set1_epi8(15), sixteen = _mm256_set1_epi8(16);               \
-        __m256 acc = _mm256_setzero_ps(), off = _mm256_setzero_ps();                             \
+        __m256 acc = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps(), off = _mm256_setzero_ps(); \
         for (int64_t sb = 0; sb < n / QK_K; sb++) {                                              \
             const uint8_t *blk = (const uint8_t *)w + sb * bytes, *codes = blk + (FIFTH ? 48 : 16); \
             uint32_t sm[4];                                                                      \
@@ -198,10 +198,10 @@ static inline void k4_unpack(const uint8_t *s, uint32_t out[4]) {
                 const __m256 d0 = _mm256_permutevar8x32_ps(dv, _mm256_set1_epi32(j));            \
                 const __m256 d1 = _mm256_permutevar8x32_ps(dv, _mm256_set1_epi32(j + 1));        \
                 acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(DOT32(c0, x0)), d0, acc);               \
-                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(DOT32(c1, x1)), d1, acc);               \
+                acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(DOT32(c1, x1)), d1, acc1);             \
             }                                                                                    \
         }                                                                                        \
-        return hsum8(acc) - hsum8(off);                                                          \
+        return hsum8(_mm256_sub_ps(_mm256_add_ps(acc, acc1), off));                              \
     }
 
 #define Q6K_BODY(NAME, TARGET, DOT32)                                                            \
@@ -209,7 +209,7 @@ static inline void k4_unpack(const uint8_t *s, uint32_t out[4]) {
             const int8_t *q, const float *qs, const int32_t *qsum, int64_t n, int64_t group) {   \
         (void)ws, (void)group, (void)qsum;                                                       \
         const __m256i low = _mm256_set1_epi8(15), top = _mm256_set1_epi8(0x30), one = _mm256_set1_epi8(1); \
-        __m256 acc = _mm256_setzero_ps();                                                        \
+        __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};                              \
         for (int64_t sb = 0; sb < n / QK_K; sb++) {                                              \
             const uint8_t *blk = (const uint8_t *)w + sb * 210;                                  \
             const float d = f16(blk + 208);                                                      \
@@ -230,11 +230,11 @@ static inline void k4_unpack(const uint8_t *s, uint32_t out[4]) {
                     const __m256i isum = _mm256_sub_epi32(DOT32(codes[k], x), _mm256_slli_epi32(DOT32(one, x), 5)); \
                     const float s0 = qs[b] * d * sc[2 * k], s1 = qs[b] * d * sc[2 * k + 1];      \
                     const __m256 scales = _mm256_setr_ps(s0, s0, s0, s0, s1, s1, s1, s1);        \
-                    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), scales, acc);                 \
+                    acc[k & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), scales, acc[k & 1]);   \
                 }                                                                                \
             }                                                                                    \
         }                                                                                        \
-        return hsum8(acc);                                                                       \
+        return hsum8(_mm256_add_ps(acc[0], acc[1]));                                             \
     }
 
 /* 16 bytes of 4-bit indices (low nibbles elements 0-15, high 16-31) looked up in a 16-entry int8
@@ -254,7 +254,7 @@ static inline void k4_unpack(const uint8_t *s, uint32_t out[4]) {
             const int8_t *q, const float *qs, const int32_t *qsum, int64_t n, int64_t group) {   \
         (void)ws, (void)group, (void)qsum;                                                       \
         const __m256i table = TABLE(IQ4NL);                                                      \
-        __m256 acc = _mm256_setzero_ps();                                                        \
+        __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};                              \
         for (int64_t sb = 0; sb < n / QK_K; sb++) {                                              \
             const uint8_t *blk = (const uint8_t *)w + sb * 136;                                  \
             const float d = f16(blk);                                                            \
@@ -262,10 +262,11 @@ static inline void k4_unpack(const uint8_t *s, uint32_t out[4]) {
                 const __m128i bytes = _mm_loadu_si128((const __m128i *)(blk + 8 + 16 * ib));     \
                 const int64_t b = sb * 8 + ib;                                                   \
                 const __m256 scale = _mm256_set1_ps(qs[b] * d * iq4_scale(blk, ib));             \
-                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(TABLE_DOT(DOT32, table, bytes, ACTIVATIONS(b))), scale, acc); \
+                acc[ib & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(TABLE_DOT(DOT32, table, bytes, ACTIVATIONS(b))), scale, \
+                                              acc[ib & 1]);                                              \
             }                                                                                    \
         }                                                                                        \
-        return hsum8(acc);                                                                       \
+        return hsum8(_mm256_add_ps(acc[0], acc[1]));                                             \
     }
 
 #define MXFP4_BODY(NAME, TARGET, DOT32)                                                          \
@@ -273,14 +274,15 @@ static inline void k4_unpack(const uint8_t *s, uint32_t out[4]) {
             const int8_t *q, const float *qs, const int32_t *qsum, int64_t n, int64_t group) {   \
         (void)ws, (void)group, (void)qsum;                                                       \
         const __m256i table = TABLE(MXFP4X2);                                                    \
-        __m256 acc = _mm256_setzero_ps();                                                        \
+        __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};                              \
         for (int64_t b = 0; b < n / QK; b++) {                                                   \
             const uint8_t *blk = (const uint8_t *)w + b * 17;                                    \
             const __m128i bytes = _mm_loadu_si128((const __m128i *)(blk + 1));                   \
             const __m256 scale = _mm256_set1_ps(qs[b] * e8m0_half(blk[0]));                      \
-            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(TABLE_DOT(DOT32, table, bytes, ACTIVATIONS(b))), scale, acc); \
+            acc[b & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(TABLE_DOT(DOT32, table, bytes, ACTIVATIONS(b))), scale, \
+                                         acc[b & 1]);                                                   \
         }                                                                                        \
-        return hsum8(acc);                                                                       \
+        return hsum8(_mm256_add_ps(acc[0], acc[1]));                                             \
     }
 
 #define KQUANT_BODIES(SUFFIX, TARGET, DOT32)                                                     \
