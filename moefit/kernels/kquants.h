@@ -149,6 +149,9 @@ static float dot_mxfp4_portable(const void *w, const void *ws, const int8_t *q, 
 }
 
 #if defined(__x86_64__)
+/* an fp16 field by the F16C instruction (the SIMD bodies all have it) */
+#define F16C(p) _cvtsh_ss((uint16_t)((p)[0] | ((p)[1] << 8)))
+
 /* ---- 256-bit bodies: DOT32(u8, s8) -> eight int32 sums, lane i = bytes 4i..4i+3 ---------- */
 /* Q4_K / Q5_K's 12 packed bytes -> 8 scales (bytes of out[0..1]) and 8 mins (out[2..3]), all at once */
 static inline void k4_unpack(const uint8_t *s, uint32_t out[4]) {
@@ -180,9 +183,9 @@ static inline void k4_unpack(const uint8_t *s, uint32_t out[4]) {
             const __m256 xs = _mm256_loadu_ps(qs + sb * 8);                                     \
             const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)sm))); \
             const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sm + 2)))); \
-            const __m256 dv = _mm256_mul_ps(_mm256_mul_ps(sc, xs), _mm256_set1_ps(f16(blk)));   \
+            const __m256 dv = _mm256_mul_ps(_mm256_mul_ps(sc, xs), _mm256_set1_ps(F16C(blk)));   \
             const __m256 sums = _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)(qsum + sb * 8))); \
-            off = _mm256_fmadd_ps(_mm256_mul_ps(mn, _mm256_mul_ps(xs, sums)), _mm256_set1_ps(f16(blk + 2)), off); \
+            off = _mm256_fmadd_ps(_mm256_mul_ps(mn, _mm256_mul_ps(xs, sums)), _mm256_set1_ps(F16C(blk + 2)), off); \
             const __m256i qh = FIFTH ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : low;    \
             for (int j = 0; j < 8; j += 2) {                                                     \
                 const __m256i c = _mm256_loadu_si256((const __m256i *)(codes + 16 * j));         \
@@ -212,7 +215,7 @@ static inline void k4_unpack(const uint8_t *s, uint32_t out[4]) {
         __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};                              \
         for (int64_t sb = 0; sb < n / QK_K; sb++) {                                              \
             const uint8_t *blk = (const uint8_t *)w + sb * 210;                                  \
-            const float d = f16(blk + 208);                                                      \
+            const float d = F16C(blk + 208);                                                      \
             for (int half = 0; half < 2; half++) {                                               \
                 const __m256i l0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * half));       \
                 const __m256i l1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * half + 32));  \
@@ -257,7 +260,7 @@ static inline void k4_unpack(const uint8_t *s, uint32_t out[4]) {
         __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};                              \
         for (int64_t sb = 0; sb < n / QK_K; sb++) {                                              \
             const uint8_t *blk = (const uint8_t *)w + sb * 136;                                  \
-            const float d = f16(blk);                                                            \
+            const float d = F16C(blk);                                                            \
             for (int ib = 0; ib < 8; ib++) {                                                     \
                 const __m128i bytes = _mm_loadu_si128((const __m128i *)(blk + 8 + 16 * ib));     \
                 const int64_t b = sb * 8 + ib;                                                   \
@@ -283,6 +286,49 @@ static inline void k4_unpack(const uint8_t *s, uint32_t out[4]) {
                                          acc[b & 1]);                                                   \
         }                                                                                        \
         return hsum8(_mm256_add_ps(acc[0], acc[1]));                                             \
+    }
+
+/* Q4_K on 512 bits (instantiated in moe.c, where the target is named): 64 bytes of codes an
+ * iteration, two pairs of sub-blocks. The low nibbles are sub-blocks j and j + 2, the high ones
+ * (masked in place: 16 times the code, no shift) j + 1 and j + 3; each sub-block's d sc s is a
+ * lane of the super-block's eight, permuted into place (divided by 16 for the high nibbles). */
+#define Q4K_BODY512(NAME, TARGET)                                                                \
+    __attribute__((target(TARGET))) static float NAME(const void *w, const void *ws,             \
+            const int8_t *q, const float *qs, const int32_t *qsum, int64_t n, int64_t group) {   \
+        (void)ws, (void)group;                                                                   \
+        const __m512i low = _mm512_set1_epi8(15), high = _mm512_set1_epi8((char)0xf0);          \
+        __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();                           \
+        __m256 off = _mm256_setzero_ps();                                                        \
+        for (int64_t sb = 0; sb < n / QK_K; sb++) {                                              \
+            const uint8_t *blk = (const uint8_t *)w + sb * 144, *codes = blk + 16;               \
+            uint32_t sm[4];                                                                      \
+            k4_unpack(blk + 4, sm);                                                              \
+            const __m256 xs = _mm256_loadu_ps(qs + sb * 8);                                     \
+            const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)sm))); \
+            const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sm + 2)))); \
+            const __m256 dv = _mm256_mul_ps(_mm256_mul_ps(sc, xs), _mm256_set1_ps(F16C(blk)));   \
+            const __m256 sums = _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)(qsum + sb * 8))); \
+            off = _mm256_fmadd_ps(_mm256_mul_ps(mn, _mm256_mul_ps(xs, sums)), _mm256_set1_ps(F16C(blk + 2)), off); \
+            const __m512 d = _mm512_zextps256_ps512(dv);                                         \
+            const __m512 d16 = _mm512_zextps256_ps512(_mm256_mul_ps(dv, _mm256_set1_ps(1.0f / 16))); \
+            for (int j = 0; j < 8; j += 4) {                                                     \
+                const __m512i c = _mm512_loadu_si512(codes + 16 * j);                            \
+                const int8_t *x = q + (sb * 8 + j) * QK;                                         \
+                const __m512i x02 = _mm512_inserti64x4(                                          \
+                    _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)x)),              \
+                    _mm256_loadu_si256((const __m256i *)(x + 2 * QK)), 1);                       \
+                const __m512i x13 = _mm512_inserti64x4(                                          \
+                    _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(x + QK))),       \
+                    _mm256_loadu_si256((const __m256i *)(x + 3 * QK)), 1);                       \
+                const __m512i i02 = _mm512_inserti64x4(_mm512_set1_epi32(j), _mm256_set1_epi32(j + 2), 1); \
+                const __m512i i13 = _mm512_inserti64x4(_mm512_set1_epi32(17 + j), _mm256_set1_epi32(19 + j), 1); \
+                acc0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(),  \
+                                           _mm512_and_si512(c, low), x02)), _mm512_permutex2var_ps(d, i02, d16), acc0); \
+                acc1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(),  \
+                                           _mm512_and_si512(c, high), x13)), _mm512_permutex2var_ps(d, i13, d16), acc1); \
+            }                                                                                    \
+        }                                                                                        \
+        return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1)) - hsum8(off);                     \
     }
 
 #define KQUANT_BODIES(SUFFIX, TARGET, DOT32)                                                     \

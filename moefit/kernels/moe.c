@@ -233,6 +233,7 @@ Q4_BODY(dot_q4_avxvnni, "avx2,fma,f16c,avxvnni", DOT_AVXVNNI, Q4_UNPACK_MASK, Q4
 #define DOT_VNNI256(a, b) _mm256_dpbusd_epi32(_mm256_setzero_si256(), (a), (b))
 KQUANT_BODIES(avx2, "avx2,fma,f16c", DOT_AVX2)
 KQUANT_BODIES(vnni256, AVX512, DOT_VNNI256)
+Q4K_BODY512(dot_q4k_vnni512, AVX512)
 #ifdef HAVE_AVXVNNI
 KQUANT_BODIES(avxvnni, "avx2,fma,f16c,avxvnni", DOT_AVXVNNI)
 #endif
@@ -385,6 +386,7 @@ static void choose_isa(void) {
         dot_q8 = dot_q8_vnni512, dot_q4 = dot_q4_vnni512, isa = "avx512-vnni";
         dot_q8g = dot_q8g_vnni512;
         SET_KQUANTS(vnni256);
+        dot_q4k = dot_q4k_vnni512;
         return;
     }
 #ifdef HAVE_AVXVNNI
