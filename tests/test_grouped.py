@@ -191,3 +191,55 @@ def test_a_prefill_step_runs_its_resident_experts_a_group_at_a_time_on_their_own
     torch.testing.assert_close(counted[8], counted[1], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(counted[8], _expert_by_expert(runner, layer, x, groups), rtol=1e-5, atol=1e-5)
     assert counted[8, "ops"] * 3 < counted[1, "ops"], counted
+
+
+class HostPeak(TorchDispatchMode):
+    """The most host memory in use (glibc's count) after any operation, less what was in use
+    before: on CPU tensors, the scratch a device step's operations hold at once."""
+
+    def __init__(self):
+        import ctypes
+
+        class Mallinfo2(ctypes.Structure):
+            _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                       "fsmblks", "uordblks", "fordblks", "keepcost")]
+        super().__init__()
+        libc = ctypes.CDLL(None)
+        self.info = libc.mallinfo2
+        self.info.restype = Mallinfo2
+        self.peak = 0
+
+    def used(self) -> int:
+        m = self.info()
+        return m.uordblks + m.hblkhd
+
+    def __enter__(self):
+        self.base = self.used()
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.peak = max(self.peak, self.used() - self.base)
+        return out
+
+
+@pytest.mark.parametrize("rows", [1, 40])
+@pytest.mark.parametrize("quant", ["int8", "int4", "q8_0", "q4_k", "q5_k", "q6_k", "iq4_xs", "mxfp4"])
+def test_a_device_multiply_holds_no_more_scratch_a_weight_than_the_plan(quant, rows):
+    """The plan's scratch line counts expert_scratch_per_weight bytes a weight of the slice being
+    multiplied; the dequantisation of a K-quant once held 20-29 (int64 codes). In fp32 (a bf16
+    matmul on the CPU takes fp32 copies that a GPU's does not)."""
+    import ctypes
+    if not hasattr(ctypes.CDLL(None), "mallinfo2"):
+        pytest.skip("needs glibc's mallinfo2")
+    from moefit.experts.grouped import _batched_linear
+    from moefit.memory.footprint import Footprint
+    from test_kernels import matrix
+    r, c = 512, 2048
+    parts = {k: v[None] for k, v in zip(["w", "w.scale"], matrix(quant, r, c, torch.Generator().manual_seed(0)))}
+    x = torch.randn(rows, c)
+    for _ in range(2):                                 # the second: the first holds one-time allocations
+        with HostPeak() as peak:
+            _batched_linear(x, parts, "w", quant)
+    planned = Footprint(None, "fp32", 0, {}).expert_scratch_per_weight()
+    assert 0 < peak.peak / (r * c) <= planned

@@ -96,7 +96,8 @@ class Footprint:
         """Device bytes a resident expert's multiply holds per weight of the slice it multiplies
         (experts/grouped.py): int4's codes as int8, in the compute dtype and transposed (1 + 2 cb),
         the per-group partial sums of a few rows (2), or a dequantised slice in fp32 and in the
-        compute dtype (4 + cb). A K-quant's dequantisation can hold more (not measured on a GPU)."""
+        compute dtype (4 + cb; a K-quant's codes stay one byte a weight until that fp32 copy:
+        pack/kblocks.py). tests/test_grouped.py measures each kind's peak on CPU tensors."""
         return 6 + 2 * self.cb
 
     def resident_group(self, card_bytes: int) -> tuple[int, int]:
