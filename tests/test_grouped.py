@@ -243,3 +243,35 @@ def test_a_device_multiply_holds_no_more_scratch_a_weight_than_the_plan(quant, r
             _batched_linear(x, parts, "w", quant)
     planned = Footprint(None, "fp32", 0, {}).expert_scratch_per_weight()
     assert 0 < peak.peak / (r * c) <= planned
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 40])
+def test_a_familys_own_expert_function_runs_grouped_on_the_device_too(tokens, packs, card, monkeypatch):
+    """gpt-oss's experts (biases, a clamped gate) a group at a time, as SwiGLU experts are: the
+    same sums as its expert function one expert at a time, and a decode step's launches the same
+    for two resident experts as for eight."""
+    engine = _engine(packs, card, "gpt_oss", "int4")
+    runner, m = engine.runner, engine.pack.model
+    assert runner.group_act is not None
+    layer = m.moe_layers[0]
+    x, groups = _routing(m, tokens, seed=tokens)
+    _resident(runner, layer, groups.experts)
+    host = runner._host_experts(layer, x, groups)                     # the native call, with gpt-oss's gate
+    monkeypatch.setattr(kernels, "usable", lambda x, quant: False)
+    grouped = runner._device_experts(layer, x, groups)
+    one_by_one = torch.zeros(x.shape)
+    for i, e in enumerate(groups.experts):
+        rows, w = groups.rows_of(i)
+        y = runner.expert_fn(layer, e, x[rows], runner.slots[(layer, e)], runner.pack.blobs[(layer, e)].quant)
+        one_by_one.index_add_(0, rows, y.float() * w[:, None])
+    torch.testing.assert_close(grouped, one_by_one, rtol=1e-5, atol=1e-5)
+    assert float((grouped - host).norm() / host.norm()) < 0.02
+    if tokens == 1:
+        runner.group, runner.slice_weights = 8, 1 << 62
+
+        def launches(experts: list[int]) -> int:
+            _resident(runner, layer, experts)
+            with CountOps() as count:
+                runner._device_experts(layer, x, Groups.of(torch.tensor([experts]), torch.rand(1, len(experts))))
+            return count.ops
+        assert launches([1, 5]) == launches(list(range(8)))

@@ -33,6 +33,9 @@ Legend: m experts, T tokens, E hidden, I an expert's intermediate size, R / C a 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -51,17 +54,33 @@ def stack_parts(views: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]
     return {name: torch.stack([v[name] for v in views]) for name in views[0]}
 
 
+@dataclass(frozen=True)
+class GroupAct:
+    """A family's own expert function for a group of m experts (gpt-oss: biases, a clamped gate):
+    their biases gate_up [m, 2I] and down [m, E] on the device, and h = act(gate, up)."""
+    gate_up_bias: torch.Tensor
+    down_bias: torch.Tensor
+    act: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
 def grouped_swiglu(x: torch.Tensor, parts: dict[str, torch.Tensor], quant: str, combine: torch.Tensor,
-                   slice_weights: int) -> torch.Tensor:
+                   slice_weights: int, act: GroupAct | None = None) -> torch.Tensor:
     """sum_j combine[j, t] * swiglu_j(x[t]) in fp32: x [T, E], parts [m, ...], combine [m, T]."""
-    return (swiglu_each(x, parts, quant, slice_weights).float() * combine[:, :, None]).sum(0)
+    return (swiglu_each(x, parts, quant, slice_weights, act).float() * combine[:, :, None]).sum(0)
 
 
-def swiglu_each(x: torch.Tensor, parts: dict[str, torch.Tensor], quant: str, slice_weights: int) -> torch.Tensor:
-    """Each expert's SwiGLU of x [T, E] (the same rows for all) or [m, T, E] (its own): [m, T, E];
-    each matrix is multiplied in slices of rows of at most slice_weights weights an expert."""
-    gate, up = _sliced_linear(x, parts, "gate_up", quant, slice_weights).chunk(2, dim=-1)     # [m, T, I] each
-    return _sliced_linear(F.silu(gate) * up, parts, "down", quant, slice_weights)
+def swiglu_each(x: torch.Tensor, parts: dict[str, torch.Tensor], quant: str, slice_weights: int,
+                act: GroupAct | None = None) -> torch.Tensor:
+    """Each expert's SwiGLU (or the family's `act`) of x [T, E] (the same rows for all) or
+    [m, T, E] (its own): [m, T, E]; each matrix multiplied in slices of at most slice_weights
+    weights an expert."""
+    gate_up = _sliced_linear(x, parts, "gate_up", quant, slice_weights)                       # [m, T, 2I]
+    if act is None:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return _sliced_linear(F.silu(gate) * up, parts, "down", quant, slice_weights)
+    gate, up = (gate_up + act.gate_up_bias[:, None, :].to(gate_up.dtype)).chunk(2, dim=-1)
+    y = _sliced_linear(act.act(gate, up), parts, "down", quant, slice_weights)
+    return y + act.down_bias[:, None, :].to(y.dtype)
 
 
 def padded_rows(starts: list[tuple[int, int]], rows: torch.Tensor, weights: torch.Tensor

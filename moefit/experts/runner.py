@@ -57,9 +57,11 @@ class ExpertRunner:
         self.group = 1                         # resident experts multiplied at once (the plan's resident_group) ...
         self.slice_weights = 1 << 62           # ... in row slices of at most this many weights (its expert_slice)
         # a family whose experts are not plain SwiGLU (gpt-oss: biases, a clamped gate) gives its own
-        # expert(layer, e, x, parts, quant) (the torch path) and native_act(layer, experts) (the native call)
+        # expert(layer, e, x, parts, quant) (the host's torch path), native_act(layer, experts) (the
+        # native call) and group_act(layer, expert_ids) (the device's grouped path)
         self.expert_fn = None
-        self.native_act = None                 # ... and, where the native call can run it, its activation
+        self.native_act = None                 # ... and, where the native call can run it, its activation,
+        self.group_act = None                  # ... and for a group on the device (experts/grouped.py GroupAct)
 
     @property
     def look_ahead(self) -> bool:
@@ -275,24 +277,19 @@ class ExpertRunner:
         """Resident experts on the device from their pool slots, summed in fp32; every launch is
         queued (rows and weights go down from pinned memory without a wait). `group` at a time
         (experts/grouped.py): a step of a few rows on all its rows, a prefill chunk on each
-        expert's own rows; a family with its own expert function (gpt-oss) expert by expert."""
+        expert's own rows; a family's own expert function (gpt-oss) grouped the same way."""
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         if not groups.experts:
             return out
         quant = self.pack.blobs[(layer, groups.experts[0])].quant
-        if x.shape[0] <= DENSE_TOKENS and self.expert_fn is None:
+        if x.shape[0] <= DENSE_TOKENS:
             combine = _down(combine_matrix(len(groups.experts), x.shape[0], groups.rows, groups.start,
                                            groups.weights), x.device)
             for a in range(0, len(groups.experts), self.group):
-                views = [self.slots[(layer, e)] for e in groups.experts[a:a + self.group]]
-                out += grouped_swiglu(x, stack_parts(views), quant, combine[a:a + self.group], self.slice_weights)
-            return out
-        if self.expert_fn is not None:
-            for i, e in enumerate(groups.experts):
-                rows, w = groups.rows_of(i)
-                rows_d, w_d = _down(rows, x.device), _down(w, x.device)
-                y = self.expert_fn(layer, e, x[rows_d], self.slots[(layer, e)], quant)
-                out.index_add_(0, rows_d, y.float() * w_d[:, None])
+                members = groups.experts[a:a + self.group]
+                views = [self.slots[(layer, e)] for e in members]
+                out += grouped_swiglu(x, stack_parts(views), quant, combine[a:a + self.group], self.slice_weights,
+                                      self._group_act(layer, members, x.device))
             return out
         spans = sorted((groups.start[i + 1] - groups.start[i], i) for i in range(len(groups.experts)))
         for a in range(0, len(spans), self.group):          # experts of similar row counts together
@@ -300,10 +297,18 @@ class ExpertRunner:
             index, weight = padded_rows([(groups.start[i], groups.start[i + 1]) for i in members], groups.rows,
                                         groups.weights)
             index_d, weight_d = _down(index, x.device), _down(weight, x.device)
-            views = [self.slots[(layer, groups.experts[i])] for i in members]
-            y = swiglu_each(x[index_d], stack_parts(views), quant, self.slice_weights)         # [m, R, E]
+            experts = [groups.experts[i] for i in members]
+            views = [self.slots[(layer, e)] for e in experts]
+            y = swiglu_each(x[index_d], stack_parts(views), quant, self.slice_weights,
+                            self._group_act(layer, experts, x.device))                              # [m, R, E]
             out.index_add_(0, index_d.flatten(), (y.float() * weight_d[:, :, None]).flatten(0, 1))
         return out
+
+    def _group_act(self, layer: int, experts: list[int], device: torch.device):
+        """The family's expert function for these experts on the device (None: SwiGLU)."""
+        if self.group_act is None:
+            return None
+        return self.group_act(layer, _down(torch.tensor(experts), device))
 
     def _forward(self, layer: int, e: int):
         """The expert function: the family's own (gpt-oss) or SwiGLU."""

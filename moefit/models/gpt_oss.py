@@ -8,7 +8,8 @@ biased router whose top-k logits are softmaxed, and experts with biases and a cl
     y = h W_d + b_d
 
 The experts' biases live with the dense weights ([N, 2I] and [N, E] per layer, a few MiB);
-the expert runner calls `expert` for each expert (the native call computes plain SwiGLU).
+the host's native call takes them with the clamped gate (native_act), the device's grouped path
+as group_act, the torch fallback expert by expert (expert).
 Legend: T tokens, E hidden, H heads, K kv heads, D head dim, N experts, I expert size.
 """
 
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 from moefit.models.layers import (DecoderModel, RopeTable, Weights, apply_rope, attend_state, linear,
                                   output_weights)
 from moefit import kernels
+from moefit.experts.grouped import GroupAct
 from moefit.pack.quant import qlinear
 
 
@@ -75,6 +77,13 @@ class GptOss(DecoderModel):
         """One expert on x [T, E] from its blob parts, with its biases and the clamped gate."""
         biases = self.layers[layer]
         gate, up = (qlinear(x, parts, "gate_up", quant) + biases["gate_up_bias"][e].to(x.device, x.dtype)).chunk(2, -1)
+        return qlinear(self.clamped_glu(gate, up), parts, "down", quant) + biases["down_bias"][e].to(x.device, x.dtype)
+
+    def group_act(self, layer: int, experts: torch.Tensor) -> GroupAct:
+        """The grouped device path's expert function for these experts (ids on the device)."""
+        biases = self.layers[layer]
+        return GroupAct(biases["gate_up_bias"][experts], biases["down_bias"][experts], self.clamped_glu)
+
+    def clamped_glu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
-        h = (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
-        return qlinear(h, parts, "down", quant) + biases["down_bias"][e].to(x.device, x.dtype)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))

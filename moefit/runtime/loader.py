@@ -99,6 +99,7 @@ def _place(pack: Pack, cfg: ServeConfig, mem: DeviceMemory, cdt: str, the_plan: 
         runner.group, runner.slice_weights = the_plan.resident_group, the_plan.expert_slice
     runner.expert_fn = getattr(model, "expert", None)      # a family's own expert (gpt-oss), else SwiGLU
     runner.native_act = getattr(model, "native_act", None)
+    runner.group_act = getattr(model, "group_act", None)
     notes = []
     if the_plan is not None:
         if cfg.prefetch_per_layer > 0:            # the look-ahead's trained probe, in the dense line
