@@ -14,7 +14,8 @@ Every resident expert runs on every row of the step (the combine matrix holds 0 
 token did not route to it), so this is for steps of at most DENSE_TOKENS rows (decode,
 verify windows), where reading the weights, not the multiply, is the cost. Larger steps
 (prefill chunks) run each group on its experts' own rows, padded to the longest (experts of
-similar row counts grouped together: experts/runner.py). Each matrix is multiplied in slices
+similar row counts grouped together, at most top-k of them, so the padded rows are at most the
+chunk's top-k pairs: experts/runner.py). Each matrix is multiplied in slices
 of its rows so that the scratch stays within what the plan holds for it
 (memory/footprint.expert_scratch_bytes).
 
@@ -57,7 +58,8 @@ def stack_parts(views: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]
 @dataclass(frozen=True)
 class GroupAct:
     """A family's own expert function for a group of m experts (gpt-oss: biases, a clamped gate):
-    their biases gate_up [m, 2I] and down [m, E] on the device, and h = act(gate, up)."""
+    their biases gate_up [m, 2I] and down [m, E] on the device, and h = act(gate, up) (which may
+    overwrite gate and up: they are the call's own)."""
     gate_up_bias: torch.Tensor
     down_bias: torch.Tensor
     act: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -75,12 +77,16 @@ def swiglu_each(x: torch.Tensor, parts: dict[str, torch.Tensor], quant: str, sli
     [m, T, E] (its own): [m, T, E]; each matrix multiplied in slices of at most slice_weights
     weights an expert."""
     gate_up = _sliced_linear(x, parts, "gate_up", quant, slice_weights)                       # [m, T, 2I]
+    del x                                      # a prefill group's gathered rows: not held past here
     if act is None:
         gate, up = gate_up.chunk(2, dim=-1)
-        return _sliced_linear(F.silu(gate) * up, parts, "down", quant, slice_weights)
-    gate, up = (gate_up + act.gate_up_bias[:, None, :].to(gate_up.dtype)).chunk(2, dim=-1)
-    y = _sliced_linear(act.act(gate, up), parts, "down", quant, slice_weights)
-    return y + act.down_bias[:, None, :].to(y.dtype)
+        h = F.silu(gate).mul_(up)
+    else:                                      # gate_up is this call's own: biased and gated in place
+        gate, up = gate_up.add_(act.gate_up_bias[:, None, :].to(gate_up.dtype)).chunk(2, dim=-1)
+        h = act.act(gate, up)
+    del gate_up, gate, up
+    y = _sliced_linear(h, parts, "down", quant, slice_weights)
+    return y if act is None else y.add_(act.down_bias[:, None, :].to(y.dtype))
 
 
 def padded_rows(starts: list[tuple[int, int]], rows: torch.Tensor, weights: torch.Tensor

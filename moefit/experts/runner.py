@@ -291,9 +291,12 @@ class ExpertRunner:
                 out += grouped_swiglu(x, stack_parts(views), quant, combine[a:a + self.group], self.slice_weights,
                                       self._group_act(layer, members, x.device))
             return out
+        # experts of similar row counts together, at most top-k of them: padded to the longest, a
+        # group's rows are then at most the chunk's top-k pairs, the prompt path's activations
+        step = min(self.group, self.pack.model.top_k)
         spans = sorted((groups.start[i + 1] - groups.start[i], i) for i in range(len(groups.experts)))
-        for a in range(0, len(spans), self.group):          # experts of similar row counts together
-            members = [i for _, i in spans[a:a + self.group]]
+        for a in range(0, len(spans), step):
+            members = [i for _, i in spans[a:a + step]]
             index, weight = padded_rows([(groups.start[i], groups.start[i + 1]) for i in members], groups.rows,
                                         groups.weights)
             index_d, weight_d = _down(index, x.device), _down(weight, x.device)
@@ -301,7 +304,7 @@ class ExpertRunner:
             views = [self.slots[(layer, e)] for e in experts]
             y = swiglu_each(x[index_d], stack_parts(views), quant, self.slice_weights,
                             self._group_act(layer, experts, x.device))                              # [m, R, E]
-            out.index_add_(0, index_d.flatten(), (y.float() * weight_d[:, :, None]).flatten(0, 1))
+            out.index_add_(0, index_d.flatten(), y.float().mul_(weight_d[:, :, None]).flatten(0, 1))
         return out
 
     def _group_act(self, layer: int, experts: list[int], device: torch.device):

@@ -85,5 +85,6 @@ class GptOss(DecoderModel):
         return GroupAct(biases["gate_up_bias"][experts], biases["down_bias"][experts], self.clamped_glu)
 
     def clamped_glu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
-        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+        """(clamp(up) + 1) * g * sigmoid(alpha g), g = min(gate, limit); gate and up are overwritten."""
+        gate, up = gate.clamp_(max=self.limit), up.clamp_(-self.limit, self.limit)
+        return torch.sigmoid(gate * self.alpha).mul_(gate).mul_(up.add_(1))
