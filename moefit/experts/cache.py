@@ -73,7 +73,9 @@ class CacheBook:
         hit = sum(resident)
         self.hits[layer] += hit
         self.misses[layer] += len(resident) - hit
-        self.usage[layer, experts] += 1
+        usage = self.usage[layer]
+        for e in experts:                       # distinct, a few: a loop is cheaper than an index array
+            usage[e] += 1
 
     def hit_rate(self) -> float:
         total = self.hits.sum() + self.misses.sum()

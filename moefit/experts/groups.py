@@ -22,10 +22,10 @@ class Groups:
     def of(ids: torch.Tensor, weights: torch.Tensor) -> "Groups":
         """ids, weights [T, k] on the host."""
         if ids.shape[0] == 1:                   # a decode step: k distinct experts, sorted in Python
-            row = ids[0].tolist()
+            row, w = ids[0].tolist(), weights[0].tolist()
             order = sorted(range(len(row)), key=row.__getitem__)
             return Groups([row[i] for i in order], list(range(len(row) + 1)), torch.zeros(len(row), dtype=torch.int32),
-                          weights[0, order].float())
+                          torch.tensor([w[i] for i in order], dtype=torch.float32))
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)
         experts, counts = torch.unique_consecutive(flat[order], return_counts=True)

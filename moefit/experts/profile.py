@@ -39,7 +39,12 @@ class Profile:
         os.replace(tmp, path)
 
     def record(self, layer: int, expert_ids: np.ndarray) -> None:
-        np.add.at(self.counts[layer], expert_ids.reshape(-1), 1)
+        if expert_ids.size <= 16:               # a decode step: a loop is cheaper than add.at
+            counts = self.counts[layer]
+            for e in expert_ids.reshape(-1).tolist():
+                counts[e] += 1
+        else:
+            np.add.at(self.counts[layer], expert_ids.reshape(-1), 1)
 
     @property
     def is_empty(self) -> bool:
