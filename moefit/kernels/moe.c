@@ -54,23 +54,22 @@ static float half_to_float(uint16_t h) {
  * AVX512 int4 body's) does so for a pair of blocks at once: the 16 even elements of block b,
  * those of b + 1, then the odd ones of b, of b + 1 (a last block without a pair as in 1). The
  * block sums let an int4 dot use the unsigned nibble directly: sum (c - 8) x = sum c x - 8 sum x. */
-static int element_at(int64_t b, int64_t nb, int i, int order) {
-    if (order == 0) return i;
-    if (order == 1 || (b % 2 == 0 && b + 1 == nb)) return (i & 1) * 16 + i / 2;
-    return (i & 1) * 32 + (int)(b % 2) * 16 + i / 2 - (int)(b % 2) * QK;      /* relative to block b */
-}
-
 static void quantize_row(const float *x, int64_t n, int8_t *q, float *s, int32_t *sum, int order) {
-    for (int64_t b = 0; b < n / QK; b++) {
+    const int64_t nb = n / QK;
+    for (int64_t b = 0; b < nb; b++) {
         const float *xb = x + b * QK;
         float amax = 0.0f;
         for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(xb[i]));
         const float d = amax / 127.0f, id = d ? 1.0f / d : 0.0f;
+        /* where element i goes: first + (i odd) * odd + i / 2 (order 0: first + i) */
+        const int paired = order == 2 && !(b % 2 == 0 && b + 1 == nb);
+        int8_t *first = q + (paired ? (b - b % 2) * QK + (b % 2) * 16 : b * QK);
+        const int odd = paired ? 32 : 16;
         int32_t total = 0;
         s[b] = d;
         for (int i = 0; i < QK; i++) {
             const int8_t c = (int8_t)lrintf(xb[i] * id);
-            q[b * QK + element_at(b, n / QK, i, order)] = c;
+            first[order ? (i & 1) * odd + i / 2 : i] = c;
             total += c;
         }
         sum[b] = total;
