@@ -277,15 +277,14 @@ static inline void k4_unpack(const uint8_t *s, uint32_t out[4]) {
             const int8_t *q, const float *qs, const int32_t *qsum, int64_t n, int64_t group) {   \
         (void)ws, (void)group, (void)qsum;                                                       \
         const __m256i table = TABLE(MXFP4X2);                                                    \
-        __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};                              \
+        __m256 acc = _mm256_setzero_ps();                                                        \
         for (int64_t b = 0; b < n / QK; b++) {                                                   \
             const uint8_t *blk = (const uint8_t *)w + b * 17;                                    \
             const __m128i bytes = _mm_loadu_si128((const __m128i *)(blk + 1));                   \
             const __m256 scale = _mm256_set1_ps(qs[b] * e8m0_half(blk[0]));                      \
-            acc[b & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(TABLE_DOT(DOT32, table, bytes, ACTIVATIONS(b))), scale, \
-                                         acc[b & 1]);                                                   \
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(TABLE_DOT(DOT32, table, bytes, ACTIVATIONS(b))), scale, acc); \
         }                                                                                        \
-        return hsum8(_mm256_add_ps(acc[0], acc[1]));                                             \
+        return hsum8(acc);                                                                       \
     }
 
 /* Q4_K on 512 bits (instantiated in moe.c, where the target is named): 64 bytes of codes an
