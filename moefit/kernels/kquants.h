@@ -167,6 +167,18 @@ static inline void k4_unpack(const uint8_t *s, uint32_t out[4]) {
 #define FIFTH_BIT(qh, bit, sixteen) \
     _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256((qh), (bit)), (bit)), (sixteen))
 
+/* A Q4_K / Q5_K super-block's eight sub-block scales as dv (d sc s, one lane each), and its
+ * dmin m s (sum x) terms added to off (declares sm, xs, sc, mn, sums, dv where it is used) */
+#define K4_SCALES(blk, sb, dv, off)                                                              \
+    uint32_t sm[4];                                                                              \
+    k4_unpack((blk) + 4, sm);                                                                    \
+    const __m256 xs = _mm256_loadu_ps(qs + (sb) * 8);                                            \
+    const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)sm))); \
+    const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sm + 2)))); \
+    const __m256 dv = _mm256_mul_ps(_mm256_mul_ps(sc, xs), _mm256_set1_ps(F16C(blk)));          \
+    const __m256 sums = _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)(qsum + (sb) * 8))); \
+    off = _mm256_fmadd_ps(_mm256_mul_ps(mn, _mm256_mul_ps(xs, sums)), _mm256_set1_ps(F16C((blk) + 2)), off)
+
 /* per super-block: its 8 scales and mins unpacked at once; each sub-block's d sc s as one lane of
  * a vector (broadcast by a permute), the dmin m s (sum x) terms in a vector summed at the end */
 #define Q45K_BODY(NAME, TARGET, DOT32, FIFTH)                                                    \
@@ -178,14 +190,7 @@ static inline void k4_unpack(const uint8_t *s, uint32_t out[4]) {
         __m256 acc = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps(), off = _mm256_setzero_ps(); \
         for (int64_t sb = 0; sb < n / QK_K; sb++) {                                              \
             const uint8_t *blk = (const uint8_t *)w + sb * bytes, *codes = blk + (FIFTH ? 48 : 16); \
-            uint32_t sm[4];                                                                      \
-            k4_unpack(blk + 4, sm);                                                              \
-            const __m256 xs = _mm256_loadu_ps(qs + sb * 8);                                     \
-            const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)sm))); \
-            const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sm + 2)))); \
-            const __m256 dv = _mm256_mul_ps(_mm256_mul_ps(sc, xs), _mm256_set1_ps(F16C(blk)));   \
-            const __m256 sums = _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)(qsum + sb * 8))); \
-            off = _mm256_fmadd_ps(_mm256_mul_ps(mn, _mm256_mul_ps(xs, sums)), _mm256_set1_ps(F16C(blk + 2)), off); \
+            K4_SCALES(blk, sb, dv, off);                                                         \
             const __m256i qh = FIFTH ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : low;    \
             for (int j = 0; j < 8; j += 2) {                                                     \
                 const __m256i c = _mm256_loadu_si256((const __m256i *)(codes + 16 * j));         \
@@ -300,14 +305,7 @@ static inline void k4_unpack(const uint8_t *s, uint32_t out[4]) {
         __m256 off = _mm256_setzero_ps();                                                        \
         for (int64_t sb = 0; sb < n / QK_K; sb++) {                                              \
             const uint8_t *blk = (const uint8_t *)w + sb * 144, *codes = blk + 16;               \
-            uint32_t sm[4];                                                                      \
-            k4_unpack(blk + 4, sm);                                                              \
-            const __m256 xs = _mm256_loadu_ps(qs + sb * 8);                                     \
-            const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)sm))); \
-            const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sm + 2)))); \
-            const __m256 dv = _mm256_mul_ps(_mm256_mul_ps(sc, xs), _mm256_set1_ps(F16C(blk)));   \
-            const __m256 sums = _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)(qsum + sb * 8))); \
-            off = _mm256_fmadd_ps(_mm256_mul_ps(mn, _mm256_mul_ps(xs, sums)), _mm256_set1_ps(F16C(blk + 2)), off); \
+            K4_SCALES(blk, sb, dv, off);                                                         \
             const __m512 d = _mm512_zextps256_ps512(dv);                                         \
             const __m512 d16 = _mm512_zextps256_ps512(_mm256_mul_ps(dv, _mm256_set1_ps(1.0f / 16))); \
             for (int j = 0; j < 8; j += 4) {                                                     \
