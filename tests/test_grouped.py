@@ -210,6 +210,11 @@ class HostPeak(TorchDispatchMode):
         self.info.restype = Mallinfo2
         self.peak = 0
 
+    @staticmethod
+    def available() -> bool:
+        import ctypes
+        return hasattr(ctypes.CDLL(None), "mallinfo2")
+
     def used(self) -> int:
         m = self.info()
         return m.uordblks + m.hblkhd
@@ -230,8 +235,7 @@ def test_a_device_multiply_holds_no_more_scratch_a_weight_than_the_plan(quant, r
     """The plan's scratch line counts expert_scratch_per_weight bytes a weight of the slice being
     multiplied; the dequantisation of a K-quant once held 20-29 (int64 codes). In fp32 (a bf16
     matmul on the CPU takes fp32 copies that a GPU's does not)."""
-    import ctypes
-    if not hasattr(ctypes.CDLL(None), "mallinfo2"):
+    if not HostPeak.available():
         pytest.skip("needs glibc's mallinfo2")
     from moefit.experts.grouped import _batched_linear
     from moefit.memory.footprint import Footprint
@@ -283,8 +287,7 @@ def test_a_prefill_groups_padded_rows_stay_within_the_prompt_paths_activations(f
     """Worst padding: every token of a full chunk routes to the same experts, so each member of a
     group runs on all of the chunk's rows. What the step holds at once (on CPU tensors) is within
     what the plan's prompt-path line holds for a chunk's activations and the experts' scratch."""
-    import ctypes
-    if not hasattr(ctypes.CDLL(None), "mallinfo2"):
+    if not HostPeak.available():
         pytest.skip("needs glibc's mallinfo2")
     from moefit.memory.footprint import from_pack_header
     engine = _engine(packs, card, family, "int4")

@@ -11,6 +11,8 @@ Legend: R rows, B blocks per row, 256 weights a super-block, 8 sub-blocks of 32 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from moefit.pack.layout import GGUF_BLOCKS
@@ -57,7 +59,13 @@ def _scaled(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | Non
 
 def _lookup(table: tuple, nibbles: torch.Tensor) -> torch.Tensor:
     """4-bit indices [..., k] into an int8 table -> int8 [..., k] (indices as int32, not int64)."""
-    return torch.tensor(table, dtype=torch.int8, device=nibbles.device)[nibbles.int()]
+    return _table(table, nibbles.device)[nibbles.int()]
+
+
+@functools.lru_cache(maxsize=None)
+def _table(values: tuple, device: torch.device) -> torch.Tensor:
+    """A lookup table on the device, made once (not a host-to-device copy every step)."""
+    return torch.tensor(values, dtype=torch.int8, device=device)
 
 
 def _q4_k(b: torch.Tensor, fifth: torch.Tensor | None = None) -> torch.Tensor:
