@@ -1,7 +1,9 @@
 """The native host kernels (moe.c), built at install time (setup.py) and loaded with ctypes.
 
 - moe_layer: one call per MoE layer for the routed experts computed on the host;
-- qlinear: one quantised matrix (the dense path with --dense-quant int8).
+- qlinear: one quantised matrix (the dense path with --dense-quant int8);
+- the float operations between them (RMSNorm, QK-norm + RoPE, one position's attention):
+  rows.h, called from rows.py.
 
 Both quantise activations per block of 32 to int8 and use integer dot products chosen at run
 time (AVX2, AVX-VNNI, AVX512-VNNI, portable C). Without the built library (no compiler at

@@ -215,6 +215,8 @@ const char *moe_isa(void) {
     return isa;
 }
 
+#include "rows.h"
+
 /* ---- one layer ------------------------------------------------------------------------- */
 /* gpt-oss's experts: gate_up = W x + b (gate columns, then up), gate clamped above at limit, up
  * clamped to [-limit, limit], h = (up + 1) * gate * sigmoid(alpha * gate), down = W h + b. */

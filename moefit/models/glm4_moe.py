@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moefit.models.layers import (DecoderModel, RopeTable, Weights, apply_partial_rope, attend_state, linear,
-                                  output_weights, rms_norm, sigmoid_group_topk, swiglu)
+from moefit.models.layers import (DecoderModel, RopeTable, Weights, attend_state, linear, normed_heads,
+                                  output_weights, sigmoid_group_topk, swiglu)
 
 
 class Glm4Moe(DecoderModel):
@@ -64,13 +64,11 @@ class Glm4Moe(DecoderModel):
         t, hd = x.shape[0], c.head_dim
         qkv = linear(x, layer["qkv"], layer.get("qkv_bias"))
         q, k, v = qkv.split([c.num_heads * hd, c.num_kv_heads * hd, c.num_kv_heads * hd], dim=-1)
-        q, k = q.view(t, c.num_heads, hd), k.view(t, c.num_kv_heads, hd)
-        if "q_norm" in layer:
-            q, k = rms_norm(q, layer["q_norm"], c.rms_norm_eps), rms_norm(k, layer["k_norm"], c.rms_norm_eps)
-        q, k = q.transpose(0, 1), k.transpose(0, 1)                                      # [H|K, T, D]
+        q = normed_heads(q.view(t, c.num_heads, hd), layer.get("q_norm"), c.rms_norm_eps, cos, sin)    # [H, T, D]
+        k = normed_heads(k.view(t, c.num_kv_heads, hd), layer.get("k_norm"), c.rms_norm_eps, cos, sin) # [K, T, D]
         v = v.view(t, c.num_kv_heads, hd).transpose(0, 1)
-        kv.write(i, start, apply_partial_rope(k, cos, sin), v)
-        return linear(attend_state(kv, i, apply_partial_rope(q, cos, sin), start, mask), layer["o"])
+        kv.write(i, start, k, v)
+        return linear(attend_state(kv, i, q, start, mask), layer["o"])
 
     def mlp(self, i, layer, x, experts) -> torch.Tensor:
         if "router" not in layer:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moefit.models.layers import (DecoderModel, RopeTable, Weights, apply_rope, attend_state, linear,
+from moefit.models.layers import (DecoderModel, RopeTable, Weights, attend_state, linear, normed_heads,
                                   output_weights)
 from moefit import kernels
 from moefit.experts.grouped import GroupAct
@@ -54,11 +54,11 @@ class GptOss(DecoderModel):
         t, hd = x.shape[0], c.head_dim
         q, k, v = linear(x, layer["qkv"], layer["qkv_bias"]).split(
             [c.num_heads * hd, c.num_kv_heads * hd, c.num_kv_heads * hd], dim=-1)
-        q = q.view(t, c.num_heads, hd).transpose(0, 1)                                   # [H, T, D]
-        k = k.view(t, c.num_kv_heads, hd).transpose(0, 1)
+        q = normed_heads(q.view(t, c.num_heads, hd), None, 0.0, cos, sin)                  # [H, T, D]
+        k = normed_heads(k.view(t, c.num_kv_heads, hd), None, 0.0, cos, sin)
         v = v.view(t, c.num_kv_heads, hd).transpose(0, 1)
-        kv.write(i, start, apply_rope(k, cos, sin), v)
-        out = attend_state(kv, i, apply_rope(q, cos, sin), start, mask, sinks=layer["sinks"])
+        kv.write(i, start, k, v)
+        out = attend_state(kv, i, q, start, mask, sinks=layer["sinks"])
         return linear(out, layer["o"], layer["o_bias"])
 
     def mlp(self, i, layer, x, experts) -> torch.Tensor:

@@ -12,16 +12,29 @@ import math
 import torch
 import torch.nn.functional as F
 
+from moefit.kernels import rows as native
 from moefit.pack.layout import DENSE_GROUP, dense_quantizable
 from moefit.pack.quant import qlinear, quantize
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm in fp32, as the reference computes it, then scaled in x's dtype. All fp32 (the
-    host's compute dtype): one operation, the same bits (a decode token runs ~50 of these)."""
+    host's compute dtype): one operation, native on the host (a decode token runs ~50 of these)."""
     if x.dtype == weight.dtype == torch.float32:
-        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+        y = native.rms_norm(x, weight, eps)
+        return y if y is not None else F.rms_norm(x, (x.shape[-1],), weight, eps)
     return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
+def normed_heads(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor,
+                 sin: torch.Tensor) -> torch.Tensor:
+    """A projection's heads x [T, H, D] -> [H, T, D], each RMS-normed by weight [D] when given
+    (QK-norm) and rotated on its first cos.shape[-1] channels (rotate-half RoPE); on the host one
+    native call for all heads."""
+    y = native.head_rows(x, weight, eps, cos, sin) if weight is None or x.dtype == weight.dtype else None
+    if y is not None:
+        return y
+    return apply_partial_rope((rms_norm(x, weight, eps) if weight is not None else x).transpose(0, 1), cos, sin)
 
 
 class RopeTable:
@@ -186,6 +199,8 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor |
     (GiBs at 32K, more than the prompt-path line holds): there the KV heads are expanded (a
     [H, S, D] copy, one layer at a time) and the memory-efficient kernel takes the mask."""
     gqa = q.shape[0] != k.shape[0]
+    if mask is None and q.shape[1] == 1 and (out := native.attend_one(q, k, v, scale)) is not None:
+        return out                                            # a decode step on the host
     if gqa and mask is None and q.device.type == "cpu":      # a decode step: each kv head's query heads as rows
         h, t, d = q.shape                                     # (half the time of enable_gqa on the host)
         out = F.scaled_dot_product_attention(q.reshape(k.shape[0], h // k.shape[0] * t, d)[None], k[None], v[None],

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moefit.models.layers import DecoderModel, RopeTable, Weights, apply_rope, attend_state, linear, output_weights
+from moefit.models.layers import DecoderModel, RopeTable, Weights, attend_state, linear, normed_heads, output_weights
 
 
 class Mixtral(DecoderModel):
@@ -33,11 +33,11 @@ class Mixtral(DecoderModel):
         c = self.cfg
         t, hd = x.shape[0], c.head_dim
         q, k, v = linear(x, layer["qkv"]).split([c.num_heads * hd, c.num_kv_heads * hd, c.num_kv_heads * hd], -1)
-        q = q.view(t, c.num_heads, hd).transpose(0, 1)                                   # [H, T, D]
-        k = k.view(t, c.num_kv_heads, hd).transpose(0, 1)                                # [K, T, D]
+        q = normed_heads(q.view(t, c.num_heads, hd), None, 0.0, cos, sin)                  # [H, T, D]
+        k = normed_heads(k.view(t, c.num_kv_heads, hd), None, 0.0, cos, sin)               # [K, T, D]
         v = v.view(t, c.num_kv_heads, hd).transpose(0, 1)                                # [K, T, D]
-        kv.write(i, start, apply_rope(k, cos, sin), v)
-        return linear(attend_state(kv, i, apply_rope(q, cos, sin), start, mask), layer["o"])
+        kv.write(i, start, k, v)
+        return linear(attend_state(kv, i, q, start, mask), layer["o"])
 
     def mlp(self, i, layer, x, experts) -> torch.Tensor:
         probs = F.softmax(F.linear(x, layer["router"]).float(), dim=-1)                 # [T, N]

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from moefit.families import qwen3_next as spec
 from moefit.models import deltanet
-from moefit.models.layers import (DecoderModel, RopeTable, Weights, apply_partial_rope, attend_state, linear, rms_norm,
+from moefit.models.layers import (DecoderModel, RopeTable, Weights, attend_state, linear, normed_heads, rms_norm,
                                   swiglu)
 
 
@@ -74,11 +74,11 @@ class Qwen3_5Moe(DecoderModel):
         q_gate, k, v = linear(x, layer["qkv"]).split([2 * c.num_heads * hd, c.num_kv_heads * hd,
                                                       c.num_kv_heads * hd], dim=-1)
         q, gate = q_gate.view(t, c.num_heads, 2 * hd).chunk(2, dim=-1)                  # per head: query, gate
-        q = rms_norm(q, layer["q_norm"], c.rms_norm_eps).transpose(0, 1)                  # [H, T, D]
-        k = rms_norm(k.view(t, c.num_kv_heads, hd), layer["k_norm"], c.rms_norm_eps).transpose(0, 1)
+        q = normed_heads(q, layer["q_norm"], c.rms_norm_eps, cos, sin)                    # [H, T, D]
+        k = normed_heads(k.view(t, c.num_kv_heads, hd), layer["k_norm"], c.rms_norm_eps, cos, sin)
         v = v.view(t, c.num_kv_heads, hd).transpose(0, 1)
-        kv.write(i, start, apply_partial_rope(k, cos, sin), v)
-        out = attend_state(kv, i, apply_partial_rope(q, cos, sin), start, mask)          # [T, H*D]
+        kv.write(i, start, k, v)
+        out = attend_state(kv, i, q, start, mask)                                       # [T, H*D]
         return linear(out * torch.sigmoid(gate.reshape(t, -1)), layer["o"])
 
     def delta_net(self, i, layer, x, start, kv) -> torch.Tensor:

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moefit.models.layers import (DecoderModel, RopeTable, Weights, apply_rope, attend_state, linear, output_weights,
-                                  rms_norm, swiglu)
+from moefit.models.layers import (DecoderModel, RopeTable, Weights, attend_state, linear, normed_heads, output_weights,
+                                  swiglu)
 
 
 class Qwen3Moe(DecoderModel):
@@ -45,11 +45,11 @@ class Qwen3Moe(DecoderModel):
         t, hd = x.shape[0], c.head_dim
         qkv = linear(x, layer["qkv"], layer.get("qkv_bias"))
         q, k, v = qkv.split([c.num_heads * hd, c.num_kv_heads * hd, c.num_kv_heads * hd], dim=-1)
-        q = rms_norm(q.view(t, c.num_heads, hd), layer["q_norm"], c.rms_norm_eps).transpose(0, 1)   # [H, T, D]
-        k = rms_norm(k.view(t, c.num_kv_heads, hd), layer["k_norm"], c.rms_norm_eps).transpose(0, 1)  # [K, T, D]
+        q = normed_heads(q.view(t, c.num_heads, hd), layer["q_norm"], c.rms_norm_eps, cos, sin)      # [H, T, D]
+        k = normed_heads(k.view(t, c.num_kv_heads, hd), layer["k_norm"], c.rms_norm_eps, cos, sin)   # [K, T, D]
         v = v.view(t, c.num_kv_heads, hd).transpose(0, 1)                                          # [K, T, D]
-        kv.write(i, start, apply_rope(k, cos, sin), v)
-        return linear(attend_state(kv, i, apply_rope(q, cos, sin), start, mask), layer["o"])
+        kv.write(i, start, k, v)
+        return linear(attend_state(kv, i, q, start, mask), layer["o"])
 
     def mlp(self, i, layer, x, experts) -> torch.Tensor:
         if "router" not in layer:

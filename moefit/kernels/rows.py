@@ -1,0 +1,87 @@
+"""The step's float operations between the quantised matrices, natively (rows.h): RMSNorm, a
+projection's heads normed and rotated, one position's attention. Each returns None where the
+kernel does not take the tensors (not fp32 host rows of the strides it reads, dims not a multiple
+of 16, no library), and the caller (models/layers.py) uses torch."""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from moefit.kernels import _p, library
+
+c_i64, c_ptr, c_f = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+SIGNATURES = {
+    "moe_rms_norm": [c_ptr, c_i64, c_i64, c_i64, c_ptr, c_f, c_ptr],
+    "moe_head_rows": [c_ptr, c_i64, c_i64, c_i64, c_i64, c_i64, c_ptr, c_f, c_ptr, c_ptr, c_i64, c_ptr],
+    "moe_attend_one": [c_ptr, c_ptr, c_ptr, c_i64, c_i64, c_i64, c_i64, c_i64, c_i64, c_i64, c_f, c_ptr],
+}
+
+
+def _fn(name: str):
+    """The library's function `name` with its signature, or None (no library, or one built before it)."""
+    lib = library()
+    if lib is None or not hasattr(lib, name):
+        return None
+    fn = getattr(lib, name)
+    if fn.argtypes is None:
+        fn.argtypes, fn.restype = SIGNATURES[name], ctypes.c_int
+    return fn
+
+
+F32 = torch.float32
+
+
+def _host_fp32(t: torch.Tensor | None) -> bool:
+    return t is None or (t.dtype is F32 and t.is_cpu)
+
+
+def _ptr(t: torch.Tensor | None) -> ctypes.c_void_p | None:
+    return None if t is None else _p(t)
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor | None:
+    """RMSNorm(x) * w over x's last dim: x [..., n] contiguous, or [T, n] with rows strided."""
+    fn, n = _fn("moe_rms_norm"), x.shape[-1]
+    if fn is None or not (_host_fp32(x) and _host_fp32(w)) or (w is not None and not w.is_contiguous()):
+        return None
+    if x.is_contiguous():
+        rows, stride = x.numel() // max(n, 1), n
+    elif x.dim() == 2 and x.stride(1) == 1:
+        rows, stride = x.shape[0], x.stride(0)
+    else:
+        return None
+    out = torch.empty(x.shape, dtype=F32)
+    return out if fn(_p(x), rows, n, stride, _ptr(w), eps, _p(out)) == 0 else None
+
+
+def head_rows(x: torch.Tensor, w: torch.Tensor | None, eps: float, cos: torch.Tensor | None,
+              sin: torch.Tensor | None) -> torch.Tensor | None:
+    """x [T, H, D] (a view of a projection: each head's D channels contiguous) -> [H, T, D], each
+    head RMS-normed by w [D] when given, its first cos.shape[-1] channels rotated (rotate-half RoPE)."""
+    fn = _fn("moe_head_rows")
+    t, h, d = x.shape
+    if fn is None or not (_host_fp32(x) and _host_fp32(w) and _host_fp32(cos)) or x.stride(2) != 1:
+        return None
+    if w is not None and not w.is_contiguous() or cos is not None and not (cos.is_contiguous() and sin.is_contiguous()):
+        return None
+    rot = cos.shape[-1] if cos is not None else 0
+    out = torch.empty(h, t, d, dtype=torch.float32)
+    ok = fn(_p(x), t, h, d, x.stride(0), x.stride(1), _ptr(w), eps, _ptr(cos), _ptr(sin), rot, _p(out))
+    return out if ok == 0 else None
+
+
+def attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor | None:
+    """q [H, 1, D] (one position) against k [K, S, D], v [K, S, Dv] (each head's rows contiguous,
+    heads strided: a view of the cache) -> [H, 1, Dv], softmax(q.k * scale) with no mask."""
+    fn = _fn("moe_attend_one")
+    (h, t, d), (kh, s, _), dv = q.shape, k.shape, v.shape[-1]
+    if fn is None or t != 1 or not (_host_fp32(q) and _host_fp32(k) and _host_fp32(v)) or not q.is_contiguous():
+        return None
+    if k.stride(2) != 1 or k.stride(1) != d or v.stride(2) != 1 or v.stride(1) != dv:
+        return None
+    out = torch.empty(h, 1, dv, dtype=torch.float32)
+    ok = fn(_p(q), _p(k), _p(v), h, kh, s, d, dv, k.stride(0), v.stride(0), d ** -0.5 if scale is None else scale,
+            _p(out))
+    return out if ok == 0 else None

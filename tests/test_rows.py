@@ -1,0 +1,137 @@
+"""The native row operations (kernels/rows.h) against torch in float64: RMSNorm of plain and
+strided rows, QK-norm + RoPE of a projection's heads (full and partial rotation), one position's
+grouped-query attention over a cache view of 1 to 5,000 keys; every instruction set."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moefit import kernels
+from moefit.kernels import rows
+from moefit.models.layers import RopeTable, apply_partial_rope
+
+pytestmark = pytest.mark.skipif(kernels.library() is None, reason="the native kernel is not built")
+TOL = 2e-6
+
+
+def close(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.double() - want).abs().max() / want.abs().max())
+
+
+def rms_reference(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
+    x = x.double()
+    y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return y * w.double() if w is not None else y
+
+
+@pytest.mark.parametrize("shape", [(1, 2048), (7, 64), (3, 4, 128)])
+@pytest.mark.parametrize("weighted", [True, False])
+def test_rms_norm_of_rows(shape, weighted):
+    g = torch.Generator().manual_seed(sum(shape))
+    x = torch.randn(shape, generator=g) * 3
+    w = torch.randn(shape[-1], generator=g) if weighted else None
+    assert close(rows.rms_norm(x, w, 1e-6), rms_reference(x, w, 1e-6)) < TOL
+
+
+def test_rms_norm_of_strided_rows_reads_only_the_view():
+    wide = torch.randn(5, 96)
+    view = wide[:, 16:80]                              # rows 96 apart, 64 wide
+    assert close(rows.rms_norm(view, None, 1e-5), rms_reference(view, None, 1e-5)) < TOL
+
+
+def test_shapes_it_does_not_take_are_left_to_torch():
+    assert rows.rms_norm(torch.randn(2, 40), None, 1e-6) is None             # not a multiple of 16
+    assert rows.rms_norm(torch.randn(2, 64).double(), None, 1e-6) is None
+    assert rows.rms_norm(torch.randn(64, 2).T, None, 1e-6) is None          # columns strided
+    assert rows.attend_one(torch.randn(8, 2, 64), torch.randn(2, 9, 64), torch.randn(2, 9, 64), None) is None
+
+
+@pytest.mark.parametrize("rot", [128, 64])
+@pytest.mark.parametrize("tokens", [1, 5])
+@pytest.mark.parametrize("gated", [False, True])
+def test_heads_normed_and_rotated(rot, tokens, gated):
+    """Heads read where the projection holds them: q of a fused q, k, v (token rows strided), or
+    Qwen3.5's per-head [query | gate] (heads strided too)."""
+    g = torch.Generator().manual_seed(rot + tokens)
+    h, k, d = 8, 2, 128
+    qkv = torch.randn(tokens, (2 * h + 2 * k) * d, generator=g)
+    q = qkv[:, :2 * h * d].view(tokens, h, 2 * d).chunk(2, -1)[0] if gated else qkv[:, :h * d].view(tokens, h, d)
+    w = torch.randn(d, generator=g)
+    cos, sin = RopeTable({"rope_theta": 1e6}, rot, 4096, "cpu", torch.float32).rows(37, tokens)
+    want = apply_partial_rope(rms_reference(q, w, 1e-6).float().transpose(0, 1), cos, sin)
+    got = rows.head_rows(q, w, 1e-6, cos, sin)
+    assert got.shape == (h, tokens, d) and close(got, want.double()) < 1e-5
+    assert torch.equal(rows.head_rows(q, None, 0.0, None, None), q.transpose(0, 1))    # neither: a copy
+    rotated = rows.head_rows(q, None, 0.0, cos, sin)                                  # RoPE alone
+    assert close(rotated, apply_partial_rope(q.transpose(0, 1), cos, sin).double()) < 1e-6
+
+
+@pytest.mark.parametrize("keys", [1, 31, 33, 200, 5000])
+@pytest.mark.parametrize("heads,kv_heads,d,dv", [(32, 4, 128, 128), (8, 8, 64, 64), (16, 2, 256, 128)])
+def test_one_position_attends_like_softmax(keys, heads, kv_heads, d, dv):
+    g = torch.Generator().manual_seed(keys + heads)
+    q = torch.randn(heads, 1, d, generator=g)
+    cache_k = torch.randn(kv_heads, keys + 11, d, generator=g) * 2       # the cache holds more rows
+    cache_v = torch.randn(kv_heads, keys + 11, dv, generator=g)
+    k, v = cache_k[:, :keys], cache_v[:, :keys]
+    scale = 0.7 / d ** 0.5
+    kk = k.double().repeat_interleave(heads // kv_heads, 0)
+    vv = v.double().repeat_interleave(heads // kv_heads, 0)
+    want = torch.softmax(q.double() @ kk.transpose(1, 2) * scale, -1) @ vv
+    assert close(rows.attend_one(q, k, v, scale), want) < 1e-5             # fp32 sums of up to 5,000 terms
+
+
+def test_attention_does_not_depend_on_the_thread_count():
+    q, k, v = torch.randn(32, 1, 128), torch.randn(4, 300, 128), torch.randn(4, 300, 128)
+    outs = []
+    for n in (1, 2):
+        kernels.set_threads(n)
+        outs.append(rows.attend_one(q, k, v, None))
+    kernels.set_threads(kernels.default_threads())
+    assert torch.equal(*outs)
+
+
+def check_every_op() -> str:
+    """The tests above in one process (the narrower instruction sets run it)."""
+    for shape in [(1, 2048), (3, 4, 128)]:
+        test_rms_norm_of_rows(shape, True)
+    test_heads_normed_and_rotated(64, 5, True)
+    for keys in (1, 33, 200):
+        test_one_position_attends_like_softmax(keys, 32, 4, 128, 128)
+    return kernels.isa()
+
+
+@pytest.mark.parametrize("isa", ["portable", "avx2"])
+def test_the_narrower_instruction_sets_compute_the_same(isa):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    run = subprocess.run([sys.executable, "-c", "from test_rows import check_every_op; print(check_every_op())"],
+                         capture_output=True, text=True, timeout=300, cwd=Path(__file__).parent,
+                         env={**os.environ, "MOEFIT_ISA": isa})
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip().splitlines()[-1] == isa
+
+
+def test_a_decode_step_uses_them_and_torch_gives_the_same_logits(packs, monkeypatch):
+    """A decode step calls each native op (else the speed-up is gone without a test failing), and
+    its logits equal those with the ops left to torch."""
+    from moefit.config import ServeConfig
+    from moefit.models import layers
+    from moefit.runtime.engine import Engine
+    prompt = list(range(3, 40))
+    engine = Engine.open(packs("qwen3_moe"), ServeConfig(ctx=128))
+    calls = {"rms_norm": 0, "head_rows": 0, "attend_one": 0}
+    for name in calls:
+        def counted(*a, _real=getattr(rows, name), _name=name):
+            calls[_name] += 1
+            return _real(*a)
+        monkeypatch.setattr(layers.native, name, counted)
+    engine.prefill(prompt)
+    native = engine.decode_step(7, len(prompt))
+    assert all(calls.values()), calls
+    for name in calls:
+        monkeypatch.setattr(layers.native, name, lambda *a: None)
+    engine.prefill(prompt)
+    assert close(native, engine.decode_step(7, len(prompt)).double()) < 1e-5
