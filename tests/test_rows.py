@@ -1,6 +1,7 @@
 """The native row operations (kernels/rows.h) against torch in float64: RMSNorm of plain and
 strided rows, QK-norm + RoPE of a projection's heads (full and partial rotation), one position's
-grouped-query attention over a cache view of 1 to 5,000 keys; every instruction set."""
+grouped-query attention over a cache view of 1 to 5,000 keys, a softmax router's top-k; every
+instruction set."""
 
 import pytest
 import torch
@@ -81,6 +82,27 @@ def test_one_position_attends_like_softmax(keys, heads, kv_heads, d, dv):
     assert close(rows.attend_one(q, k, v, scale), want) < 1e-5             # fp32 sums of up to 5,000 terms
 
 
+@pytest.mark.parametrize("tokens,experts,k", [(1, 128, 8), (5, 64, 8), (3, 8, 2), (2, 40, 40)])
+@pytest.mark.parametrize("renorm", [True, False])
+def test_a_softmax_router_picks_and_weighs_like_torch(tokens, experts, k, renorm):
+    g = torch.Generator().manual_seed(tokens * experts + k)
+    x, w = torch.randn(tokens, 256, generator=g), torch.randn(experts, 256, generator=g) * 0.1
+    weights, ids = rows.softmax_topk(x, w, k, renorm)
+    probs = torch.softmax(x.double() @ w.double().T, -1)
+    want_w, want_ids = torch.topk(probs, k, dim=-1)
+    assert torch.equal(ids, want_ids)                                  # largest first
+    if renorm:
+        want_w = want_w / want_w.sum(-1, keepdim=True)
+    assert close(weights, want_w) < 1e-5
+
+
+def test_a_router_tie_goes_to_the_lower_expert():
+    x, w = torch.ones(1, 16), torch.zeros(6, 16)
+    w[4] = w[2] = 0.5                                                   # experts 2 and 4 tie, first
+    weights, ids = rows.softmax_topk(x, w, 3, renorm=False)
+    assert ids.tolist() == [[2, 4, 0]] and weights[0, 0] == weights[0, 1]
+
+
 def test_attention_does_not_depend_on_the_thread_count():
     q, k, v = torch.randn(32, 1, 128), torch.randn(4, 300, 128), torch.randn(4, 300, 128)
     outs = []
@@ -98,6 +120,7 @@ def check_every_op() -> str:
     test_heads_normed_and_rotated(64, 5, True)
     for keys in (1, 33, 200):
         test_one_position_attends_like_softmax(keys, 32, 4, 128, 128)
+    test_a_softmax_router_picks_and_weighs_like_torch(5, 64, 8, True)
     return kernels.isa()
 
 
@@ -122,7 +145,7 @@ def test_a_decode_step_uses_them_and_torch_gives_the_same_logits(packs, monkeypa
     from moefit.runtime.engine import Engine
     prompt = list(range(3, 40))
     engine = Engine.open(packs("qwen3_moe"), ServeConfig(ctx=128))
-    calls = {"rms_norm": 0, "head_rows": 0, "attend_one": 0}
+    calls = {"rms_norm": 0, "head_rows": 0, "attend_one": 0, "softmax_topk": 0}
     for name in calls:
         def counted(*a, _real=getattr(rows, name), _name=name):
             calls[_name] += 1

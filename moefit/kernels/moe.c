@@ -135,7 +135,9 @@ static struct {
     void *ctx;
 } pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 1};
 
+#ifndef SPIN
 #define SPIN 2000                  /* ~50 us: covers the gap between phases, not between layers */
+#endif
 #if defined(__x86_64__)
 #define RELAX() __builtin_ia32_pause()
 #else

@@ -42,6 +42,12 @@ typedef struct {
 
 typedef int32_t v16i __attribute__((vector_size(64)));
 
+typedef struct {
+    const float *x, *w;
+    int64_t T, E, N;
+    float *logits;
+} router_args;
+
 #define ROWS_BODIES(ISA, TARGET)                                                                    \
     TARGET static inline float dot16_##ISA(const float *a, const float *b, int64_t n) {               \
         v16 s0 = {0}, s1 = {0};                                                                     \
@@ -75,6 +81,13 @@ typedef int32_t v16i __attribute__((vector_size(64)));
             v16 y = LOAD16(x + i) * r;                                                              \
             STORE16(out + i, w ? y * LOAD16(w + i) : y);                                            \
         }                                                                                           \
+    }                                                                                               \
+    /* a router's logits for experts 16b .. 16b+15: logits [T, N] = x [T, E] . w [N, E] */        \
+    TARGET static void router_task_##ISA(void *ctx, int64_t b) {                                    \
+        const router_args *R = ctx;                                                                 \
+        for (int64_t n = 16 * b; n < 16 * b + 16 && n < R->N; n++)                                  \
+            for (int64_t t = 0; t < R->T; t++)                                                      \
+                R->logits[t * R->N + n] = dot16_##ISA(R->x + t * R->E, R->w + n * R->E, R->E);      \
     }                                                                                               \
     /* p[16] = scale * (q . k[i]) for the block's 16 keys (rows D apart) */                          \
     TARGET static void scores16_##ISA(const float *q, const float *k, int64_t D, float scale, float *p) { \
@@ -158,13 +171,15 @@ ROWS_BODIES(plain, PLAIN)
 
 typedef void (*rms_fn)(const float *, int64_t, const float *, float, float *);
 static rms_fn rms_row = rms_row_plain;
-static task_fn attend_head = attend_head_plain;
+static task_fn attend_head = attend_head_plain, router_task = router_task_plain;
 
 static void choose_rows_isa(void) {
     choose_isa();
 #if defined(__x86_64__)
-    if (!strncmp(isa, "avx512", 6)) rms_row = rms_row_avx512, attend_head = attend_head_avx512;
-    else if (strcmp(isa, "portable")) rms_row = rms_row_avx2, attend_head = attend_head_avx2;
+    if (!strncmp(isa, "avx512", 6))
+        rms_row = rms_row_avx512, attend_head = attend_head_avx512, router_task = router_task_avx512;
+    else if (strcmp(isa, "portable"))
+        rms_row = rms_row_avx2, attend_head = attend_head_avx2, router_task = router_task_avx2;
 #endif
 }
 
@@ -212,5 +227,34 @@ int moe_attend_one(const float *q, const float *k, const float *v, int64_t H, in
     choose_rows_isa();
     attend_args A = {q, k, v, k_head, v_head, S, D, Dv, H / K, scale, out};
     parallel(attend_head, &A, K);
+    return 0;
+}
+
+/* A softmax router: probabilities = softmax(x [T, E] . w [N, E]) per token, its k largest
+ * (largest first, the lower expert first on a tie) -> ids [T, k], weights [T, k], divided by
+ * their sum when renorm. The logits' rows are split over the pool. Returns -1 for E not a
+ * multiple of 16 or k not in 1..N. */
+int moe_softmax_topk(const float *x, int64_t T, int64_t E, const float *w, int64_t N, int64_t k, int renorm,
+                     int64_t *ids, float *weights) {
+    if (E % 16 || k < 1 || k > N) return -1;
+    choose_rows_isa();
+    float *logits = malloc(sizeof(float) * T * N);
+    router_args R = {x, w, T, E, N, logits};
+    parallel(router_task, &R, (N + 15) / 16);
+    for (int64_t t = 0; t < T; t++) {
+        float *l = logits + t * N, top = -INFINITY, sum = 0.0f, kept = 0.0f;
+        for (int64_t n = 0; n < N; n++) top = l[n] > top ? l[n] : top;
+        for (int64_t n = 0; n < N; n++) l[n] = expf(l[n] - top), sum += l[n];
+        for (int64_t j = 0; j < k; j++) {
+            int64_t best = -1;
+            for (int64_t n = 0; n < N; n++)
+                if (l[n] >= 0.0f && (best < 0 || l[n] > l[best])) best = n;
+            ids[t * k + j] = best, weights[t * k + j] = l[best] / sum, kept += weights[t * k + j];
+            l[best] = -1.0f;                                       /* taken */
+        }
+        if (renorm)
+            for (int64_t j = 0; j < k; j++) weights[t * k + j] /= kept;
+    }
+    free(logits);
     return 0;
 }

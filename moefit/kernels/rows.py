@@ -1,5 +1,5 @@
 """The step's float operations between the quantised matrices, natively (rows.h): RMSNorm, a
-projection's heads normed and rotated, one position's attention. Each returns None where the
+projection's heads normed and rotated, one position's attention, a softmax router's top-k. Each returns None where the
 kernel does not take the tensors (not fp32 host rows of the strides it reads, dims not a multiple
 of 16, no library), and the caller (models/layers.py) uses torch."""
 
@@ -15,6 +15,7 @@ c_i64, c_ptr, c_f = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 SIGNATURES = {
     "moe_rms_norm": [c_ptr, c_i64, c_i64, c_i64, c_ptr, c_f, c_ptr],
     "moe_head_rows": [c_ptr, c_i64, c_i64, c_i64, c_i64, c_i64, c_ptr, c_f, c_ptr, c_ptr, c_i64, c_ptr],
+    "moe_softmax_topk": [c_ptr, c_i64, c_i64, c_ptr, c_i64, c_i64, ctypes.c_int, c_ptr, c_ptr],
     "moe_attend_one": [c_ptr, c_ptr, c_ptr, c_i64, c_i64, c_i64, c_i64, c_i64, c_i64, c_i64, c_f, c_ptr],
 }
 
@@ -85,3 +86,15 @@ def attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float |
     ok = fn(_p(q), _p(k), _p(v), h, kh, s, d, dv, k.stride(0), v.stride(0), d ** -0.5 if scale is None else scale,
             _p(out))
     return out if ok == 0 else None
+
+
+def softmax_topk(x: torch.Tensor, w: torch.Tensor, k: int, renorm: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A softmax router: (weights [T, k] fp32, ids [T, k] int64), the k most probable experts of
+    softmax(x [T, E] . w [N, E]) largest first, divided by their sum when renorm."""
+    fn = _fn("moe_softmax_topk")
+    if fn is None or not (_host_fp32(x) and _host_fp32(w)) or not (x.is_contiguous() and w.is_contiguous()):
+        return None
+    t, n = x.shape[0], w.shape[0]
+    ids, weights = torch.empty(t, k, dtype=torch.int64), torch.empty(t, k, dtype=F32)
+    ok = fn(_p(x), t, x.shape[1], _p(w), n, k, int(renorm), _p(ids), _p(weights))
+    return (weights, ids) if ok == 0 else None

@@ -122,6 +122,17 @@ def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) ->
     return torch.cat((apply_rope(x[..., :rot], cos, sin), x[..., rot:]), dim=-1)
 
 
+def softmax_topk(x: torch.Tensor, router: torch.Tensor, top_k: int, renorm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The softmax router (Qwen3-MoE, Qwen3.5 / Next, Mixtral, OLMoE): the top_k most probable
+    experts of softmax(x . router^T) in fp32, their probabilities divided by their sum when renorm.
+    x [T, E] -> (weights [T, k], ids [T, k]); on the host one native call."""
+    routed = native.softmax_topk(x, router, top_k, renorm)
+    if routed is not None:
+        return routed
+    weights, ids = torch.topk(F.softmax(F.linear(x, router).float(), dim=-1), top_k, dim=-1)
+    return (weights / weights.sum(dim=-1, keepdim=True) if renorm else weights), ids
+
+
 def sigmoid_group_topk(logits: torch.Tensor, bias: torch.Tensor, top_k: int, groups: int, top_groups: int,
                        normalise: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V3's router (GLM-4.5 too): sigmoid scores; the choice adds a per-expert bias

@@ -7,9 +7,9 @@ Legend: T tokens, E hidden, H heads, K kv heads, D head dim, N experts, k top-k.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from moefit.models.layers import DecoderModel, RopeTable, Weights, attend_state, linear, normed_heads, output_weights
+from moefit.models.layers import (DecoderModel, RopeTable, Weights, attend_state, linear, normed_heads,
+                                  output_weights, softmax_topk)
 
 
 class Mixtral(DecoderModel):
@@ -40,7 +40,5 @@ class Mixtral(DecoderModel):
         return linear(attend_state(kv, i, q, start, mask), layer["o"])
 
     def mlp(self, i, layer, x, experts) -> torch.Tensor:
-        probs = F.softmax(F.linear(x, layer["router"]).float(), dim=-1)                 # [T, N]
-        weights, ids = torch.topk(probs, self.cfg.top_k, dim=-1)                          # [T, k]
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights, ids = softmax_topk(x, layer["router"], self.cfg.top_k, renorm=True)        # [T, k]
         return experts.run(i, x, ids, weights.to(x.dtype))

@@ -8,10 +8,9 @@ Legend: T tokens, E hidden, H heads, K kv heads, D head dim, N experts, k top-k.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from moefit.models.layers import (DecoderModel, RopeTable, Weights, attend_state, linear, normed_heads,
-                                  output_weights, rms_norm)
+                                  output_weights, rms_norm, softmax_topk)
 
 
 class Olmoe(DecoderModel):
@@ -47,8 +46,5 @@ class Olmoe(DecoderModel):
         return linear(attend_state(kv, i, q, start, mask), layer["o"])
 
     def mlp(self, i, layer, x, experts) -> torch.Tensor:
-        probs = F.softmax(F.linear(x, layer["router"]).float(), dim=-1)                 # [T, N]
-        weights, ids = torch.topk(probs, self.cfg.top_k, dim=-1)                          # [T, k]
-        if self.cfg.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights, ids = softmax_topk(x, layer["router"], self.cfg.top_k, self.cfg.norm_topk_prob)  # [T, k]
         return experts.run(i, x, ids, weights.to(x.dtype))

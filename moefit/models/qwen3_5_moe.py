@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from moefit.families import qwen3_next as spec
 from moefit.models import deltanet
 from moefit.models.layers import (DecoderModel, RopeTable, Weights, attend_state, linear, normed_heads, rms_norm,
-                                  swiglu)
+                                  softmax_topk, swiglu)
 
 
 class Qwen3_5Moe(DecoderModel):
@@ -104,9 +104,7 @@ class Qwen3_5Moe(DecoderModel):
         return linear(o.to(x.dtype).reshape(t, -1), layer["out"])
 
     def mlp(self, i, layer, x, experts) -> torch.Tensor:
-        probs = F.softmax(F.linear(x, layer["router"]).float(), dim=-1)                 # [T, N]
-        weights, ids = torch.topk(probs, self.cfg.top_k, dim=-1)
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights, ids = softmax_topk(x, layer["router"], self.cfg.top_k, renorm=True)        # [T, k]
         shared = torch.sigmoid(linear(x, layer["shared_gate"])) * swiglu(x, layer["shared_gate_up"],
                                                                           layer["shared_down"])
         return experts.run(i, x, ids, weights.to(x.dtype)) + shared

@@ -8,10 +8,9 @@ Legend: T tokens, E hidden, H heads, K kv heads, D head dim, N experts, k top-k.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from moefit.models.layers import (DecoderModel, RopeTable, Weights, attend_state, linear, normed_heads, output_weights,
-                                  swiglu)
+                                  softmax_topk, swiglu)
 
 
 class Qwen3Moe(DecoderModel):
@@ -54,8 +53,5 @@ class Qwen3Moe(DecoderModel):
     def mlp(self, i, layer, x, experts) -> torch.Tensor:
         if "router" not in layer:
             return swiglu(x, layer["gate_up"], layer["down"])
-        probs = F.softmax(F.linear(x, layer["router"]).float(), dim=-1)                 # [T, N]
-        weights, ids = torch.topk(probs, self.cfg.top_k, dim=-1)                          # [T, k]
-        if self.cfg.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights, ids = softmax_topk(x, layer["router"], self.cfg.top_k, self.cfg.norm_topk_prob)  # [T, k]
         return experts.run(i, x, ids, weights.to(x.dtype))
