@@ -434,3 +434,5 @@ int moe_linear(const float *x, int64_t T, int64_t C, int64_t R, int quant, int64
     free(xq), free(xs), free(xsum);
     return 0;
 }
+
+#include "step.h"

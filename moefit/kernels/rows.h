@@ -192,19 +192,15 @@ int moe_rms_norm(const float *x, int64_t rows, int64_t n, int64_t stride, const 
     return 0;
 }
 
-/* x [T, H, D] (token t's head h at x + t * token_stride + h * head_stride) -> out [H, T, D]:
- * each head RMS-normed by w [D] when w is given (QK-norm), then its first `rot` channels rotated
- * by cos, sin [T, rot] (rotate-half RoPE; none when cos is NULL), the rest passed through. */
-int moe_head_rows(const float *x, int64_t T, int64_t H, int64_t D, int64_t token_stride, int64_t head_stride,
-                  const float *w, float eps,
-                  const float *cos, const float *sin, int64_t rot, float *out) {
-    if (D % 16 || rot % 2 || rot > D) return -1;
-    choose_rows_isa();
+/* head rows with out's strides given: head h of token t goes to out + h * out_head + t * D */
+static void head_rows_to(const float *x, int64_t T, int64_t H, int64_t D, int64_t token_stride, int64_t head_stride,
+                         const float *w, float eps, const float *cos, const float *sin, int64_t rot, float *out,
+                         int64_t out_head) {
     const int64_t half = rot / 2;
     for (int64_t t = 0; t < T; t++)
         for (int64_t h = 0; h < H; h++) {
             const float *src = x + t * token_stride + h * head_stride;
-            float *dst = out + (h * T + t) * D;
+            float *dst = out + h * out_head + t * D;
             if (w) rms_row(src, D, w, eps, dst);
             else memcpy(dst, src, sizeof(float) * D);
             if (!cos) continue;
@@ -215,6 +211,16 @@ int moe_head_rows(const float *x, int64_t T, int64_t H, int64_t D, int64_t token
                 dst[i + half] = b * c[i + half] + a * s[i + half];
             }
         }
+}
+
+/* x [T, H, D] (token t's head h at x + t * token_stride + h * head_stride) -> out [H, T, D]:
+ * each head RMS-normed by w [D] when w is given (QK-norm), then its first `rot` channels rotated
+ * by cos, sin [T, rot] (rotate-half RoPE; none when cos is NULL), the rest passed through. */
+int moe_head_rows(const float *x, int64_t T, int64_t H, int64_t D, int64_t token_stride, int64_t head_stride,
+                  const float *w, float eps, const float *cos, const float *sin, int64_t rot, float *out) {
+    if (D % 16 || rot % 2 || rot > D) return -1;
+    choose_rows_isa();
+    head_rows_to(x, T, H, D, token_stride, head_stride, w, eps, cos, sin, rot, out, T * D);
     return 0;
 }
 

@@ -16,6 +16,7 @@ SIGNATURES = {
     "moe_rms_norm": [c_ptr, c_i64, c_i64, c_i64, c_ptr, c_f, c_ptr],
     "moe_head_rows": [c_ptr, c_i64, c_i64, c_i64, c_i64, c_i64, c_ptr, c_f, c_ptr, c_ptr, c_i64, c_ptr],
     "moe_softmax_topk": [c_ptr, c_i64, c_i64, c_ptr, c_i64, c_i64, ctypes.c_int, c_ptr, c_ptr],
+    "moe_attention_step": [c_ptr, c_ptr, c_i64, c_ptr, c_ptr, c_i64, c_ptr, c_ptr, c_i64, c_ptr],
     "moe_attend_one": [c_ptr, c_ptr, c_ptr, c_i64, c_i64, c_i64, c_i64, c_i64, c_i64, c_i64, c_f, c_ptr],
 }
 
@@ -98,3 +99,38 @@ def softmax_topk(x: torch.Tensor, w: torch.Tensor, k: int, renorm: bool) -> tupl
     ids, weights = torch.empty(t, k, dtype=torch.int64), torch.empty(t, k, dtype=F32)
     ok = fn(_p(x), t, x.shape[1], _p(w), n, k, int(renorm), _p(ids), _p(weights))
     return (weights, ids) if ok == 0 else None
+
+
+class _StepWeights(ctypes.Structure):
+    _fields_ = [("E", c_i64), ("H", c_i64), ("K", c_i64), ("D", c_i64), ("Dv", c_i64), ("quant", ctypes.c_int),
+                ("group", c_i64), ("w", c_ptr), ("scales", c_ptr), ("bias", c_ptr), ("q_norm", c_ptr),
+                ("k_norm", c_ptr), ("eps", c_f), ("scale", c_f)]
+
+
+class AttentionStep:
+    """One layer's attention for a decode step in one native call (step.h): the quantised qkv
+    (parts "w", "w.scale" of `quant`), its bias, the QK-norm weights, the heads, made once."""
+
+    def __init__(self, parts: dict, quant: str, heads: int, kv_heads: int, head_dim: int,
+                 bias: torch.Tensor | None, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float):
+        from moefit.kernels import GROUPED, Q
+        w, scale = parts["w"], parts["w.scale"]
+        self.keep = (w, scale, bias, q_norm, k_norm)             # the addresses below stay theirs
+        group = w.shape[1] * (2 if quant == "int4" else 1) // scale.shape[1] if quant in GROUPED else 0
+        self.weights = _StepWeights(
+            w.shape[1] * (2 if quant == "int4" else 1), heads, kv_heads, head_dim, head_dim, Q[quant], group,
+            w.data_ptr(), scale.data_ptr(), *(t.data_ptr() if t is not None else None for t in (bias, q_norm, k_norm)),
+            eps, head_dim ** -0.5)
+        self.out_width = heads * head_dim
+        self.usable = all(t is None or _host_fp32(t) for t in (bias, q_norm, k_norm)) and w.is_cpu
+
+    def __call__(self, x: torch.Tensor, pos: int, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor) -> torch.Tensor | None:
+        """x [1, E] at position pos; k_cache [K, C, D], v_cache [K, C, Dv] -> [1, H*Dv], or None."""
+        fn = _fn("moe_attention_step")
+        if fn is None or not self.usable or not (_host_fp32(x) and x.is_contiguous()):
+            return None
+        out = torch.empty(1, self.out_width, dtype=F32)
+        ok = fn(ctypes.byref(self.weights), _p(x), pos, _p(cos), _p(sin), cos.shape[-1], _p(k_cache), _p(v_cache),
+                k_cache.shape[1], _p(out))
+        return out if ok == 0 else None

@@ -297,6 +297,7 @@ class DecoderModel:
 
     probes: dict = {}
     probe_fit = None
+    steps: dict | None = None               # layer -> its native decode-step attention, made on first use
 
     def forward(self, tokens: torch.Tensor, start: int, kv, experts) -> torch.Tensor:
         """Final hidden states [T, E] for tokens at positions start..start+T."""
@@ -304,6 +305,26 @@ class DecoderModel:
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return linear(h, self.lm_head).float()                                        # [T, V]
+
+    def attention_step(self, i: int, layer: dict, x: torch.Tensor, start: int, cos: torch.Tensor, sin: torch.Tensor,
+                       mask: torch.Tensor | None, kv, q_norm: torch.Tensor | None = None,
+                       k_norm: torch.Tensor | None = None) -> torch.Tensor | None:
+        """A GQA layer's attention for one token in one native call (kernels/step.h): [1, H*D]
+        before the output projection, its key and value written to the cache; None where it does
+        not apply (more tokens, a mask, not the host, a quantised / ring / windowed cache, a qkv
+        not quantised by --dense-quant), and the family computes it op by op."""
+        if x.shape[0] != 1 or mask is not None or not isinstance(layer["qkv"], QWeight):
+            return None
+        cache = kv.plain_fp32(i)
+        if cache is None:
+            return None
+        if self.steps is None:
+            self.steps = {}
+        if i not in self.steps:
+            c = self.cfg
+            self.steps[i] = native.AttentionStep(layer["qkv"].parts, layer["qkv"].quant, c.num_heads, c.num_kv_heads,
+                                                 c.head_dim, layer.get("qkv_bias"), q_norm, k_norm, c.rms_norm_eps)
+        return self.steps[i](x, start, cos, sin, *cache)
 
 
 def decoder_stack(model, tokens: torch.Tensor, start: int, kv, experts) -> torch.Tensor:

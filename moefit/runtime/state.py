@@ -25,7 +25,7 @@ import torch
 
 from moefit.errors import MoefitError
 from moefit.families.state import AttentionKV, LatentKV, RecurrentState, split_kv_dtype
-from moefit.runtime.kv_codecs import codec
+from moefit.runtime.kv_codecs import FloatRows, codec
 from moefit.runtime.placement import DeviceMemory
 
 LINE = "sequence state"
@@ -59,6 +59,15 @@ class AttentionState:
 
     def host_bytes(self) -> int:
         return sum(t.nbytes for store in self.host for t in store.values()) if self.host else 0
+
+    def plain_fp32(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(k [K, C, D], v [K, C, Dv]) where this layer's cache is fp32 rows in host memory, indexed
+        by position (no ring, no window, no codec): what a native decode step may write and read
+        directly (kernels/step.h); None otherwise."""
+        plain = all(type(c) is FloatRows and c.dtype == torch.float32 for c in (self.kc, self.vc))
+        if not plain or self.slot_pos is not None or self.window is not None or not self.k["x"].is_cpu:
+            return None
+        return self.k["x"], self.v["x"]
 
     def write(self, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """k [K, T, Dk], v [K, T, Dv] for positions start..start+T."""
@@ -220,6 +229,10 @@ class SequenceState:
 
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         self.layers[layer].write(start, k, v)
+
+    def plain_fp32(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        state = self.layers[layer]
+        return state.plain_fp32() if isinstance(state, AttentionState) else None
 
     def parts(self, layer: int, end: int):
         return self.layers[layer].parts(end)

@@ -1,0 +1,60 @@
+"""A decode step's attention in one native call (kernels/step.h, DecoderModel.attention_step)
+against the same layer computed op by op: the same logits and the same cache rows, for the
+families that take it (Qwen3-MoE with QK-norm, Mixtral plain, GLM-4.5 with a bias and partial
+RoPE); and the layers it must leave to the op-by-op path."""
+
+import pytest
+import torch
+
+from moefit import kernels
+from moefit.config import ServeConfig
+from moefit.models.layers import DecoderModel
+from moefit.pack.convert import convert
+from moefit.runtime.engine import Engine
+
+import tiny
+
+pytestmark = pytest.mark.skipif(kernels.library() is None, reason="the native kernel is not built")
+PROMPT = [5, 9, 13, 2, 7, 11, 3, 8, 21, 4]
+FORCED = [6, 17, 2, 9, 30]
+
+
+def decode(engine: Engine) -> torch.Tensor:
+    engine.kv_tokens = []
+    engine.prefill(PROMPT)
+    return torch.stack([engine.decode_step(t, len(PROMPT) + i) for i, t in enumerate(FORCED)])
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "glm4_moe"])
+@pytest.mark.parametrize("dense", ["int8", "int4"])
+def test_one_call_gives_the_op_by_op_logits(family, dense, tmp_path, monkeypatch):
+    hf = tiny.build_checkpoint(family, tmp_path / "hf", head_dim=32)            # a head dim the kernel takes
+    convert(hf, tmp_path / "pack", "int8", progress=False)
+    engine = Engine.open(tmp_path / "pack", ServeConfig(ctx=64, dense_quant=dense))
+    native = decode(engine)
+    assert len(engine.model.steps) == engine.model.cfg.num_layers                # every layer took the one call
+    k_native = engine.loaded.kv.plain_fp32(0)[0][:, :len(PROMPT) + len(FORCED)].clone()
+    monkeypatch.setattr(DecoderModel, "attention_step", lambda *a, **k: None)
+    assert torch.equal(native, decode(engine))
+    assert torch.equal(k_native, engine.loaded.kv.plain_fp32(0)[0][:, :len(PROMPT) + len(FORCED)])
+
+
+@pytest.mark.parametrize("config", [dict(dense_quant="off"), dict(dense_quant="int8", kv_dtype="int8"),
+                                    dict(dense_quant="int8", kv_dtype="fp16")])
+def test_what_it_does_not_take_runs_op_by_op(config, tmp_path):
+    """An unquantised qkv, or a cache of another dtype: no native step, the same greedy tokens."""
+    hf = tiny.build_checkpoint("qwen3_moe", tmp_path / "hf", head_dim=32)
+    convert(hf, tmp_path / "pack", "int8", progress=False)
+    engine = Engine.open(tmp_path / "pack", ServeConfig(ctx=64, **config))
+    decode(engine)
+    assert not engine.model.steps
+
+
+def test_a_sliding_window_keeps_its_mask(tmp_path):
+    """Mixtral with a sliding window shorter than the context: every decode step is masked, so it
+    never takes the one call (which attends to every position)."""
+    hf = tiny.build_checkpoint("mixtral", tmp_path / "hf", head_dim=32, sliding_window=6)
+    convert(hf, tmp_path / "pack", "int8", progress=False)
+    engine = Engine.open(tmp_path / "pack", ServeConfig(ctx=64, dense_quant="int8"))
+    decode(engine)
+    assert not engine.model.steps
