@@ -5,7 +5,6 @@ instruction set."""
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from moefit import kernels
 from moefit.kernels import rows
