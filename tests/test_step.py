@@ -58,3 +58,37 @@ def test_a_sliding_window_keeps_its_mask(tmp_path):
     engine = Engine.open(tmp_path / "pack", ServeConfig(ctx=64, dense_quant="int8"))
     decode(engine)
     assert not engine.model.steps
+
+
+def test_a_step_is_made_for_the_weights_it_is_given_not_the_index(tmp_path):
+    """An MTP layer is computed as "layer 0" over its own cache (models/mtp.py): a one-call step
+    made for the model's layer 0 must not serve it."""
+    hf = tiny.build_checkpoint("qwen3_moe", tmp_path / "hf", head_dim=32)
+    convert(hf, tmp_path / "pack", "int8", progress=False)
+    engine = Engine.open(tmp_path / "pack", ServeConfig(ctx=64, dense_quant="int8"))
+    decode(engine)
+    model, pos = engine.model, len(PROMPT) + len(FORCED)
+    other = dict(model.layers[1])                                       # other weights, asked for as layer 0
+    cos, sin = model.rope.rows(pos, 1)
+    x = torch.randn(1, model.cfg.hidden_size)
+    model.attention_step(0, other, x, pos, cos, sin, None, engine.loaded.kv, other["q_norm"], other["k_norm"])
+    made = {id(layer): step.weights.w for layer, step in model.steps.values()}
+    assert made[id(other)] == other["qkv"].parts["w"].data_ptr() != made[id(model.layers[0])]
+
+
+def test_mtp_drafts_are_the_same_with_the_one_call(tmp_path, monkeypatch):
+    """GLM-4.5 with an MTP layer drafting: the same greedy tokens either way (how many drafts are
+    made follows measured speeds, so the counts are not compared)."""
+    from moefit.runtime.sampler import SamplingParams
+    hf = tiny.add_mtp(tiny.build_checkpoint("glm4_moe", tmp_path / "hf", head_dim=32), "glm4_moe")
+    convert(hf, tmp_path / "pack", "int8", progress=False)
+    greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+    def run():
+        engine = Engine.open(tmp_path / "pack", ServeConfig(ctx=96, dense_quant="int8", spec="mtp", spec_window=3))
+        tokens = engine.generate(PROMPT, greedy)[1].generated
+        return engine, tokens
+    engine, tokens = run()
+    assert engine.spec_mode == "mtp" and engine.model.steps and engine.spec_stats.drafted > 0
+    monkeypatch.setattr(DecoderModel, "attention_step", lambda *a, **k: None)
+    assert run()[1] == tokens

@@ -297,7 +297,7 @@ class DecoderModel:
 
     probes: dict = {}
     probe_fit = None
-    steps: dict | None = None               # layer -> its native decode-step attention, made on first use
+    steps: dict | None = None               # id(layer dict) -> (it, its native decode-step attention)
 
     def forward(self, tokens: torch.Tensor, start: int, kv, experts) -> torch.Tensor:
         """Final hidden states [T, E] for tokens at positions start..start+T."""
@@ -320,11 +320,13 @@ class DecoderModel:
             return None
         if self.steps is None:
             self.steps = {}
-        if i not in self.steps:
+        made = self.steps.get(id(layer))         # by the weights, not the index: an MTP layer is "layer 0" too
+        if made is None or made[0] is not layer:
             c = self.cfg
-            self.steps[i] = native.AttentionStep(layer["qkv"].parts, layer["qkv"].quant, c.num_heads, c.num_kv_heads,
-                                                 c.head_dim, layer.get("qkv_bias"), q_norm, k_norm, c.rms_norm_eps)
-        return self.steps[i](x, start, cos, sin, *cache)
+            made = self.steps[id(layer)] = (layer, native.AttentionStep(
+                layer["qkv"].parts, layer["qkv"].quant, c.num_heads, c.num_kv_heads, c.head_dim, layer.get("qkv_bias"),
+                q_norm, k_norm, c.rms_norm_eps))
+        return made[1](x, start, cos, sin, *cache)
 
 
 def decoder_stack(model, tokens: torch.Tensor, start: int, kv, experts) -> torch.Tensor:
