@@ -5,13 +5,14 @@
  *                   (QK-norm) and rotated (RoPE, rotate-half, on its first `rot` channels)
  *   moe_attend_one  one query position's heads against a contiguous fp32 KV [K, S, D]
  *                   (grouped-query), an online softmax over blocks of keys, kv heads over the pool
+ *   moe_softmax_topk  a softmax router: the router's matrix over the pool, then softmax and top-k
  *
  * torch dispatches each of these as several operations, and at one token its overhead is the
  * cost: measured on the bench shape (bench/decode.py, 2 threads), a decode token spent ~20 ms of
  * ~70 in torch operations between the kernels, RMSNorm ~90 us a call (50 calls a token) and
  * attention ~230 us a layer at 160 keys. Vectors are GCC vector extensions: each body is compiled
  * for AVX512, AVX2 + FMA and plain x86-64 (the same source) and chosen after choose_isa.
- * The results equal torch's to float rounding (tests/test_kernels.py). */
+ * The results equal float64 references to fp32 rounding (tests/test_rows.py). */
 
 typedef float v16 __attribute__((vector_size(64)));
 typedef float v8 __attribute__((vector_size(32)));
