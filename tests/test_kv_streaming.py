@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from moefit.config import ServeConfig
 from moefit.families.state import AttentionKV
 from moefit.memory.devices import open_device
-from moefit.models.layers import attend_state, causal_mask
+from moefit.models.attention import attend_state, causal_mask
 from moefit.runtime.engine import Engine
 from moefit.runtime.kv_codecs import Q4Rows, rotation_matrix
 from moefit.runtime.placement import DeviceMemory

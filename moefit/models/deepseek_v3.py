@@ -25,8 +25,8 @@ import torch
 from moefit.errors import MoefitError
 from moefit.families.deepseek_v3 import dims
 from moefit.models.glm4_moe import Glm4Moe
-from moefit.models.layers import (RopeTable, Weights, apply_rope, apply_rope_interleaved, attend_state, linear,
-                                  rms_norm, yarn_mscale)
+from moefit.models.attention import attend_state
+from moefit.models.layers import RopeTable, Weights, apply_rope, apply_rope_interleaved, linear, rms_norm, yarn_mscale
 
 
 class DeepseekV3(Glm4Moe):

@@ -11,8 +11,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moefit.models.layers import (DecoderModel, RopeTable, Weights, attend_state, linear, normed_heads,
-                                  output_weights, sigmoid_group_topk, swiglu)
+from moefit.models.attention import attend_state
+from moefit.models.layers import (DecoderModel, RopeTable, Weights, linear, normed_heads, output_weights,
+                                  sigmoid_group_topk, swiglu)
 
 
 class Glm4Moe(DecoderModel):

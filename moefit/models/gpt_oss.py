@@ -18,8 +18,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moefit.models.layers import (DecoderModel, RopeTable, Weights, attend_state, linear, normed_heads,
-                                  output_weights)
+from moefit.models.attention import attend_state
+from moefit.models.layers import DecoderModel, RopeTable, Weights, linear, normed_heads, output_weights
 from moefit import kernels
 from moefit.experts.grouped import GroupAct
 from moefit.pack.quant import qlinear

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from moefit.models.layers import (DecoderModel, RopeTable, Weights, attend_state, linear, normed_heads,
-                                  output_weights, softmax_topk)
+from moefit.models.attention import attend_state
+from moefit.models.layers import DecoderModel, RopeTable, Weights, linear, normed_heads, output_weights, softmax_topk
 
 
 class Mixtral(DecoderModel):

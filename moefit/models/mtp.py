@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import torch
 
-from moefit.models.layers import causal_mask, linear, rms_norm
+from moefit.models.attention import causal_mask
+from moefit.models.layers import linear, rms_norm
 
 
 def mtp_forward(model, mtp: dict, h: torch.Tensor, next_tokens: torch.Tensor, start: int, state,

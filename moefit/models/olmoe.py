@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from moefit.models.layers import (DecoderModel, RopeTable, Weights, attend_state, linear, normed_heads,
-                                  output_weights, rms_norm, softmax_topk)
+from moefit.models.attention import attend_state
+from moefit.models.layers import (DecoderModel, RopeTable, Weights, linear, normed_heads, output_weights, rms_norm,
+                                  softmax_topk)
 
 
 class Olmoe(DecoderModel):

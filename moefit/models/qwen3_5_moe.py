@@ -20,8 +20,8 @@ import torch.nn.functional as F
 
 from moefit.families import qwen3_next as spec
 from moefit.models import deltanet
-from moefit.models.layers import (DecoderModel, RopeTable, Weights, attend_state, linear, normed_heads, rms_norm,
-                                  softmax_topk, swiglu)
+from moefit.models.attention import attend_state
+from moefit.models.layers import DecoderModel, RopeTable, Weights, linear, normed_heads, rms_norm, softmax_topk, swiglu
 
 
 class Qwen3_5Moe(DecoderModel):

@@ -9,7 +9,7 @@ AttentionState keeps keys and values by absolute position:
                     of R slots on the card, position p in slot p % R. A streaming layer also
                     writes every position through to a host store of the whole context, which
                     serves the positions the ring no longer holds (KV streaming): attention
-                    over the two parts is merged by log-sum-exp (models/layers.attend_state).
+                    over the two parts is merged by log-sum-exp (models/attention.attend_state).
 
 `parts(end)` returns what attention reads for keys 0..end: (k, v, positions), where
 positions None means "contiguous from 0" and otherwise names each row's position (rows

@@ -1,0 +1,144 @@
+"""Attention over the sequence state, every family's: the causal mask, one contiguous part by
+SDPA (a decode step natively on the host), a ring or a ring and its host part merged by
+log-sum-exp. models/layers.py holds the rest of what families share.
+
+Legend: T tokens in this forward, S keys attended (start + T), H query heads,
+K key/value heads, D head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from moefit.kernels import rows as native
+
+
+def causal_mask(start: int, t: int, window: int | None, device) -> torch.Tensor | None:
+    """Boolean [T, S] mask (True = attend) for a chunk at absolute positions start..start+T."""
+    if t == 1 and window is None:
+        return None
+    q = torch.arange(start, start + t, device=device)[:, None]
+    k = torch.arange(start + t, device=device)[None, :]
+    allowed = k <= q
+    if window is not None:
+        allowed &= (q - k) < window
+    return allowed
+
+
+def attend_state(state, i: int, q: torch.Tensor, start: int, mask: torch.Tensor | None,
+                 scale: float | None = None, keys=None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """q [H, T, D] (positions start..start+T) against layer i's keys 0..start+T as the
+    sequence state holds them (runtime/state.py) -> [T, H*Dv]. One contiguous part is plain
+    SDPA with `mask`; a ring, or a ring and its host part, are merged by log-sum-exp. `scale`
+    overrides 1/sqrt(D); `keys(k, v) -> (k, v)` builds the attended rows from the stored ones
+    (MLA keeps a latent and a rope key per token). `sinks` [H] (gpt-oss) are logits of a virtual
+    key with a zero value in every head's softmax: they scale the output by sigmoid(lse - sink)."""
+    t = q.shape[1]
+    parts = state.parts(i, start + t)
+    if keys is not None:
+        parts = [(*keys(k, v), pos) for k, v, pos in parts]
+    rk, rv = state.rotations(i)
+    if rk is not None:
+        q = q @ rk.to(device=q.device, dtype=q.dtype)
+    if state.own_window(i) and parts[0][2] is None:               # this layer's own window, not the shared mask
+        mask = causal_mask(start, t, state.window(i), q.device)
+    if sinks is not None:
+        pos = [p if p is not None else torch.arange(k.shape[1]) for k, _, p in parts]
+        out, lse = attend_parts(q, [(k, v, p) for (k, v, _), p in zip(parts, pos)], torch.arange(start, start + t),
+                                state.window(i), scale, with_lse=True)
+        out = out * torch.sigmoid(lse - sinks.float()[:, None, None]).to(out.dtype)
+    elif len(parts) == 1 and parts[0][2] is None:
+        out = sdpa(q, parts[0][0], parts[0][1], mask, scale)
+    else:
+        q_pos = torch.arange(start, start + t)
+        out = attend_parts(q, parts, q_pos, state.window(i), scale)
+    if rv is not None:
+        out = out @ rv.to(device=out.device, dtype=out.dtype).T
+    return out.transpose(0, 1).reshape(t, -1)
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+         scale: float | None) -> torch.Tensor:
+    """q [H, T, D] against one contiguous part k, v [K, S, D] -> [H, T, Dv]. On CUDA a masked
+    grouped-query prefill would fall to the math kernel, which materialises [H, T, S] scores
+    (GiBs at 32K, more than the prompt-path line holds): there the KV heads are expanded (a
+    [H, S, D] copy, one layer at a time) and the memory-efficient kernel takes the mask."""
+    gqa = q.shape[0] != k.shape[0]
+    if mask is None and q.shape[1] == 1 and (out := native.attend_one(q, k, v, scale)) is not None:
+        return out                                            # a decode step on the host
+    if gqa and mask is None and q.device.type == "cpu":      # a decode step: each kv head's query heads as rows
+        h, t, d = q.shape                                     # (half the time of enable_gqa on the host)
+        out = F.scaled_dot_product_attention(q.reshape(k.shape[0], h // k.shape[0] * t, d)[None], k[None], v[None],
+                                             scale=scale)[0]
+        return out.reshape(h, t, -1)
+    if q.device.type == "cuda" and mask is not None:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        if gqa:
+            k, v = (x.repeat_interleave(q.shape[0] // x.shape[0], dim=0) for x in (k, v))
+            gqa = False
+        try:
+            with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
+                return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, scale=scale)[0]
+        except RuntimeError:                   # a shape the kernel does not take: the default choice
+            pass
+    return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, enable_gqa=gqa, scale=scale)[0]
+
+
+KEY_BLOCK = 4096
+
+
+def attend_parts(q: torch.Tensor, parts, q_pos: torch.Tensor, window: int | None,
+                 scale: float | None = None, with_lse: bool = False):
+    """Exact softmax attention over several key parts, each where it lives: every part gives
+    its output and log-sum-exp, and the parts are merged by their log-sum-exp (the flash-
+    attention recurrence). q [H, T, D], parts [(k [K, S, D], v [K, S, Dv], positions [S])]
+    -> [H, T, Dv] in q's dtype."""
+    h, t, d = q.shape
+    kh = parts[0][0].shape[0]
+    g = h // kh
+    out = lse = None
+    for k, v, pos in parts:
+        qg = q.to(k.device).reshape(kh, g * t, d)                 # a kv head's query heads together: [K, gT, D]
+        qp = q_pos.to(k.device).repeat(g)                          # [gT]
+        allowed = None
+        if window is not None or int(pos.max()) > int(q_pos.min()):
+            allowed = pos[None, :] <= qp[:, None]
+            if window is not None:
+                allowed &= (qp[:, None] - pos[None, :]) < window
+        o, m = _part_attention(qg, k, v, allowed, scale or d ** -0.5)
+        out, lse = _merge(out, lse, o.to(q.device), m.to(q.device))
+    out = out.reshape(h, t, -1).to(q.dtype)
+    return (out, lse.reshape(h, t, 1)) if with_lse else out
+
+
+def _part_attention(q, k, v, allowed, scale: float):
+    """(out [K, gT, Dv] fp32, log-sum-exp [K, gT, 1]) of q against one part; CPU uses torch's
+    fused flash kernel, which returns the log-sum-exp (it needs keys and values of one width),
+    other cases a blockwise softmax."""
+    fused = k.device.type == "cpu" and k.shape[-1] == v.shape[-1]
+    if fused and (allowed is None or bool(allowed.any(dim=-1).all())):
+        mask = None if allowed is None else torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))
+        o, m = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q.float()[None], k.float()[None], v.float()[None], 0.0, False, attn_mask=mask, scale=scale)[:2]
+        return o[0], m[0].unsqueeze(-1)
+    out = lse = None
+    for b in range(0, k.shape[1], KEY_BLOCK):
+        s = (q.float() @ k[:, b:b + KEY_BLOCK].float().transpose(1, 2)) * scale                 # [K, gT, Sb]
+        if allowed is not None:
+            s = s.masked_fill(~allowed[:, b:b + KEY_BLOCK], float("-inf"))
+        m = torch.logsumexp(s, dim=-1, keepdim=True)
+        p = torch.exp(s - torch.where(torch.isinf(m), torch.zeros_like(m), m))
+        out, lse = _merge(out, lse, p @ v[:, b:b + KEY_BLOCK].float(), m)
+    return out, lse
+
+
+def _merge(out, lse, o, m):
+    """Two normalised partial attentions (out, log-sum-exp) -> their exact combination."""
+    if out is None:
+        return o, m
+    top = torch.maximum(lse, m)
+    top = torch.where(torch.isinf(top), torch.zeros_like(top), top)
+    a, b = torch.exp(lse - top), torch.exp(m - top)
+    total = a + b
+    return (out * a + o * b) / total.clamp(min=1e-30), torch.log(total) + top
