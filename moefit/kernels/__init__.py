@@ -98,6 +98,12 @@ def code(quant: str) -> int:
     return Q[gate_up] | (Q[down] << 8 if down != gate_up else 0)
 
 
+def group_of(quant: str, cols: int, scale: torch.Tensor | None) -> int:
+    """The group size the C side takes for a matrix of `cols` inputs: a scale per (row, group) for
+    the grouped quants, 0 for the others (a scale per row, or inside the blocks)."""
+    return cols // scale.shape[1] if quant in GROUPED else 0
+
+
 def _p(t: torch.Tensor) -> ctypes.c_void_p:
     return ctypes.c_void_p(t.data_ptr())
 
@@ -108,7 +114,7 @@ def qlinear(x: torch.Tensor, parts: dict, name: str, quant: str) -> torch.Tensor
     x = x.contiguous()
     w, scale = parts[name], parts[name + ".scale"]
     t, c, r = x.shape[0], x.shape[1], w.shape[0]
-    group = c // scale.shape[1] if quant in GROUPED else 0
+    group = group_of(quant, c, scale)
     y = torch.empty(t, r, dtype=torch.float32)
     ok = library().moe_linear(_p(x), t, c, r, Q[quant], group, _p(w), _p(scale), _p(y))
     return y if ok == 0 else None
@@ -161,7 +167,7 @@ def moe_layer(x: torch.Tensor, quant: str, experts: list[dict], rows: list[torch
     """moe_call from part views and per-expert token rows and weights (tests, benchmarks)."""
     e = x.shape[1]
     inter = experts[0]["gate_up"].shape[0] // 2
-    group = e // experts[0]["gate_up.scale"].shape[1] if matrix_quants(quant)[0] in GROUPED else 0
+    group = group_of(matrix_quants(quant)[0], e, experts[0].get("gate_up.scale"))
     start = torch.tensor([0] + [len(r) for r in rows]).cumsum(0).tolist()
     pointers = [a for p in experts for a in addresses(p)]
     return moe_call(x, quant, (inter, group), pointers, start, torch.cat(rows).to(torch.int32),

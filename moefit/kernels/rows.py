@@ -113,24 +113,23 @@ class AttentionStep:
 
     def __init__(self, parts: dict, quant: str, heads: int, kv_heads: int, head_dim: int,
                  bias: torch.Tensor | None, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float):
-        from moefit.kernels import GROUPED, Q
+        from moefit.kernels import Q, group_of
         w, scale = parts["w"], parts["w.scale"]
         self.keep = (w, scale, bias, q_norm, k_norm)             # the addresses below stay theirs
-        group = w.shape[1] * (2 if quant == "int4" else 1) // scale.shape[1] if quant in GROUPED else 0
+        cols = w.shape[1] * (2 if quant == "int4" else 1)        # int4: two codes a byte
         self.weights = _StepWeights(
-            w.shape[1] * (2 if quant == "int4" else 1), heads, kv_heads, head_dim, head_dim, Q[quant], group,
+            cols, heads, kv_heads, head_dim, head_dim, Q[quant], group_of(quant, cols, scale),
             w.data_ptr(), scale.data_ptr(), *(t.data_ptr() if t is not None else None for t in (bias, q_norm, k_norm)),
             eps, head_dim ** -0.5)
-        self.out_width = heads * head_dim
-        self.usable = all(t is None or _host_fp32(t) for t in (bias, q_norm, k_norm)) and w.is_cpu
+        self.fn = _fn("moe_attention_step")
+        self.usable = self.fn is not None and w.is_cpu and all(_host_fp32(t) for t in (bias, q_norm, k_norm))
 
     def __call__(self, x: torch.Tensor, pos: int, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor) -> torch.Tensor | None:
         """x [1, E] at position pos; k_cache [K, C, D], v_cache [K, C, Dv] -> [1, H*Dv], or None."""
-        fn = _fn("moe_attention_step")
-        if fn is None or not self.usable or not (_host_fp32(x) and x.is_contiguous()):
+        if not self.usable or not (_host_fp32(x) and x.is_contiguous()):
             return None
-        out = torch.empty(1, self.out_width, dtype=F32)
-        ok = fn(ctypes.byref(self.weights), _p(x), pos, _p(cos), _p(sin), cos.shape[-1], _p(k_cache), _p(v_cache),
+        out = torch.empty(1, self.weights.H * self.weights.Dv, dtype=F32)
+        ok = self.fn(ctypes.byref(self.weights), _p(x), pos, _p(cos), _p(sin), cos.shape[-1], _p(k_cache), _p(v_cache),
                 k_cache.shape[1], _p(out))
         return out if ok == 0 else None

@@ -47,6 +47,8 @@ class AttentionState:
         alloc = lambda shape, dtype: mem.empty(line, shape, dtype).zero_()  # noqa: E731  (masked rows meet 0 * row)
         self.k, self.v = self.kc.empty(alloc, decl.kv_heads, held), self.vc.empty(alloc, decl.kv_heads, held)
         self.slot_pos = torch.full((held,), INVALID, dtype=torch.long) if held < ctx else None
+        plain = all(type(c) is FloatRows and c.dtype == torch.float32 for c in (self.kc, self.vc))
+        self._plain = plain and self.slot_pos is None and self.window is None and self.k["x"].is_cpu
         self.host = None
         if self.slot_pos is not None and decl.streams:
             pin = mem.torch_device.type == "cuda"
@@ -64,10 +66,7 @@ class AttentionState:
         """(k [K, C, D], v [K, C, Dv]) where this layer's cache is fp32 rows in host memory, indexed
         by position (no ring, no window, no codec): what a native decode step may write and read
         directly (kernels/step.h); None otherwise."""
-        plain = all(type(c) is FloatRows and c.dtype == torch.float32 for c in (self.kc, self.vc))
-        if not plain or self.slot_pos is not None or self.window is not None or not self.k["x"].is_cpu:
-            return None
-        return self.k["x"], self.v["x"]
+        return (self.k["x"], self.v["x"]) if self._plain else None
 
     def write(self, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """k [K, T, Dk], v [K, T, Dv] for positions start..start+T."""
