@@ -1,5 +1,6 @@
 """The step's float operations between the quantised matrices, natively (rows.h): RMSNorm, a
-projection's heads normed and rotated, one position's attention, a softmax router's top-k. Each returns None where the
+projection's heads normed and rotated, one position's attention, a softmax router's top-k; and
+the one-call decode steps, a GQA layer's attention (step.h) and a Gated DeltaNet layer (delta.h). Each returns None where the
 kernel does not take the tensors (not fp32 host rows of the strides it reads, dims not a multiple
 of 16, no library), and the caller (models/layers.py) uses torch."""
 
@@ -18,6 +19,7 @@ SIGNATURES = {
     "moe_softmax_topk": [c_ptr, c_i64, c_i64, c_ptr, c_i64, c_i64, ctypes.c_int, c_ptr, c_ptr],
     "moe_attention_step": [c_ptr, c_ptr, c_i64, c_ptr, c_ptr, c_i64, c_ptr, c_ptr, c_i64, c_ptr],
     "moe_attend_one": [c_ptr, c_ptr, c_ptr, c_i64, c_i64, c_i64, c_i64, c_i64, c_i64, c_i64, c_f, c_ptr],
+    "moe_delta_step": [c_ptr, c_ptr, c_ptr, c_ptr, c_ptr],
 }
 
 
@@ -132,4 +134,33 @@ class AttentionStep:
         out = torch.empty(1, self.weights.H * self.weights.Dv, dtype=F32)
         ok = self.fn(ctypes.byref(self.weights), _p(x), pos, _p(cos), _p(sin), cos.shape[-1], _p(k_cache), _p(v_cache),
                 k_cache.shape[1], _p(out))
+        return out if ok == 0 else None
+
+
+class _DeltaWeights(ctypes.Structure):
+    _fields_ = [("hk", c_i64), ("hv", c_i64), ("dk", c_i64), ("dv", c_i64), ("kernel", c_i64), ("conv_w", c_ptr),
+                ("a_log", c_ptr), ("dt_bias", c_ptr), ("norm_w", c_ptr), ("eps", c_f)]
+
+
+class DeltaStep:
+    """One Gated DeltaNet layer's decode step in one native call (delta.h): from in_proj's output
+    to out_proj's input, the conv window and the recurrent state updated in place. Made once per
+    layer from its weights (conv [C, 1, K], A_log, dt_bias [Hv], the gated norm's [Dv])."""
+
+    def __init__(self, dims: tuple[int, int, int, int, int], conv: torch.Tensor, a_log: torch.Tensor,
+                 dt_bias: torch.Tensor, norm: torch.Tensor, eps: float):
+        hk, hv, dk, dv, kernel = dims
+        self.keep = (conv, a_log, dt_bias, norm)                  # the addresses below stay theirs
+        self.weights = _DeltaWeights(hk, hv, dk, dv, kernel, *(t.data_ptr() for t in self.keep), eps)
+        self.fn = _fn("moe_delta_step")
+        self.usable = self.fn is not None and all(_host_fp32(t) and t.is_contiguous() for t in self.keep)
+
+    def __call__(self, proj: torch.Tensor, conv_state: torch.Tensor, s: torch.Tensor) -> torch.Tensor | None:
+        """proj [1, C + Hv Dv + 2 Hv] -> [1, Hv Dv]; conv_state [C, K-1] and s [Hv, Dk, Dv] updated.
+        None where it does not apply (then nothing was changed)."""
+        tensors = (proj, conv_state, s)
+        if not self.usable or not all(_host_fp32(t) and t.is_contiguous() for t in tensors):
+            return None
+        out = torch.empty(1, self.weights.hv * self.weights.dv, dtype=F32)
+        ok = self.fn(ctypes.byref(self.weights), _p(proj), _p(conv_state), _p(s), _p(out))
         return out if ok == 0 else None

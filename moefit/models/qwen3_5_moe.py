@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from moefit.families import qwen3_next as spec
+from moefit.kernels import rows as native
 from moefit.models import deltanet
 from moefit.models.attention import attend_state
 from moefit.models.layers import DecoderModel, RopeTable, Weights, linear, normed_heads, rms_norm, softmax_topk, swiglu
@@ -32,6 +33,7 @@ class Qwen3_5Moe(DecoderModel):
         self.embed = w.host("model.embed_tokens.weight")
         self.norm = w.centred("model.norm.weight")
         self.lm_head = w.get("model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight")
+        self.delta_steps: dict = {}                       # id(layer dict) -> (it, its native decode step)
 
     def _layer(self, w: Weights, i: int, kind: str) -> dict:
         p = f"model.layers.{i}."
@@ -82,11 +84,21 @@ class Qwen3_5Moe(DecoderModel):
         return linear(out * torch.sigmoid(gate.reshape(t, -1)), layer["o"])
 
     def delta_net(self, i, layer, x, start, kv) -> torch.Tensor:
-        hk, hv, dk, dv, _ = self.dims
-        t = x.shape[0]
         state = kv.layers[i]
-        state.begin(start, t)
-        mixed, z, b, a = linear(x, layer["in_proj"]).split([2 * hk * dk + hv * dv, hv * dv, hv, hv], dim=-1)
+        state.begin(start, x.shape[0])
+        proj = linear(x, layer["in_proj"])
+        o = self.delta_step(layer, proj, state) if x.shape[0] == 1 and state.saved is None else None
+        if o is None:
+            o = self.delta_ops(layer, proj, state)
+        return linear(o.to(x.dtype), layer["out"])
+
+    def delta_ops(self, layer: dict, proj: torch.Tensor, state) -> torch.Tensor:
+        """DeltaNet from in_proj's output [T, C + Hv Dv + 2 Hv] to out_proj's input [T, Hv Dv] fp32,
+        op by op: the conv, the heads, the recurrence (chunked for a prompt, recurrent for a step or
+        a verify window, whose states are kept per position), the gated norm."""
+        hk, hv, dk, dv, _ = self.dims
+        t = proj.shape[0]
+        mixed, z, b, a = proj.split([2 * hk * dk + hv * dv, hv * dv, hv, hv], dim=-1)
         q, k, v = deltanet.causal_conv(mixed, state.conv, layer["conv"]).split([hk * dk, hk * dk, hv * dv], dim=-1)
         heads = lambda y, n, d: y.view(t, n, d).repeat_interleave(hv // n, dim=1).transpose(0, 1).float()  # noqa: E731
         q = deltanet.l2norm(heads(q, hk, dk)) * dk ** -0.5                                  # [Hv, T, Dk]
@@ -99,9 +111,18 @@ class Qwen3_5Moe(DecoderModel):
             o = deltanet.recurrent(q, k, v, g, beta, state.s, after=state.save)
         else:
             o = (deltanet.chunked if t > 1 else deltanet.recurrent)(q, k, v, g, beta, state.s)
-        o = rms_norm(o.transpose(0, 1).to(x.dtype), layer["gated_norm"], self.cfg.rms_norm_eps)   # [T, Hv, Dv]
-        o = o * F.silu(z.view(t, hv, dv).float())
-        return linear(o.to(x.dtype).reshape(t, -1), layer["out"])
+        o = rms_norm(o.transpose(0, 1).to(proj.dtype), layer["gated_norm"], self.cfg.rms_norm_eps)   # [T, Hv, Dv]
+        return (o * F.silu(z.view(t, hv, dv).float())).reshape(t, -1)
+
+    def delta_step(self, layer: dict, proj: torch.Tensor, state) -> torch.Tensor | None:
+        """One token's DeltaNet from in_proj's output to out_proj's input in one native call
+        (kernels/delta.h), the layer's conv window and state updated; None where it does not apply
+        (not fp32 on the host), and delta_net computes it op by op."""
+        made = self.delta_steps.get(id(layer))
+        if made is None or made[0] is not layer:
+            made = self.delta_steps[id(layer)] = (layer, native.DeltaStep(
+                self.dims, layer["conv"], layer["a_log"], layer["dt_bias"], layer["gated_norm"], self.cfg.rms_norm_eps))
+        return made[1](proj, state.conv, state.s)
 
     def mlp(self, i, layer, x, experts) -> torch.Tensor:
         weights, ids = softmax_topk(x, layer["router"], self.cfg.top_k, renorm=True)        # [T, k]
