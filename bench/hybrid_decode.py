@@ -54,13 +54,13 @@ def main() -> None:
     model = engine.model
     linear = sum("linear" in layer for layer in model.layers)
     prompt = list(range(100, 164))
-    native_step = Qwen3_5Moe.delta_step
+    native_step = Qwen3_5Moe.delta_steps
     best = {"native": float("inf"), "op by op": float("inf")}
     for _ in range(args.repeats):
         for way in best:
-            Qwen3_5Moe.delta_step = native_step if way == "native" else (lambda *a: None)
+            Qwen3_5Moe.delta_steps = native_step if way == "native" else (lambda *a: None)
             best[way] = min(best[way], decode_ms(engine, prompt, args.new))
-    Qwen3_5Moe.delta_step = native_step
+    Qwen3_5Moe.delta_steps = native_step
     saved = (best["op by op"] - best["native"]) / linear
     print(f"# bench/hybrid_decode.py: Qwen3.6-35B-A3B shape, first {len(model.layers)} layers ({linear} DeltaNet), "
           f"int4 experts, dense {args.dense_quant}, prompt {len(prompt)}, {args.new} tokens, best of {args.repeats}, "

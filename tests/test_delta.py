@@ -1,7 +1,8 @@
-"""Gated DeltaNet's decode step in one native call (kernels/delta.h, Qwen3_5Moe.delta_step)
+"""Gated DeltaNet's decode step in one native call (kernels/delta.h, Qwen3_5Moe.delta_steps)
 against the same step op by op (Qwen3_5Moe.delta_ops: torch's conv, l2norm, recurrence and gated
 norm): the output, the conv window and the state, over head shapes; the thread count and the
-narrower instruction sets; and a hybrid model's decode, which takes it for every DeltaNet layer."""
+narrower instruction sets; a hybrid model's decode, which takes it for every DeltaNet layer; and
+a verify window, a token at a time with the state kept after each position."""
 
 import os
 import subprocess
@@ -121,7 +122,7 @@ def test_a_hybrid_decode_takes_it_and_keeps_its_logits(family, tmp_path, monkeyp
     engine = Engine.open(tmp_path / "pack", ServeConfig(ctx=64))
     prompt, forced = list(range(3, 20)), [6, 17, 2, 9]
     taken = []
-    real = Qwen3_5Moe.delta_step
+    real = Qwen3_5Moe.delta_steps
 
     def counted(self, layer, proj, state):
         out = real(self, layer, proj, state)
@@ -133,9 +134,46 @@ def test_a_hybrid_decode_takes_it_and_keeps_its_logits(family, tmp_path, monkeyp
         engine.prefill(prompt)
         return torch.stack([engine.decode_step(t, len(prompt) + i) for i, t in enumerate(forced)])
 
-    monkeypatch.setattr(Qwen3_5Moe, "delta_step", counted)
+    monkeypatch.setattr(Qwen3_5Moe, "delta_steps", counted)
     native = decode()
     linear = sum("linear" in layer for layer in engine.model.layers)
     assert taken == [(1, True)] * linear * len(forced)
-    monkeypatch.setattr(Qwen3_5Moe, "delta_step", lambda *a: None)
+    monkeypatch.setattr(Qwen3_5Moe, "delta_steps", lambda *a: None)
     assert relative(native, decode()) < 1e-5
+
+
+def test_a_verify_window_goes_a_token_at_a_time_and_keeps_its_checkpoints(tmp_path, monkeypatch):
+    """A checkpointed window of 4 tokens through the native steps: the window's logits, and after
+    keep(2) (a rejection after the second) every DeltaNet layer's state and conv window, equal the
+    op-by-op recurrence's; a state not kept would be the window's end, 2 tokens off."""
+    import tiny
+    from moefit.config import ServeConfig
+    from moefit.pack.convert import convert
+    from moefit.runtime.engine import Engine
+    from moefit.runtime.state import RecurrentLayerState
+    convert(tiny.build_checkpoint("qwen3_5_moe", tmp_path / "hf"), tmp_path / "pack", "int8", progress=False)
+    engine = Engine.open(tmp_path / "pack", ServeConfig(ctx=64))
+    prompt, window = list(range(3, 20)), [6, 17, 2, 9]
+    kv = engine.loaded.kv
+
+    def verify():
+        engine.kv_tokens = []
+        engine.prefill(prompt)
+        kv.checkpoint(True)
+        try:
+            logits = engine.forward(window, len(prompt))
+        finally:
+            kv.checkpoint(False)
+        kv.keep(2)
+        kept = [(layer.s.clone(), layer.conv.clone()) for layer in kv.layers if isinstance(layer, RecurrentLayerState)]
+        return logits, kept
+
+    real, calls = Qwen3_5Moe.delta_steps, []
+    monkeypatch.setattr(Qwen3_5Moe, "delta_steps", lambda *a: calls.append(a[2].shape[0]) or real(*a))
+    native, native_kept = verify()
+    assert len(window) in calls
+    monkeypatch.setattr(Qwen3_5Moe, "delta_steps", lambda *a: None)
+    ops, ops_kept = verify()
+    assert relative(native, ops) < 1e-5
+    for (s, conv), (s_ops, conv_ops) in zip(native_kept, ops_kept):     # (later layers' inputs differ by rounding)
+        assert relative(s, s_ops) < 1e-5 and relative(conv, conv_ops) < 1e-5

@@ -155,11 +155,14 @@ class DeltaStep:
         self.fn = _fn("moe_delta_step")
         self.usable = self.fn is not None and all(_host_fp32(t) and t.is_contiguous() for t in self.keep)
 
+    def takes(self, *tensors: torch.Tensor) -> bool:
+        """Whether a call on these (in_proj's output rows, the conv window, the state) computes."""
+        return self.usable and all(_host_fp32(t) and t.is_contiguous() for t in tensors)
+
     def __call__(self, proj: torch.Tensor, conv_state: torch.Tensor, s: torch.Tensor) -> torch.Tensor | None:
         """proj [1, C + Hv Dv + 2 Hv] -> [1, Hv Dv]; conv_state [C, K-1] and s [Hv, Dk, Dv] updated.
         None where it does not apply (then nothing was changed)."""
-        tensors = (proj, conv_state, s)
-        if not self.usable or not all(_host_fp32(t) and t.is_contiguous() for t in tensors):
+        if not self.takes(proj, conv_state, s):
             return None
         out = torch.empty(1, self.weights.hv * self.weights.dv, dtype=F32)
         ok = self.fn(ctypes.byref(self.weights), _p(proj), _p(conv_state), _p(s), _p(out))

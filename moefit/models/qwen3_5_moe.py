@@ -33,7 +33,7 @@ class Qwen3_5Moe(DecoderModel):
         self.embed = w.host("model.embed_tokens.weight")
         self.norm = w.centred("model.norm.weight")
         self.lm_head = w.get("model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight")
-        self.delta_steps: dict = {}                       # id(layer dict) -> (it, its native decode step)
+        self.delta_native: dict = {}                      # id(layer dict) -> (it, its native DeltaNet step)
 
     def _layer(self, w: Weights, i: int, kind: str) -> dict:
         p = f"model.layers.{i}."
@@ -87,7 +87,8 @@ class Qwen3_5Moe(DecoderModel):
         state = kv.layers[i]
         state.begin(start, x.shape[0])
         proj = linear(x, layer["in_proj"])
-        o = self.delta_step(layer, proj, state) if x.shape[0] == 1 and state.saved is None else None
+        one_by_one = x.shape[0] == 1 or state.saved is not None          # a decode step, a verify window
+        o = self.delta_steps(layer, proj, state) if one_by_one else None
         if o is None:
             o = self.delta_ops(layer, proj, state)
         return linear(o.to(x.dtype), layer["out"])
@@ -114,15 +115,27 @@ class Qwen3_5Moe(DecoderModel):
         o = rms_norm(o.transpose(0, 1).to(proj.dtype), layer["gated_norm"], self.cfg.rms_norm_eps)   # [T, Hv, Dv]
         return (o * F.silu(z.view(t, hv, dv).float())).reshape(t, -1)
 
-    def delta_step(self, layer: dict, proj: torch.Tensor, state) -> torch.Tensor | None:
-        """One token's DeltaNet from in_proj's output to out_proj's input in one native call
-        (kernels/delta.h), the layer's conv window and state updated; None where it does not apply
-        (not fp32 on the host), and delta_net computes it op by op."""
-        made = self.delta_steps.get(id(layer))
+    def delta_steps(self, layer: dict, proj: torch.Tensor, state) -> torch.Tensor | None:
+        """DeltaNet from in_proj's output to out_proj's input a token at a time, each one native
+        call (kernels/delta.h) that updates the layer's conv window and state: a decode step, or a
+        verify window (its state kept after each position but the last, its conv inputs kept).
+        None where the call does not apply (not fp32 on the host), and delta_net goes op by op."""
+        made = self.delta_native.get(id(layer))
         if made is None or made[0] is not layer:
-            made = self.delta_steps[id(layer)] = (layer, native.DeltaStep(
+            made = self.delta_native[id(layer)] = (layer, native.DeltaStep(
                 self.dims, layer["conv"], layer["a_log"], layer["dt_bias"], layer["gated_norm"], self.cfg.rms_norm_eps))
-        return made[1](proj, state.conv, state.s)
+        step = made[1]
+        if not step.takes(proj, state.conv, state.s):
+            return None
+        out = []
+        for t in range(proj.shape[0]):
+            if t > 0:
+                state.save(t - 1)
+            out.append(step(proj[t:t + 1], state.conv, state.s))
+        if state.saved is not None:
+            hk, hv, dk, dv, _ = self.dims
+            state.conv_inputs = proj[:, :2 * hk * dk + hv * dv]
+        return torch.cat(out)
 
     def mlp(self, i, layer, x, experts) -> torch.Tensor:
         weights, ids = softmax_topk(x, layer["router"], self.cfg.top_k, renorm=True)        # [T, k]
