@@ -29,6 +29,23 @@ def test_chunked_and_recurrent_delta_rule_match_transformers():
         assert torch.allclose(out.transpose(0, 1), want[0], atol=1e-5) and torch.allclose(s, want_s[0], atol=1e-5)
 
 
+def test_strongly_decaying_heads_stay_out_of_subnormals_and_agree():
+    """Heads that decay by up to e^-40 a token: the chunked form's decay factors hold no subnormal
+    (each costs a microcode assist, 4x the prompt's time at Qwen3.6's shape) and it still equals
+    the recurrent form."""
+    gen = torch.Generator().manual_seed(4)
+    h, t, d = 3, 130, 16
+    q, k, v = (torch.randn(h, t, d, generator=gen) for _ in range(3))
+    q, k = deltanet.l2norm(q) / d ** 0.5, deltanet.l2norm(k)
+    g, beta = -torch.rand(h, t, generator=gen) * 40, torch.rand(h, t, generator=gen)
+    factors = deltanet.decay_exp(g.view(h, -1, 10).cumsum(-1))
+    assert not ((factors != 0) & (factors < torch.finfo(torch.float32).tiny)).any()
+    s0 = torch.randn(h, d, d, generator=gen)
+    s1, s2 = s0.clone(), s0.clone()
+    assert torch.allclose(deltanet.chunked(q, k, v, g, beta, s1), deltanet.recurrent(q, k, v, g, beta, s2), atol=1e-5)
+    assert torch.allclose(s1, s2, atol=1e-5)
+
+
 def test_a_rejected_draft_across_deltanet_layers_keeps_greedy_output(packs, monkeypatch):
     """An oracle draft source that knows the greedy continuation and spoils each window's last
     draft: every window is cut short after its DeltaNet layers consumed the rejected token, so
