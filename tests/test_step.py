@@ -1,7 +1,7 @@
 """A decode step's attention in one native call (kernels/step.h, DecoderModel.attention_step)
 against the same layer computed op by op: the same logits and the same cache rows, for the
 families that take it (Qwen3-MoE with QK-norm, Mixtral plain, GLM-4.5 with a bias and partial
-RoPE); and the layers it must leave to the op-by-op path."""
+RoPE) and Qwen3.5 / Next (gated heads); and the layers it must leave to the op-by-op path."""
 
 import pytest
 import torch
@@ -37,6 +37,22 @@ def test_one_call_gives_the_op_by_op_logits(family, dense, tmp_path, monkeypatch
     monkeypatch.setattr(DecoderModel, "attention_step", lambda *a, **k: None)
     assert torch.equal(native, decode(engine))
     assert torch.equal(k_native, engine.loaded.kv.plain_fp32(0)[0][:, :len(PROMPT) + len(FORCED)])
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_next"])
+def test_gated_heads_take_it_in_a_hybrid_stack(family, tmp_path, monkeypatch):
+    """Qwen3.5 / Next's full-attention layers (each head's query followed by its output gate,
+    partial RoPE): every one takes the one call, the DeltaNet layers none, and the logits equal
+    the op-by-op path's to fp32 rounding (the gate's sigmoid is C's expf there, torch's here)."""
+    hf = tiny.build_checkpoint(family, tmp_path / "hf", head_dim=32)
+    convert(hf, tmp_path / "pack", "int8", progress=False)
+    engine = Engine.open(tmp_path / "pack", ServeConfig(ctx=64, dense_quant="int8"))
+    native = decode(engine)
+    attention = [layer for layer in engine.model.layers if "linear" not in layer]
+    assert sorted(map(id, attention)) == sorted(engine.model.steps)
+    monkeypatch.setattr(DecoderModel, "attention_step", lambda *a, **k: None)
+    ops = decode(engine)
+    assert float((native - ops).abs().max() / ops.abs().max()) < 1e-5
 
 
 @pytest.mark.parametrize("config", [dict(dense_quant="off"), dict(dense_quant="int8", kv_dtype="int8"),

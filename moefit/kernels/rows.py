@@ -106,15 +106,17 @@ def softmax_topk(x: torch.Tensor, w: torch.Tensor, k: int, renorm: bool) -> tupl
 class _StepWeights(ctypes.Structure):
     _fields_ = [("E", c_i64), ("H", c_i64), ("K", c_i64), ("D", c_i64), ("Dv", c_i64), ("quant", ctypes.c_int),
                 ("group", c_i64), ("w", c_ptr), ("scales", c_ptr), ("bias", c_ptr), ("q_norm", c_ptr),
-                ("k_norm", c_ptr), ("eps", c_f), ("scale", c_f)]
+                ("k_norm", c_ptr), ("eps", c_f), ("scale", c_f), ("gated", ctypes.c_int)]
 
 
 class AttentionStep:
     """One layer's attention for a decode step in one native call (step.h): the quantised qkv
-    (parts "w", "w.scale" of `quant`), its bias, the QK-norm weights, the heads, made once."""
+    (parts "w", "w.scale" of `quant`), its bias, the QK-norm weights, the heads, made once. gated:
+    each head's query rows are followed by its output gate's (Qwen3.5 / Next)."""
 
     def __init__(self, parts: dict, quant: str, heads: int, kv_heads: int, head_dim: int,
-                 bias: torch.Tensor | None, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float):
+                 bias: torch.Tensor | None, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
+                 gated: bool = False):
         from moefit.kernels import Q, group_of
         w, scale = parts["w"], parts["w.scale"]
         self.keep = (w, scale, bias, q_norm, k_norm)             # the addresses below stay theirs
@@ -122,7 +124,7 @@ class AttentionStep:
         self.weights = _StepWeights(
             cols, heads, kv_heads, head_dim, head_dim, Q[quant], group_of(quant, cols, scale),
             w.data_ptr(), scale.data_ptr(), *(t.data_ptr() if t is not None else None for t in (bias, q_norm, k_norm)),
-            eps, head_dim ** -0.5)
+            eps, head_dim ** -0.5, int(gated))
         self.fn = _fn("moe_attention_step")
         self.usable = self.fn is not None and w.is_cpu and all(_host_fp32(t) for t in (bias, q_norm, k_norm))
 

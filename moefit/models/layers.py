@@ -172,11 +172,12 @@ class DecoderModel:
 
     def attention_step(self, i: int, layer: dict, x: torch.Tensor, start: int, cos: torch.Tensor, sin: torch.Tensor,
                        mask: torch.Tensor | None, kv, q_norm: torch.Tensor | None = None,
-                       k_norm: torch.Tensor | None = None) -> torch.Tensor | None:
+                       k_norm: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor | None:
         """A GQA layer's attention for one token in one native call (kernels/step.h): [1, H*D]
         before the output projection, its key and value written to the cache; None where it does
         not apply (more tokens, a mask, not the host, a quantised / ring / windowed cache, a qkv
-        not quantised by --dense-quant), and the family computes it op by op."""
+        not quantised by --dense-quant), and the family computes it op by op. gated: Qwen3.5's
+        per-head output gate, after each head's query in the projection (applied here)."""
         if x.shape[0] != 1 or mask is not None or not isinstance(layer["qkv"], QWeight):
             return None
         cache = kv.plain_fp32(i)
@@ -189,7 +190,7 @@ class DecoderModel:
             c = self.cfg
             made = self.steps[id(layer)] = (layer, native.AttentionStep(
                 layer["qkv"].parts, layer["qkv"].quant, c.num_heads, c.num_kv_heads, c.head_dim, layer.get("qkv_bias"),
-                q_norm, k_norm, c.rms_norm_eps))
+                q_norm, k_norm, c.rms_norm_eps, gated))
         return made[1](x, start, cos, sin, *cache)
 
 
