@@ -192,7 +192,7 @@ def from_config(m: ModelConfig, recipe: str, compute_dtype: str, group_size: int
     cb = COMPUTE_BYTES[compute_dtype]
     dense = dense_bytes(dense_shapes(m), cb, dense_quant)
     mtp = m.spec.mtp_shapes(m, 0) if m.mtp_layers else {}
-    return Footprint(m, compute_dtype, dense, blobs, 0, m.mtp_layers, dense_bytes(mtp, cb, "off"))
+    return Footprint(m, compute_dtype, dense, blobs, 0, m.mtp_layers, dense_bytes(mtp, cb, dense_quant))
 
 
 def from_pack_header(header: dict, compute_dtype: str, dense_quant: str = "off") -> Footprint:
@@ -203,6 +203,6 @@ def from_pack_header(header: dict, compute_dtype: str, dense_quant: str = "off")
     blobs = {(row[0], row[1]): row[3] for row in header["experts"]["index"] if row[0] < m.num_layers}
     cb = COMPUTE_BYTES[compute_dtype]
     draft = (header.get("draft") or {}).get("params", 0) * cb
-    mtp = dense_bytes({n: tuple(tensors[n]["shape"]) for n in mtp_dense_names(m, tensors)}, cb, "off")
+    mtp = dense_bytes({n: tuple(tensors[n]["shape"]) for n in mtp_dense_names(m, tensors)}, cb, dense_quant)
     return Footprint(m, compute_dtype, dense, blobs, draft, (header.get("mtp") or {}).get("layers", 0), mtp,
                      (header.get("probe") or {}).get("params", 0) * cb)

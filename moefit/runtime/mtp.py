@@ -97,7 +97,7 @@ def load_mtp(pack, loaded, cfg, kv_dtype: str) -> MtpDrafter:
     dtype = TORCH_DTYPES[loaded.compute_dtype]
     place = lambda name, t, keep=False: mem.copy_in(  # noqa: E731
         L.RESERVE, t, dtype if t.is_floating_point() and not keep else None)
-    weights = Weights(mtp_dense_names(m, pack.dense_names), pack.dense, place)
+    weights = Weights(mtp_dense_names(m, pack.dense_names), pack.dense, place, cfg.dense_quant)
     mtp = loaded.model.mtp_layer(weights, 0) | {"index": m.num_layers, "style": m.mtp_style}
     resident = loaded.kv.resident                    # under KV streaming, the model's window and a host part
     state = SequenceState(m, cfg.ctx, kv_dtype, dtype, mem, cfg.prefill_chunk, resident, decls=[m.spec.mtp_state(m)],
