@@ -5,6 +5,9 @@ int4, on one random mid-size Qwen3-MoE, in one run. Not a test.
 
 Shape: hidden 1024, 8 layers, 32 experts, top-8, expert size 256, 16 heads / 4 KV heads,
 vocab 32000 (pass --vocab 151936 for Qwen's). Everything runs on the CPU, batch 1.
+--shape big: Qwen3-30B-A3B's expert shape, 12 layers, 64 experts. --shape hybrid: Qwen3.6-35B-A3B's
+layers (Qwen3.5-MoE: 3 Gated DeltaNet layers to one gated full-attention layer, a shared expert),
+its first 8 layers, 64 of its 256 experts.
 
 Routing is spread: every engine samples at temperature 2 with a fixed seed, so each step
 routes to new experts (greedy decoding of a random model repeats one token and 94 % of a
@@ -44,23 +47,32 @@ SHAPES = {
     # int4 experts of 2 GB (Qwen3-30B-A3B's expert shape, 12 of its layers, half its experts)
     "big": dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=12,
                 num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=64),
+    # Qwen3.6-35B-A3B's layers (../shared/configs/qwen3.6-35b-a3b.json), its first 8, 64 of its 256 experts
+    "hybrid": dict(hidden_size=2048, moe_intermediate_size=512, shared_expert_intermediate_size=512,
+                   num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+                   num_experts=64, partial_rotary_factor=0.25, full_attention_interval=4, linear_num_key_heads=16,
+                   linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+                   linear_conv_kernel_dim=4, mtp_num_hidden_layers=0),
 }
 
 
 def build(out: Path, vocab: int, shape: str = "small") -> Path:
-    """A random Qwen3-MoE checkpoint (bf16 for the big shape); with vocab 151936 it carries
-    Qwen3's real tokenizer, so that llama.cpp's converter accepts it."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    """A random Qwen3-MoE checkpoint (Qwen3.5-MoE for the hybrid shape; bf16 but for the small
+    shape); with vocab 151936 it carries Qwen3's real tokenizer, so that llama.cpp's converter
+    accepts it."""
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig, Qwen3MoeConfig, Qwen3MoeForCausalLM
     from tokenizers import Tokenizer, models
     if (out / "config.json").exists():
         return out
     torch.manual_seed(0)
-    cfg = Qwen3MoeConfig(vocab_size=vocab, num_experts_per_tok=8, max_position_embeddings=4096,
-                         tie_word_embeddings=False, eos_token_id=None, bos_token_id=None, **SHAPES[shape])
-    dtype = torch.bfloat16 if shape == "big" else torch.float32
+    config, causal_lm = (Qwen3_5MoeTextConfig, Qwen3_5MoeForCausalLM) if shape == "hybrid" else \
+        (Qwen3MoeConfig, Qwen3MoeForCausalLM)
+    cfg = config(vocab_size=vocab, num_experts_per_tok=8, max_position_embeddings=4096,
+                 tie_word_embeddings=False, eos_token_id=None, bos_token_id=None, **SHAPES[shape])
+    dtype = torch.float32 if shape == "small" else torch.bfloat16
     with torch.device("cpu"):
         torch.set_default_dtype(dtype)
-        model = Qwen3MoeForCausalLM(cfg)
+        model = causal_lm(cfg)
         torch.set_default_dtype(torch.float32)
     model.save_pretrained(out, max_shard_size="1GB")
     if vocab >= 151669:
@@ -179,7 +191,8 @@ def main() -> None:
 def report(rows: dict, args) -> None:
     base = next(iter(rows.values()))
     sh = SHAPES[args.shape]
-    lines = [f"# bench/decode.py: Qwen3-MoE random, hidden {sh['hidden_size']}, {sh['num_hidden_layers']} layers, "
+    family = "Qwen3.5-MoE (6 DeltaNet + 2 attention layers)" if args.shape == "hybrid" else "Qwen3-MoE"
+    lines = [f"# bench/decode.py: {family} random, hidden {sh['hidden_size']}, {sh['num_hidden_layers']} layers, "
              f"{sh['num_experts']} experts top-8, expert {sh['moe_intermediate_size']}, "
              f"{sh['num_attention_heads']}/{sh['num_key_value_heads']} heads, vocab {args.vocab}; prompt {args.prompt}, "
              f"{args.new} new tokens, batch 1, best of {REPEATS}, {args.threads} threads, torch {torch.__version__}, "

@@ -10,6 +10,7 @@
 
 writes /tmp/big-q8_0.gguf and /tmp/big-q4_0.gguf (the checkpoint needs Qwen's tokenizer,
 which bench/decode.py gives it at vocab 151936: llama.cpp's converter refuses unknown ones).
+The hybrid shape (bench/decode.py --shape hybrid) has no MTP layers: add --no-mtp.
 """
 
 from __future__ import annotations
@@ -28,11 +29,13 @@ def main() -> None:
     ap.add_argument("--llama-cpp", required=True, help="the llama.cpp source tree (convert_hf_to_gguf.py)")
     ap.add_argument("--types", default="q8_0,q4_0", help="llama.cpp file types: q8_0, q4_0, q4_k_m, q5_k_m, "
                     "q6_k, iq4_xs, ...")
+    ap.add_argument("--no-mtp", action="store_true", help="tell the converter the checkpoint has no MTP layers "
+                    "(a Qwen3.5 / Next checkpoint without them: bench/decode.py --shape hybrid)")
     args = ap.parse_args()
     import llama_cpp
     full = Path(f"{args.prefix}-bf16.gguf")
     subprocess.run([sys.executable, str(Path(args.llama_cpp) / "convert_hf_to_gguf.py"), args.hf_dir,
-                    "--outtype", "bf16", "--outfile", str(full)], check=True)
+                    "--outtype", "bf16", "--outfile", str(full), *(["--no-mtp"] if args.no_mtp else [])], check=True)
     for name in args.types.split(","):
         params = llama_cpp.llama_model_quantize_default_params()
         params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{name.upper()}")

@@ -113,7 +113,9 @@ def _converted(key: str, t: torch.Tensor, cfg: dict, family: str):
 
 def _hybrid(key: str, t: torch.Tensor, cfg: dict):
     """Qwen3.5's tensors as Qwen3_5MoeTextModel converts them: value heads tiled, A_log stored as
-    -exp(A_log), dt_bias renamed, the conv squeezed, zero-centred norms stored as 1 + w."""
+    -exp(A_log), dt_bias renamed, the conv squeezed, zero-centred norms stored as 1 + w; and the
+    shared expert's gate [1, E] as a file llama.cpp's quantiser wrote has it, 1-D (ggml drops a
+    trailing 1; the converter's own F32 / BF16 output keeps [1, E], as the qwen3_next files here)."""
     hk, hv, dk, dv = (cfg[k] for k in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
                                        "linear_value_head_dim"))
     tile = lambda x, dim, d: _tile(x, dim, hk, hv // hk, d)  # noqa: E731
@@ -137,6 +139,8 @@ def _hybrid(key: str, t: torch.Tensor, cfg: dict):
         t = t.squeeze()
     elif key.endswith("norm.weight") and not key.endswith("linear_attn.norm.weight"):
         t = t + 1
+    elif key.endswith("shared_expert_gate.weight"):
+        t = t.reshape(-1)
     yield key, t.contiguous()
 
 

@@ -185,6 +185,8 @@ def hybrid_fix(tiled: bool) -> Callable[[str, torch.Tensor, dict], torch.Tensor]
             t = torch.log(-t)                                       # stored as -exp(A_log)
         if name.endswith("conv1d.weight"):
             t = t.unsqueeze(1)                                      # [C, 1, K], as nn.Conv1d holds it
+        if name.endswith("shared_expert_gate.weight"):
+            t = t.reshape(1, -1)        # [1, E]: llama.cpp's quantiser writes it 1-D (ggml drops a trailing 1)
         return _untile(name, t, cfg) if tiled else t
     return fix
 
