@@ -37,3 +37,63 @@ def test_mixed_recipe_keeps_edge_layers_at_int8():
     int8 = blob_nbytes(expert_layout(2048, 768, "int8", 32))
     int4 = blob_nbytes(expert_layout(2048, 768, "int4", 32))
     assert int4 < int8 < 2 * int4 + 4096
+
+
+@pytest.mark.parametrize("quant,group", [("int8", 32), ("int4", 32), ("int4", 128), ("q8_0", 32)])
+def test_the_native_dequantisation_is_torchs_bit_for_bit(quant, group):
+    from moefit import kernels
+    if kernels.library() is None:
+        pytest.skip("the native kernel is not built")
+    parts = dict(zip(["w", "w.scale"], quantize(torch.randn(70, 256, generator=torch.Generator().manual_seed(1)),
+                                                quant, group)))
+    assert torch.equal(kernels.dequantize(parts, "w", quant), dequantize(parts, "w", quant, torch.float32))
+
+
+def test_a_prompts_product_runs_as_an_fp32_gemm_on_the_dequantised_matrix(monkeypatch):
+    """GEMM_TOKENS or more tokens: x times the dequantised matrix in fp32 (the activations are not
+    quantised there); fewer: the integer dots, which quantise them per block of 32 (so the two
+    agree to that rounding, ~1e-2)."""
+    from moefit import kernels
+    from moefit.pack import quant as q
+    if kernels.library() is None:
+        pytest.skip("the native kernel is not built")
+    g = torch.Generator().manual_seed(2)
+    parts = dict(zip(["w", "w.scale"], quantize(torch.randn(200, 512, generator=g), "int4", 32)))
+    x = torch.randn(q.GEMM_TOKENS, 512, generator=g)
+    exact = x @ dequantize(parts, "w", "int4", torch.float32).T
+    gemm = q.qlinear(x, parts, "w", "int4")
+    assert torch.allclose(gemm, exact, rtol=1e-5, atol=1e-4)
+    dots = torch.cat([q.qlinear(x[i:i + 1], parts, "w", "int4") for i in range(len(x))])   # one token at a time
+    assert not torch.allclose(dots, exact, rtol=1e-5, atol=1e-4)
+    assert (dots - exact).norm() / exact.norm() < 2e-2
+    monkeypatch.setattr(q, "GEMM_MAX_BYTES", 200 * 512 * 4 - 1)       # a matrix above the bound: the dots
+    assert torch.equal(q.qlinear(x, parts, "w", "int4"), torch.cat([q.qlinear(x[:48], parts, "w", "int4"),
+                                                                     q.qlinear(x[48:], parts, "w", "int4")]))
+
+
+def test_a_long_prompt_takes_the_gemm_and_decode_steps_the_dots(tmp_path, monkeypatch):
+    """With --dense-quant a prompt of GEMM_TOKENS or more multiplies its dense matrices as fp32 GEMMs,
+    its logits within the activations' rounding of the integer dots'; decode steps never do."""
+    import tiny
+    from moefit import kernels
+    from moefit.config import ServeConfig
+    from moefit.pack import quant as q
+    from moefit.pack.convert import convert
+    from moefit.runtime.engine import Engine
+    if kernels.library() is None:
+        pytest.skip("the native kernel is not built")
+    convert(tiny.build_checkpoint("qwen3_moe", tmp_path / "hf"), tmp_path / "pack", "int8", progress=False)
+    engine = Engine.open(tmp_path / "pack", ServeConfig(ctx=256, dense_quant="int8"))
+    prompt = [(7 * i) % 300 + 3 for i in range(q.GEMM_TOKENS + 4)]
+    calls = []
+    real = kernels.dequantize
+    monkeypatch.setattr(kernels, "dequantize", lambda *a, **k: calls.append(a[1]) or real(*a, **k))
+    gemm, _ = engine.prefill(prompt)
+    assert calls
+    calls.clear()
+    engine.decode_step(5, len(prompt))
+    assert not calls
+    monkeypatch.setattr(q, "GEMM_TOKENS", 10 ** 9)
+    engine.kv_tokens = []
+    dots, _ = engine.prefill(prompt)
+    assert not calls and (gemm - dots).norm() / dots.norm() < 5e-2

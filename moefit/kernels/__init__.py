@@ -1,7 +1,8 @@
 """The native host kernels (moe.c), built at install time (setup.py) and loaded with ctypes.
 
 - moe_layer: one call per MoE layer for the routed experts computed on the host;
-- qlinear: one quantised matrix (the dense path with --dense-quant int8);
+- qlinear: one quantised matrix (the dense path with --dense-quant int8); dequantize: one as fp32
+  rows (a prompt's product then runs as torch's fp32 GEMM);
 - the float operations between them (RMSNorm, QK-norm + RoPE, one position's attention):
   rows.h, called from rows.py.
 
@@ -16,6 +17,7 @@ and measured, in runtime/loader.py (set_threads).
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 import ctypes
 from dataclasses import dataclass
 import importlib.machinery
@@ -82,6 +84,22 @@ def set_threads(n: int) -> int:
     return lib.moe_set_threads(max(1, n)) if lib else 1
 
 
+@contextmanager
+def torch_threads():
+    """torch's intra-op threads raised to the pool's for one large operation (a prompt's GEMM),
+    then back: with the dense matrices in the pool torch otherwise keeps one (runtime/loader.py)."""
+    before = torch.get_num_threads()
+    lib = library()
+    want = lib.moe_threads() if lib and hasattr(lib, "moe_threads") else before
+    if want > before:
+        torch.set_num_threads(want)
+    try:
+        yield
+    finally:
+        if want > before:
+            torch.set_num_threads(before)
+
+
 def isa() -> str:
     lib = library()
     return lib.moe_isa().decode() if lib else "torch"
@@ -118,6 +136,23 @@ def qlinear(x: torch.Tensor, parts: dict, name: str, quant: str) -> torch.Tensor
     y = torch.empty(t, r, dtype=torch.float32)
     ok = library().moe_linear(_p(x), t, c, r, Q[quant], group, _p(w), _p(scale), _p(y))
     return y if ok == 0 else None
+
+
+def dequantize(parts: dict, name: str, quant: str, out: torch.Tensor | None = None) -> torch.Tensor | None:
+    """The quantised matrix `name` (int8, int4, Q8_0) as fp32 [R, C] (into out, contiguous, when
+    given), each code times its scale in fp32 over the pool; None where the library lacks it or
+    the quant is another."""
+    lib = library()
+    if lib is None or not hasattr(lib, "moe_dequant") or quant not in ("int8", "int4", "q8_0"):
+        return None
+    if lib.moe_dequant.argtypes is None:
+        lib.moe_dequant.argtypes = [c_ptr, c_ptr, ctypes.c_int, c_i64, c_i64, c_i64, c_ptr]
+        lib.moe_dequant.restype = ctypes.c_int
+    w, scale = parts[name], parts[name + ".scale"]
+    r, c = w.shape[0], w.shape[1] * (2 if quant == "int4" else 1)
+    out = torch.empty(r, c, dtype=torch.float32) if out is None else out
+    ok = lib.moe_dequant(_p(w), _p(scale), Q[quant], r, c, group_of(quant, c, scale), _p(out))
+    return out if ok == 0 else None
 
 
 PARTS = ("gate_up", "gate_up.scale", "down", "down.scale")

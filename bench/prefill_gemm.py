@@ -1,0 +1,51 @@
+"""Prefill with --dense-quant: the dense matrices' fp32 GEMM on the natively dequantised matrix
+(pack/quant.py, GEMM_TOKENS or more tokens) against the integer dots, alternating in one process.
+Not a test.
+
+    .venv/bin/python bench/prefill_gemm.py PACK [--prompt 512] [--dense-quant int4] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from moefit import kernels  # noqa: E402
+from moefit.config import ServeConfig  # noqa: E402
+from moefit.pack import quant  # noqa: E402
+from moefit.runtime.engine import Engine  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("pack")
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--dense-quant", default="int4")
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    engine = Engine.open(Path(args.pack), ServeConfig(ctx=args.prompt + 64, dense_quant=args.dense_quant))
+    prompt = [(1000 + 7 * i) % engine.model.cfg.vocab_size for i in range(args.prompt)]
+    ways = {"fp32 GEMM": quant.GEMM_TOKENS, "integer dots": 10 ** 9}
+    rates: dict[str, list[float]] = {way: [] for way in ways}
+    for _ in range(args.rounds):
+        for way, tokens in ways.items():
+            quant.GEMM_TOKENS = tokens
+            engine.kv_tokens = []
+            t0 = time.perf_counter()
+            engine.prefill(prompt)
+            rates[way].append(args.prompt / (time.perf_counter() - t0))
+    print(f"# bench/prefill_gemm.py {Path(args.pack).name}: prompt {args.prompt}, dense {args.dense_quant}, "
+          f"{kernels.default_threads()} threads, torch {torch.__version__}; tok/s, best of {args.rounds}")
+    base = max(rates["integer dots"])
+    for way, r in rates.items():
+        print(f"{way:<13} {max(r):7.1f} tok/s  {max(r) / base:5.2f}x   ({', '.join(f'{v:.1f}' for v in r)})")
+
+
+if __name__ == "__main__":
+    main()
