@@ -4,11 +4,7 @@ norm): the output, the conv window and the state, over head shapes; the thread c
 narrower instruction sets; a hybrid model's decode, which takes it for every DeltaNet layer; and
 a verify window, a token at a time with the state kept after each position."""
 
-import os
-import subprocess
-import sys
 import types
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +12,7 @@ import torch
 from moefit import kernels
 from moefit.kernels import rows
 from moefit.models.qwen3_5_moe import Qwen3_5Moe
+from narrow_isa import check_under
 
 pytestmark = pytest.mark.skipif(kernels.library() is None, reason="the native kernel is not built")
 
@@ -102,11 +99,7 @@ def check_every_shape() -> str:
 
 @pytest.mark.parametrize("isa", ["portable", "avx2"])
 def test_the_narrower_instruction_sets_compute_the_same(isa):
-    run = subprocess.run([sys.executable, "-c", "from test_delta import check_every_shape; print(check_every_shape())"],
-                         capture_output=True, text=True, timeout=300, cwd=Path(__file__).parent,
-                         env={**os.environ, "MOEFIT_ISA": isa})
-    assert run.returncode == 0, run.stderr[-2000:]
-    assert run.stdout.strip().splitlines()[-1] == isa
+    check_under(isa, "test_delta", "check_every_shape")
 
 
 @pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_next"])

@@ -174,12 +174,5 @@ def check_every_quant() -> str:
 def test_the_narrower_instruction_sets_match_the_reference_too(isa):
     """Users' CPUs: AVX2 everywhere, AVX-VNNI or AVX512 on some; MOEFIT_ISA caps what the kernel
     picks, so every path runs on this machine."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-    code = "from test_kernels import check_every_quant; print(check_every_quant())"
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                         cwd=Path(__file__).parent, env={**os.environ, "MOEFIT_ISA": isa})
-    assert run.returncode == 0, run.stderr[-2000:]
-    assert run.stdout.strip().splitlines()[-1] == isa
+    from narrow_isa import check_under
+    check_under(isa, "test_kernels", "check_every_quant")
