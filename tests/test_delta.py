@@ -70,6 +70,7 @@ def test_it_refuses_what_it_does_not_take():
     before = state.s.clone(), state.conv.clone()
     proj = torch.randn(1, channels + 4 * 16 + 8)
     assert native_step(layer, model)(proj, state.conv, state.s) is None
+    assert torch.equal(state.s, before[0]) and torch.equal(state.conv, before[1])
     layer, model, channels = layer_of(2, 4, 16, 16, 4, seed=3)
     state = state_of(channels, 4, 16, 16, 4)
     before = state.s.clone(), state.conv.clone()

@@ -122,6 +122,11 @@ def group_of(quant: str, cols: int, scale: torch.Tensor | None) -> int:
     return cols // scale.shape[1] if quant in GROUPED else 0
 
 
+def matrix_shape(codes: torch.Tensor, quant: str) -> tuple[int, int]:
+    """(rows, columns) of a quantised matrix from its codes (int4: two codes a byte)."""
+    return codes.shape[0], codes.shape[1] * (2 if quant == "int4" else 1)
+
+
 def _p(t: torch.Tensor) -> ctypes.c_void_p:
     return ctypes.c_void_p(t.data_ptr())
 
@@ -149,7 +154,7 @@ def dequantize(parts: dict, name: str, quant: str, out: torch.Tensor | None = No
         lib.moe_dequant.argtypes = [c_ptr, c_ptr, ctypes.c_int, c_i64, c_i64, c_i64, c_ptr]
         lib.moe_dequant.restype = ctypes.c_int
     w, scale = parts[name], parts[name + ".scale"]
-    r, c = w.shape[0], w.shape[1] * (2 if quant == "int4" else 1)
+    r, c = matrix_shape(w, quant)
     out = torch.empty(r, c, dtype=torch.float32) if out is None else out
     ok = lib.moe_dequant(_p(w), _p(scale), Q[quant], r, c, group_of(quant, c, scale), _p(out))
     return out if ok == 0 else None

@@ -117,10 +117,10 @@ class AttentionStep:
     def __init__(self, parts: dict, quant: str, heads: int, kv_heads: int, head_dim: int,
                  bias: torch.Tensor | None, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
                  gated: bool = False):
-        from moefit.kernels import Q, group_of
+        from moefit.kernels import Q, group_of, matrix_shape
         w, scale = parts["w"], parts["w.scale"]
         self.keep = (w, scale, bias, q_norm, k_norm)             # the addresses below stay theirs
-        cols = w.shape[1] * (2 if quant == "int4" else 1)        # int4: two codes a byte
+        cols = matrix_shape(w, quant)[1]
         self.weights = _StepWeights(
             cols, heads, kv_heads, head_dim, head_dim, Q[quant], group_of(quant, cols, scale),
             w.data_ptr(), scale.data_ptr(), *(t.data_ptr() if t is not None else None for t in (bias, q_norm, k_norm)),
@@ -164,8 +164,10 @@ class DeltaStep:
     def __call__(self, proj: torch.Tensor, conv_state: torch.Tensor, s: torch.Tensor) -> torch.Tensor | None:
         """proj [1, C + Hv Dv + 2 Hv] -> [1, Hv Dv]; conv_state [C, K-1] and s [Hv, Dk, Dv] updated.
         None where it does not apply (then nothing was changed)."""
-        if not self.takes(proj, conv_state, s):
-            return None
+        return self.run(proj, conv_state, s) if self.takes(proj, conv_state, s) else None
+
+    def run(self, proj: torch.Tensor, conv_state: torch.Tensor, s: torch.Tensor) -> torch.Tensor | None:
+        """__call__ on tensors takes() has accepted (a window's tokens: checked once, not each)."""
         out = torch.empty(1, self.weights.hv * self.weights.dv, dtype=F32)
         ok = self.fn(ctypes.byref(self.weights), _p(proj), _p(conv_state), _p(s), _p(out))
         return out if ok == 0 else None

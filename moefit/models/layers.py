@@ -185,13 +185,20 @@ class DecoderModel:
             return None
         if self.steps is None:
             self.steps = {}
-        made = self.steps.get(id(layer))         # by the weights, not the index: an MTP layer is "layer 0" too
-        if made is None or made[0] is not layer:
-            c = self.cfg
-            made = self.steps[id(layer)] = (layer, native.AttentionStep(
-                layer["qkv"].parts, layer["qkv"].quant, c.num_heads, c.num_kv_heads, c.head_dim, layer.get("qkv_bias"),
-                q_norm, k_norm, c.rms_norm_eps, gated))
-        return made[1](x, start, cos, sin, *cache)
+        c = self.cfg
+        step = made_once(self.steps, layer, lambda: native.AttentionStep(
+            layer["qkv"].parts, layer["qkv"].quant, c.num_heads, c.num_kv_heads, c.head_dim, layer.get("qkv_bias"),
+            q_norm, k_norm, c.rms_norm_eps, gated))
+        return step(x, start, cos, sin, *cache)
+
+
+def made_once(cache: dict, layer: dict, make):
+    """What make() builds for a layer's weights (a native step), built once and kept in cache by
+    the weights, not the index: an MTP layer is "layer 0" too. Entries are (layer, it)."""
+    made = cache.get(id(layer))
+    if made is None or made[0] is not layer:
+        made = cache[id(layer)] = (layer, make())
+    return made[1]
 
 
 def decoder_stack(model, tokens: torch.Tensor, start: int, kv, experts) -> torch.Tensor:

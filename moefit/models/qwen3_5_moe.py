@@ -22,7 +22,8 @@ from moefit.families import qwen3_next as spec
 from moefit.kernels import rows as native
 from moefit.models import deltanet
 from moefit.models.attention import attend_state
-from moefit.models.layers import DecoderModel, RopeTable, Weights, linear, normed_heads, rms_norm, softmax_topk, swiglu
+from moefit.models.layers import (DecoderModel, RopeTable, Weights, linear, made_once, normed_heads, rms_norm,
+                                  softmax_topk, swiglu)
 
 
 class Qwen3_5Moe(DecoderModel):
@@ -123,18 +124,15 @@ class Qwen3_5Moe(DecoderModel):
         call (kernels/delta.h) that updates the layer's conv window and state: a decode step, or a
         verify window (its state kept after each position but the last, its conv inputs kept).
         None where the call does not apply (not fp32 on the host), and delta_net goes op by op."""
-        made = self.delta_native.get(id(layer))
-        if made is None or made[0] is not layer:
-            made = self.delta_native[id(layer)] = (layer, native.DeltaStep(
-                self.dims, layer["conv"], layer["a_log"], layer["dt_bias"], layer["gated_norm"], self.cfg.rms_norm_eps))
-        step = made[1]
+        step = made_once(self.delta_native, layer, lambda: native.DeltaStep(
+            self.dims, layer["conv"], layer["a_log"], layer["dt_bias"], layer["gated_norm"], self.cfg.rms_norm_eps))
         if not step.takes(proj, state.conv, state.s):
             return None
         out = []
         for t in range(proj.shape[0]):
             if t > 0:
                 state.save(t - 1)
-            out.append(step(proj[t:t + 1], state.conv, state.s))
+            out.append(step.run(proj[t:t + 1], state.conv, state.s))
         if state.saved is not None:
             hk, hv, dk, dv, _ = self.dims
             state.conv_inputs = proj[:, :2 * hk * dk + hv * dv]

@@ -85,7 +85,7 @@ _gemm_scratch = torch.empty(0)
 
 def _fp32_weights(parts: dict[str, torch.Tensor], name: str, quant: str) -> torch.Tensor | None:
     global _gemm_scratch
-    rows, cols = parts[name].shape[0], parts[name].shape[1] * (2 if quant == "int4" else 1)
+    rows, cols = kernels.matrix_shape(parts[name], quant)
     if rows * cols * 4 > GEMM_MAX_BYTES:
         return None
     if _gemm_scratch.numel() < rows * cols:
