@@ -1,6 +1,6 @@
-"""Prefill with --dense-quant: the dense matrices' fp32 GEMM on the natively dequantised matrix
-(pack/quant.py, GEMM_TOKENS or more tokens) against the integer dots, alternating in one process.
-Not a test.
+"""Prefill three ways, alternating in one process: all integer dots; the dense matrices (with
+--dense-quant) as fp32 GEMMs on the natively dequantised matrix (pack/quant.py, GEMM_TOKENS or more
+tokens); and also each busy expert's (GEMM_ROWS rows or more: experts/groups.py). Not a test.
 
     .venv/bin/python bench/prefill_gemm.py PACK [--prompt 512] [--dense-quant int4] [--rounds 3]
 """
@@ -18,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from moefit import kernels  # noqa: E402
 from moefit.config import ServeConfig  # noqa: E402
+from moefit.experts import groups  # noqa: E402
 from moefit.pack import quant  # noqa: E402
 from moefit.runtime.engine import Engine  # noqa: E402
 
@@ -31,11 +32,13 @@ def main() -> None:
     args = ap.parse_args()
     engine = Engine.open(Path(args.pack), ServeConfig(ctx=args.prompt + 64, dense_quant=args.dense_quant))
     prompt = [(1000 + 7 * i) % engine.model.cfg.vocab_size for i in range(args.prompt)]
-    ways = {"fp32 GEMM": quant.GEMM_TOKENS, "integer dots": 10 ** 9}
+    never = 10 ** 9
+    ways = {"experts GEMM": (quant.GEMM_TOKENS, groups.GEMM_ROWS, groups.GEMM_ROWS_BLOCKS),
+            "dense GEMM": (quant.GEMM_TOKENS, never, never), "integer dots": (never, never, never)}
     rates: dict[str, list[float]] = {way: [] for way in ways}
     for _ in range(args.rounds):
-        for way, tokens in ways.items():
-            quant.GEMM_TOKENS = tokens
+        for way, (tokens, rows, rows_blocks) in ways.items():
+            quant.GEMM_TOKENS, groups.GEMM_ROWS, groups.GEMM_ROWS_BLOCKS = tokens, rows, rows_blocks
             engine.kv_tokens = []
             t0 = time.perf_counter()
             engine.prefill(prompt)

@@ -207,3 +207,25 @@ def test_by_default_a_gguf_file_keeps_its_blocks_and_names_what_it_cannot(hf, tm
     refused = subprocess.run([sys.executable, "-m", "moefit", "pack", str(q5), "-o", str(tmp_path / "x")],
                              capture_output=True, text=True, timeout=300)
     assert refused.returncode != 0 and "Q5_0" in refused.stderr and "Traceback" not in refused.stderr
+
+
+def test_a_prompts_busy_k_quant_experts_run_as_gemms(hf256, tmp_path, monkeypatch):
+    """A Q4_K_M-style layer's (gate and up Q4_K, down Q6_K) busy experts in a prompt chunk: two fp32
+    GEMMs on the blocks dequantised natively, within the activations' rounding of the dots."""
+    from moefit import kernels
+    from moefit.experts import groups as grp, runner
+    from moefit.pack import quant as q
+    if kernels.library() is None:
+        pytest.skip("the native kernel is not built")
+    path = write_gguf(hf256, tmp_path / "k.gguf", gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q6_K)
+    convert(path, tmp_path / "pack", progress=False)
+    prompt = [(7 * i) % 300 + 3 for i in range(q.GEMM_TOKENS + 4)]
+    calls = []
+    real = runner.gemm_forward
+    monkeypatch.setattr(runner, "gemm_forward", lambda x, p, quant: calls.append(quant) or real(x, p, quant))
+    monkeypatch.setattr(grp, "GEMM_ROWS_BLOCKS", 8)
+    gemm = Engine.open(tmp_path / "pack", ServeConfig(ctx=256)).prefill(prompt)[0]
+    assert set(calls) == {"q4_k/q6_k"}
+    monkeypatch.setattr(grp, "GEMM_ROWS_BLOCKS", 10 ** 9)
+    dots = Engine.open(tmp_path / "pack", ServeConfig(ctx=256)).prefill(prompt)[0]
+    assert torch.isfinite(gemm).all() and (gemm - dots).norm() / dots.norm() < 5e-2

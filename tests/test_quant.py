@@ -49,6 +49,48 @@ def test_the_native_dequantisation_is_torchs_bit_for_bit(quant, group):
     assert torch.equal(kernels.dequantize(parts, "w", quant), dequantize(parts, "w", quant, torch.float32))
 
 
+@pytest.mark.parametrize("quant", ["q4_k", "q5_k", "q6_k", "iq4_xs", "mxfp4"])
+def test_the_native_dequantisation_of_gguf_blocks_is_kblocks_bit_for_bit(quant):
+    import gguf
+    from gguf_writer import super_blocks
+    from moefit import kernels
+    from moefit.pack.kblocks import dequantize_blocks
+    if kernels.library() is None:
+        pytest.skip("the native kernel is not built")
+    raw = torch.from_numpy(super_blocks((37, 512), getattr(gguf.GGMLQuantizationType, quant.upper()), 5))
+    want = dequantize_blocks(raw, quant)
+    assert want.shape == (37, 512) and kernels.matrix_shape(raw, quant) == (37, 512)
+    assert torch.equal(kernels.dequantize({"w": raw}, "w", quant), want)
+    assert torch.equal(dequantize({"w": raw}, "w", quant, torch.float32), want)
+
+
+def test_a_busy_expert_of_a_prompt_is_two_gemms_on_its_exact_weights():
+    """gemm_forward = the SwiGLU expert on the fp32 weights exactly (the same fp32 GEMMs), and within
+    the activations' int8 rounding of the native dots; Groups.busy picks it only in a prompt chunk."""
+    import torch.nn.functional as F
+    from moefit import kernels
+    from moefit.experts.groups import GEMM_ROWS, GEMM_ROWS_BLOCKS, Groups, gemm_forward
+    from moefit.pack import quant as q
+    if kernels.library() is None:
+        pytest.skip("the native kernel is not built")
+    g = torch.Generator().manual_seed(3)
+    parts = dict(zip(["gate_up", "gate_up.scale"], quantize(torch.randn(128, 256, generator=g) * 0.1, "int4", 32)))
+    parts.update(zip(["down", "down.scale"], quantize(torch.randn(256, 64, generator=g) * 0.1, "int4", 32)))
+    x = torch.randn(40, 256, generator=g)
+    with kernels.torch_threads():
+        got = gemm_forward(x, parts, "int4")
+        gate, up = F.linear(x, dequantize(parts, "gate_up", "int4", torch.float32)).chunk(2, dim=-1)
+        want = F.linear(F.silu(gate) * up, dequantize(parts, "down", "int4", torch.float32))
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+    dots = kernels.moe_layer(x, "int4", [parts], [torch.arange(40)], [torch.ones(40)])
+    assert (dots - got).norm() / got.norm() < 2e-2
+    ids = torch.tensor([[0, 1]] * 40 + [[0, 2]] * 60 + [[2, 3]] * 20)           # rows: 100, 40, 80, 20
+    groups = Groups.of(ids, torch.ones(ids.shape))
+    assert groups.busy(len(ids), "int4") == [r >= GEMM_ROWS for r in (100, 40, 80, 20)] == [True, True, True, False]
+    assert groups.busy(len(ids), "q4_k/q6_k") == [r >= GEMM_ROWS_BLOCKS for r in (100, 40, 80, 20)]
+    assert groups.busy(q.GEMM_TOKENS - 1, "int4") == [False] * 4                # not a prompt chunk
+
+
 def test_a_prompts_product_runs_as_an_fp32_gemm_on_the_dequantised_matrix(monkeypatch):
     """GEMM_TOKENS or more tokens: x times the dequantised matrix in fp32 (the activations are not
     quantised there); fewer: the integer dots, which quantise them per block of 32 (so the two
@@ -94,6 +136,36 @@ def test_a_long_prompt_takes_the_gemm_and_decode_steps_the_dots(tmp_path, monkey
     engine.decode_step(5, len(prompt))
     assert not calls
     monkeypatch.setattr(q, "GEMM_TOKENS", 10 ** 9)
+    engine.kv_tokens = []
+    dots, _ = engine.prefill(prompt)
+    assert not calls and (gemm - dots).norm() / dots.norm() < 5e-2
+
+
+def test_a_prompts_busy_experts_run_as_gemms_and_decode_steps_keep_the_dots(tmp_path, monkeypatch):
+    """A prompt chunk's experts with GEMM_ROWS rows or more go through gemm_forward, its logits within
+    the activations' rounding of the all-dots prefill; a decode step never does."""
+    import tiny
+    from moefit import kernels
+    from moefit.experts import groups as grp, runner
+    from moefit.pack import quant as q
+    from moefit.config import ServeConfig
+    from moefit.pack.convert import convert
+    from moefit.runtime.engine import Engine
+    if kernels.library() is None:
+        pytest.skip("the native kernel is not built")
+    convert(tiny.build_checkpoint("qwen3_moe", tmp_path / "hf"), tmp_path / "pack", "int4", progress=False)
+    engine = Engine.open(tmp_path / "pack", ServeConfig(ctx=256))
+    prompt = [(7 * i) % 300 + 3 for i in range(q.GEMM_TOKENS + 4)]
+    calls = []
+    real = runner.gemm_forward
+    monkeypatch.setattr(runner, "gemm_forward", lambda x, *a: calls.append(x.shape[0]) or real(x, *a))
+    monkeypatch.setattr(grp, "GEMM_ROWS", 8)
+    gemm, _ = engine.prefill(prompt)
+    assert calls and min(calls) >= 8
+    calls.clear()
+    engine.decode_step(5, len(prompt))
+    assert not calls
+    monkeypatch.setattr(grp, "GEMM_ROWS", 10 ** 9)
     engine.kv_tokens = []
     dots, _ = engine.prefill(prompt)
     assert not calls and (gemm - dots).norm() / dots.norm() < 5e-2

@@ -8,7 +8,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moefit.pack.quant import qlinear
+from moefit.pack.layout import GGUF_BLOCKS, matrix_quants
+from moefit.pack import quant as dense
+from moefit.pack.quant import gemm_linear, qlinear
+
+
+# An expert with at least this many rows of a prompt chunk runs as fp32 GEMMs (measured by
+# bench/expert_gemm.py at Qwen3-30B-A3B's expert shape, 2 threads: dots / GEMM break even at ~24
+# rows for int4, int8 and Q8_0, ~16 for the GGUF blocks (their dots unpack more); 2-4x at 64-128).
+GEMM_ROWS = 32
+GEMM_ROWS_BLOCKS = 24
 
 
 class Groups:
@@ -38,6 +47,15 @@ class Groups:
         a, b = self.start[i], self.start[i + 1]
         return self.rows[a:b].long(), self.weights[a:b]
 
+    def busy(self, tokens: int, quant: str) -> list[bool]:
+        """Which experts of a prompt chunk (pack/quant.py's GEMM_TOKENS tokens or more) have rows enough that two fp32
+        GEMMs on their dequantised matrices outpace the integer dots (gemm_forward). Decode steps and
+        verify windows keep the dots, whose result for a token does not depend on the others."""
+        if tokens < dense.GEMM_TOKENS:
+            return [False] * len(self.experts)
+        least = GEMM_ROWS_BLOCKS if matrix_quants(quant)[0] in GGUF_BLOCKS else GEMM_ROWS
+        return [b - a >= least for a, b in zip(self.start, self.start[1:])]
+
     def subset(self, keep: list[bool]) -> "Groups":
         """The groups of the experts where keep is true, in the same order."""
         idx = [i for i, k in enumerate(keep) if k]
@@ -53,3 +71,16 @@ def expert_forward(x: torch.Tensor, parts: dict[str, torch.Tensor], quant: str) 
     """SwiGLU expert on x [T, E] from a blob's parts (gate_up [2I, E], down [E, I])."""
     gate, up = qlinear(x, parts, "gate_up", quant).chunk(2, dim=-1)
     return qlinear(F.silu(gate) * up, parts, "down", quant)
+
+
+def gemm_forward(x: torch.Tensor, parts: dict[str, torch.Tensor], quant: str) -> torch.Tensor | None:
+    """The SwiGLU expert on x [T, E] fp32 as two fp32 GEMMs on its matrices dequantised natively (a
+    prompt chunk's busiest experts, experts/runner.py; the caller holds kernels.torch_threads());
+    None where the kernel does not take them."""
+    gate_up = gemm_linear(x, parts, "gate_up", quant)
+    if gate_up is None:
+        return None
+    gate, up = gate_up.chunk(2, dim=-1)
+    h = F.silu(gate).mul_(up)
+    y = gemm_linear(h, parts, "down", quant)
+    return y if y is not None else qlinear(h, parts, "down", quant)

@@ -1,7 +1,8 @@
 """Running a layer's routed experts: resident ones on the device from their cache slot,
 misses on the host straight from the pack's map.
 
-The host part is one native call per layer (kernels.moe_layer) for all its experts. Where the
+The host part is one native call per layer (kernels.moe_layer) for all its experts; in a prompt
+chunk, an expert with many rows runs as two fp32 GEMMs instead (Groups.busy), added after. Where the
 device's memory is host memory (cpu, a simulated card), resident experts go through that same
 call, so the numbers do not depend on the cache size. On CUDA, the layer's routing and hidden
 rows come to the host in one hand-off (experts/handoff.py), the resident experts are queued on
@@ -25,7 +26,7 @@ from moefit.errors import DeviceOutOfMemory
 from moefit.experts.costs import MissCosts, measure_host
 from moefit.experts.grouped import (DENSE_TOKENS, combine_matrix, grouped_swiglu, padded_rows, stack_parts,
                                    swiglu_each)
-from moefit.experts.groups import Groups, expert_forward
+from moefit.experts.groups import Groups, expert_forward, gemm_forward
 from moefit.experts.handoff import Handoff
 from moefit.experts.lookahead import LookAhead
 from moefit.experts.pool import SlotPool
@@ -261,16 +262,31 @@ class ExpertRunner:
         native = self.expert_fn is None or self.native_act is not None
         if kernels.usable(x, quant) and native:
             act = self.native_act(layer, groups.experts) if self.native_act is not None else None
-            out = kernels.moe_call(x, quant, self._shape(quant), self._pointers(layer, groups.experts), groups.start,
-                                   groups.rows, groups.weights, act)
+            busy = groups.busy(x.shape[0], quant) if act is None else [False] * len(groups.experts)
+            dots = groups.subset([not b for b in busy]) if any(busy) else groups
+            out = (kernels.moe_call(x, quant, self._shape(quant), self._pointers(layer, dots.experts), dots.start,
+                                    dots.rows, dots.weights, act) if dots.experts else torch.zeros_like(x))
             if out is not None:
-                return out
+                return self._gemm_experts(layer, x, groups, busy, out) if any(busy) else out
         out = torch.zeros_like(x)
         for i, e in enumerate(groups.experts):                  # fixed summation order
             rows, w = groups.rows_of(i)
             parts = self.slots.get((layer, e)) or self._host(layer, e)
             y = self._forward(layer, e)(x[rows], parts, self.pack.blobs[(layer, e)].quant)
             out.index_add_(0, rows, y * w[:, None].to(y.dtype))
+        return out
+
+    def _gemm_experts(self, layer: int, x: torch.Tensor, groups: "Groups", busy: list[bool],
+                      out: torch.Tensor) -> torch.Tensor:
+        """The busy experts of a prompt chunk (groups.busy) added to out as fp32 GEMMs, in expert order."""
+        with kernels.torch_threads():
+            for i, e in enumerate(groups.experts):
+                if busy[i]:
+                    rows, w = groups.rows_of(i)
+                    parts, quant = self.slots.get((layer, e)) or self._host(layer, e), self.pack.blobs[(layer, e)].quant
+                    y = gemm_forward(x[rows], parts, quant)
+                    y = y if y is not None else expert_forward(x[rows], parts, quant)
+                    out.index_add_(0, rows, y.mul_(w[:, None]))
         return out
 
     def _device_experts(self, layer: int, x: torch.Tensor, groups: "Groups") -> torch.Tensor:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from moefit.pack.layout import matrix_quants
+from moefit.pack.layout import GGUF_BLOCKS, matrix_quants
 
 log = logging.getLogger("moefit.kernels")
 HERE = Path(__file__).parent
@@ -123,7 +123,11 @@ def group_of(quant: str, cols: int, scale: torch.Tensor | None) -> int:
 
 
 def matrix_shape(codes: torch.Tensor, quant: str) -> tuple[int, int]:
-    """(rows, columns) of a quantised matrix from its codes (int4: two codes a byte)."""
+    """(rows, columns) of a quantised matrix from its codes (int4: two codes a byte; the GGUF
+    block types: bytes of blocks)."""
+    if quant in GGUF_BLOCKS:
+        weights, nbytes = GGUF_BLOCKS[quant]
+        return codes.shape[0], codes.shape[1] // nbytes * weights
     return codes.shape[0], codes.shape[1] * (2 if quant == "int4" else 1)
 
 
@@ -144,19 +148,20 @@ def qlinear(x: torch.Tensor, parts: dict, name: str, quant: str) -> torch.Tensor
 
 
 def dequantize(parts: dict, name: str, quant: str, out: torch.Tensor | None = None) -> torch.Tensor | None:
-    """The quantised matrix `name` (int8, int4, Q8_0) as fp32 [R, C] (into out, contiguous, when
-    given), each code times its scale in fp32 over the pool; None where the library lacks it or
-    the quant is another."""
+    """The quantised matrix `name` (any of Q's quants) as fp32 [R, C] (into out, contiguous, when
+    given), each weight as pack/quant.py's dequantize computes it, over the pool; None where the
+    library lacks it or the shape is not its."""
     lib = library()
-    if lib is None or not hasattr(lib, "moe_dequant") or quant not in ("int8", "int4", "q8_0"):
+    if lib is None or not hasattr(lib, "moe_dequant") or quant not in Q:
         return None
     if lib.moe_dequant.argtypes is None:
         lib.moe_dequant.argtypes = [c_ptr, c_ptr, ctypes.c_int, c_i64, c_i64, c_i64, c_ptr]
         lib.moe_dequant.restype = ctypes.c_int
-    w, scale = parts[name], parts[name + ".scale"]
+    w, scale = parts[name], parts.get(name + ".scale")
     r, c = matrix_shape(w, quant)
     out = torch.empty(r, c, dtype=torch.float32) if out is None else out
-    ok = lib.moe_dequant(_p(w), _p(scale), Q[quant], r, c, group_of(quant, c, scale), _p(out))
+    ok = lib.moe_dequant(_p(w), _p(scale) if scale is not None else None, Q[quant], r, c,
+                         group_of(quant, c, scale), _p(out))
     return out if ok == 0 else None
 
 

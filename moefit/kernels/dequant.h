@@ -1,7 +1,8 @@
 /* One quantised matrix as fp32 rows, over the pool (included by moe.c): a prompt's product of
- * many tokens then runs as torch's fp32 GEMM, which outpaces the integer dots there (the measure
- * and the threshold: GEMM_TOKENS in pack/quant.py). Each weight is its code times its scale in
- * fp32, as pack/quant.py's dequantize computes it, so the two agree bit for bit. */
+ * many tokens then runs as torch's fp32 GEMM, which outpaces the integer dots there (the measures
+ * and thresholds: GEMM_TOKENS in pack/quant.py for dense matrices, GEMM_ROWS in experts/gemm.py
+ * for an expert's). Each weight is computed as pack/quant.py's dequantize (kblocks.py for the GGUF
+ * blocks) computes it, so the two agree bit for bit. */
 typedef struct {
     const void *w, *scales;
     int quant;
@@ -9,10 +10,69 @@ typedef struct {
     float *out;
 } dequant_args;
 
+/* one row of GGUF blocks (kquants.h's layouts) as fp32, in pack/kblocks.py's order of operations:
+ * the block's scale products first (d sc, dmin m), then code times scale, minus the offset */
+static void dequant_q45k_row(const uint8_t *w, int64_t C, int fifth, float *o) {
+    for (int64_t sb = 0; sb < C / QK_K; sb++, o += QK_K) {
+        const uint8_t *blk = w + sb * (fifth ? 176 : 144), *qh = blk + 16, *codes = blk + (fifth ? 48 : 16);
+        const float d = f16(blk), dmin = f16(blk + 2);
+        for (int j = 0; j < 8; j++) {
+            float sc, m;
+            k4_scale_min(j, blk + 4, &sc, &m);
+            const float ds = d * sc, dm = dmin * m;
+            for (int i = 0; i < 32; i++) {
+                int c = (codes[(j / 2) * 32 + i] >> (4 * (j & 1))) & 15;
+                if (fifth) c |= ((qh[i] >> j) & 1) << 4;
+                o[32 * j + i] = (float)c * ds - dm;
+            }
+        }
+    }
+}
+
+static void dequant_q6k_row(const uint8_t *w, int64_t C, float *o) {
+    for (int64_t sb = 0; sb < C / QK_K; sb++, o += QK_K) {
+        const uint8_t *blk = w + sb * 210;
+        const float d = f16(blk + 208);
+        for (int half = 0; half < 2; half++) {
+            const uint8_t *ql = blk + 64 * half, *qh = blk + 128 + 32 * half;
+            const int8_t *sc = (const int8_t *)(blk + 192) + 8 * half;
+            for (int k = 0; k < 8; k++) {                  /* elements 16k + l of this half, one scale */
+                const float s = d * (float)sc[k];
+                const uint8_t *lo = ql + 16 * (k & 1) + 32 * ((k >> 1) & 1), *hi = qh + 16 * (k & 1);
+                float *ok = o + 128 * half + 16 * k;
+                for (int l = 0; l < 16; l++)
+                    ok[l] = (float)((((lo[l] >> (4 * (k >> 2))) & 15) | (((hi[l] >> (2 * (k >> 1))) & 3) << 4)) - 32) * s;
+            }
+        }
+    }
+}
+
+/* IQ4_XS (a super-block of 8 sub-blocks) and MXFP4 (blocks of 32): table values times the scale */
+static void dequant_table_row(int quant, const uint8_t *w, int64_t C, float *o) {
+    for (int64_t b = 0; b < C / QK; b++, o += QK) {
+        const uint8_t *blk = quant == 14 ? w + b * 17 : w + (b / 8) * 136, *codes;
+        float scale;
+        if (quant == 14)
+            scale = e8m0_half(blk[0]), codes = blk + 1;
+        else
+            scale = f16(blk) * iq4_scale(blk, b % 8), codes = blk + 8 + 16 * (b % 8);
+        const int8_t *table = quant == 14 ? MXFP4X2 : IQ4NL;
+        for (int i = 0; i < 16; i++)
+            o[i] = (float)table[codes[i] & 15] * scale, o[16 + i] = (float)table[codes[i] >> 4] * scale;
+    }
+}
+
 static void dequant_task(void *ctx, int64_t task) {
     const dequant_args *D = ctx;
     for (int64_t r = task * D->chunk; r < (task + 1) * D->chunk && r < D->R; r++) {
         float *o = D->out + r * D->C;
+        if (D->quant >= 10) {
+            const uint8_t *w = (const uint8_t *)D->w + r * block_row_bytes(D->quant, D->C);
+            if (D->quant == 10 || D->quant == 11) dequant_q45k_row(w, D->C, D->quant == 11, o);
+            else if (D->quant == 12) dequant_q6k_row(w, D->C, o);
+            else dequant_table_row(D->quant, w, D->C, o);
+            continue;
+        }
         if (D->quant == 8) {
             const int8_t *c = (const int8_t *)D->w + r * D->C;
             const float s = ((const float *)D->scales)[r];
@@ -36,10 +96,11 @@ static void dequant_task(void *ctx, int64_t task) {
     }
 }
 
-/* out [R, C] fp32 = W of `quant` (8 int8, 9 Q8_0, 4 int4 with fp16 scales per `group` columns),
- * each weight code times its scale in fp32, as pack/quant.py's dequantize computes it. */
+/* out [R, C] fp32 = W of `quant` (8 int8, 9 Q8_0, 4 int4 with fp16 scales per `group` columns; the
+ * GGUF blocks 10-14 with their scales inside), each weight as pack/quant.py's dequantize computes it. */
 int moe_dequant(const void *w, const void *scales, int quant, int64_t R, int64_t C, int64_t group, float *out) {
-    if ((quant != 4 && quant != 8 && quant != 9) || (quant == 4 && (group % 2 || C % group)) || (quant == 9 && C % QK))
+    if ((quant != 4 && (quant < 8 || quant > 14)) || (quant == 4 && (group % 2 || C % group)) ||
+        (quant == 9 && C % QK) || (quant >= 10 && quant <= 13 && C % QK_K) || (quant == 14 && C % QK))
         return -1;
     dequant_args D = {w, scales, quant, R, C, group, 64, out};
     parallel(dequant_task, &D, (R + D.chunk - 1) / D.chunk);

@@ -93,14 +93,24 @@ def _fp32_weights(parts: dict[str, torch.Tensor], name: str, quant: str) -> torc
     return kernels.dequantize(parts, name, quant, _gemm_scratch[:rows * cols].view(rows, cols))
 
 
+def gemm_linear(x: torch.Tensor, parts: dict[str, torch.Tensor], name: str, quant: str) -> torch.Tensor | None:
+    """x [T, C] fp32 @ W[R, C]^T as torch's fp32 GEMM on W dequantised natively into the scratch
+    (the caller holds kernels.torch_threads()); None where the kernel or the bound does not take W."""
+    quant = matrix_quant(quant, name)
+    if not kernels.usable(x, quant) or (w := _fp32_weights(parts, name, quant)) is None:
+        return None
+    return F.linear(x, w)
+
+
 def qlinear(x: torch.Tensor, parts: dict[str, torch.Tensor], name: str, quant: str) -> torch.Tensor:
     """x [T, C] @ W[R, C]^T with W quantized: the host kernel for a few tokens, fp32 GEMM on the
     natively dequantised matrix for a prompt's many; elsewhere dequantise in torch and multiply
     (int8 applies its per-row scale after the matmul)."""
-    quant = matrix_quant(quant, name)
-    if kernels.usable(x, quant) and x.shape[0] >= GEMM_TOKENS and (w := _fp32_weights(parts, name, quant)) is not None:
+    if x.shape[0] >= GEMM_TOKENS:
         with kernels.torch_threads():
-            return F.linear(x, w)
+            if (y := gemm_linear(x, parts, name, quant)) is not None:
+                return y
+    quant = matrix_quant(quant, name)
     if kernels.usable(x, quant) and (y := kernels.qlinear(x, parts, name, quant)) is not None:
         return y
     if quant == "int8":                    # codes are exact in bf16/fp16; the scale applies in fp32
