@@ -221,8 +221,8 @@ def test_a_prompts_busy_k_quant_experts_run_as_gemms(hf256, tmp_path, monkeypatc
     convert(path, tmp_path / "pack", progress=False)
     prompt = [(7 * i) % 300 + 3 for i in range(q.GEMM_TOKENS + 4)]
     calls = []
-    real = runner.gemm_forward
-    monkeypatch.setattr(runner, "gemm_forward", lambda x, p, quant: calls.append(quant) or real(x, p, quant))
+    real = runner.gemm_first
+    monkeypatch.setattr(runner, "gemm_first", lambda x, p, name, quant: calls.append(quant) or real(x, p, name, quant))
     monkeypatch.setattr(grp, "GEMM_ROWS_BLOCKS", 8)
     gemm = Engine.open(tmp_path / "pack", ServeConfig(ctx=256)).prefill(prompt)[0]
     assert set(calls) == {"q4_k/q6_k"}

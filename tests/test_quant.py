@@ -141,8 +141,9 @@ def test_a_long_prompt_takes_the_gemm_and_decode_steps_the_dots(tmp_path, monkey
     assert not calls and (gemm - dots).norm() / dots.norm() < 5e-2
 
 
-def test_a_prompts_busy_experts_run_as_gemms_and_decode_steps_keep_the_dots(tmp_path, monkeypatch):
-    """A prompt chunk's experts with GEMM_ROWS rows or more go through gemm_forward, its logits within
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])            # gpt-oss: its own expert function
+def test_a_prompts_busy_experts_run_as_gemms_and_decode_steps_keep_the_dots(family, tmp_path, monkeypatch):
+    """A prompt chunk's experts with GEMM_ROWS rows or more go through fp32 GEMMs (gemm_first), its logits within
     the activations' rounding of the all-dots prefill; a decode step never does."""
     import tiny
     from moefit import kernels
@@ -153,12 +154,12 @@ def test_a_prompts_busy_experts_run_as_gemms_and_decode_steps_keep_the_dots(tmp_
     from moefit.runtime.engine import Engine
     if kernels.library() is None:
         pytest.skip("the native kernel is not built")
-    convert(tiny.build_checkpoint("qwen3_moe", tmp_path / "hf"), tmp_path / "pack", "int4", progress=False)
+    convert(tiny.build_checkpoint(family, tmp_path / "hf"), tmp_path / "pack", "int4", progress=False)
     engine = Engine.open(tmp_path / "pack", ServeConfig(ctx=256))
     prompt = [(7 * i) % 300 + 3 for i in range(q.GEMM_TOKENS + 4)]
     calls = []
-    real = runner.gemm_forward
-    monkeypatch.setattr(runner, "gemm_forward", lambda x, *a: calls.append(x.shape[0]) or real(x, *a))
+    real = runner.gemm_first
+    monkeypatch.setattr(runner, "gemm_first", lambda x, *a: calls.append(x.shape[0]) or real(x, *a))
     monkeypatch.setattr(grp, "GEMM_ROWS", 8)
     gemm, _ = engine.prefill(prompt)
     assert calls and min(calls) >= 8

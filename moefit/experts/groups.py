@@ -49,7 +49,7 @@ class Groups:
 
     def busy(self, tokens: int, quant: str) -> list[bool]:
         """Which experts of a prompt chunk (pack/quant.py's GEMM_TOKENS tokens or more) have rows enough that two fp32
-        GEMMs on their dequantised matrices outpace the integer dots (gemm_forward). Decode steps and
+        GEMMs on their dequantised matrices outpace the integer dots (gemm_first). Decode steps and
         verify windows keep the dots, whose result for a token does not depend on the others."""
         if tokens < dense.GEMM_TOKENS:
             return [False] * len(self.experts)
@@ -67,20 +67,20 @@ class Groups:
         return Groups([self.experts[i] for i in idx], start, self.rows[sel], self.weights[sel])
 
 
-def expert_forward(x: torch.Tensor, parts: dict[str, torch.Tensor], quant: str) -> torch.Tensor:
-    """SwiGLU expert on x [T, E] from a blob's parts (gate_up [2I, E], down [E, I])."""
-    gate, up = qlinear(x, parts, "gate_up", quant).chunk(2, dim=-1)
-    return qlinear(F.silu(gate) * up, parts, "down", quant)
+def expert_forward(x: torch.Tensor, parts: dict[str, torch.Tensor], quant: str, linear=qlinear) -> torch.Tensor:
+    """SwiGLU expert on x [T, E] from a blob's parts (gate_up [2I, E], down [E, I]); linear is
+    qlinear, or gemm_first for a prompt chunk's busy experts."""
+    gate, up = linear(x, parts, "gate_up", quant).chunk(2, dim=-1)
+    return linear(F.silu(gate) * up, parts, "down", quant)
 
 
-def gemm_forward(x: torch.Tensor, parts: dict[str, torch.Tensor], quant: str) -> torch.Tensor | None:
-    """The SwiGLU expert on x [T, E] fp32 as two fp32 GEMMs on its matrices dequantised natively (a
-    prompt chunk's busiest experts, experts/runner.py; the caller holds kernels.torch_threads());
-    None where the kernel does not take them."""
-    gate_up = gemm_linear(x, parts, "gate_up", quant)
-    if gate_up is None:
-        return None
-    gate, up = gate_up.chunk(2, dim=-1)
-    h = F.silu(gate).mul_(up)
-    y = gemm_linear(h, parts, "down", quant)
-    return y if y is not None else qlinear(h, parts, "down", quant)
+def gemm_first(x: torch.Tensor, parts: dict[str, torch.Tensor], name: str, quant: str) -> torch.Tensor:
+    """x @ W^T as torch's fp32 GEMM on W dequantised natively (the caller holds
+    kernels.torch_threads()), or qlinear where the kernel does not take W."""
+    y = gemm_linear(x, parts, name, quant)
+    return y if y is not None else qlinear(x, parts, name, quant)
+
+
+def gemm_forward(x: torch.Tensor, parts: dict[str, torch.Tensor], quant: str) -> torch.Tensor:
+    """The SwiGLU expert on x [T, E] fp32 as two fp32 GEMMs on its matrices dequantised natively."""
+    return expert_forward(x, parts, quant, gemm_first)

@@ -26,13 +26,13 @@ from moefit.errors import DeviceOutOfMemory
 from moefit.experts.costs import MissCosts, measure_host
 from moefit.experts.grouped import (DENSE_TOKENS, combine_matrix, grouped_swiglu, padded_rows, stack_parts,
                                    swiglu_each)
-from moefit.experts.groups import Groups, expert_forward, gemm_forward
+from moefit.experts.groups import Groups, expert_forward, gemm_first
 from moefit.experts.handoff import Handoff
 from moefit.experts.lookahead import LookAhead
 from moefit.experts.pool import SlotPool
 from moefit.experts.profile import Profile
 from moefit.pack.layout import matrix_quants
-from moefit.pack.quant import blob_views
+from moefit.pack.quant import blob_views, qlinear
 from moefit.pack.reader import Pack
 from moefit.runtime.placement import DeviceMemory
 
@@ -261,9 +261,9 @@ class ExpertRunner:
         quant = self.pack.blobs[(layer, groups.experts[0])].quant
         native = self.expert_fn is None or self.native_act is not None
         if kernels.usable(x, quant) and native:
-            act = self.native_act(layer, groups.experts) if self.native_act is not None else None
-            busy = groups.busy(x.shape[0], quant) if act is None else [False] * len(groups.experts)
+            busy = groups.busy(x.shape[0], quant)
             dots = groups.subset([not b for b in busy]) if any(busy) else groups
+            act = self.native_act(layer, dots.experts) if self.native_act is not None and dots.experts else None
             out = (kernels.moe_call(x, quant, self._shape(quant), self._pointers(layer, dots.experts), dots.start,
                                     dots.rows, dots.weights, act) if dots.experts else torch.zeros_like(x))
             if out is not None:
@@ -284,8 +284,7 @@ class ExpertRunner:
                 if busy[i]:
                     rows, w = groups.rows_of(i)
                     parts, quant = self.slots.get((layer, e)) or self._host(layer, e), self.pack.blobs[(layer, e)].quant
-                    y = gemm_forward(x[rows], parts, quant)
-                    y = y if y is not None else expert_forward(x[rows], parts, quant)
+                    y = self._forward(layer, e)(x[rows], parts, quant, gemm_first)
                     out.index_add_(0, rows, y.mul_(w[:, None]))
         return out
 
@@ -333,7 +332,7 @@ class ExpertRunner:
         """The expert function: the family's own (gpt-oss) or SwiGLU."""
         if self.expert_fn is None:
             return expert_forward
-        return lambda xs, parts, q: self.expert_fn(layer, e, xs, parts, q)
+        return lambda xs, parts, q, linear=qlinear: self.expert_fn(layer, e, xs, parts, q, linear)
 
     def _shape(self, quant: str) -> tuple[int, int]:
         """(intermediate size, int4 group size or 0) of this quant's blobs, from the layout."""

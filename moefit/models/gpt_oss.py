@@ -73,11 +73,12 @@ class GptOss(DecoderModel):
         return kernels.GptOssAct(self.alpha, self.limit, [gate_up[e].data_ptr() for e in experts],
                                  [down[e].data_ptr() for e in experts])
 
-    def expert(self, layer: int, e: int, x: torch.Tensor, parts: dict, quant: str) -> torch.Tensor:
-        """One expert on x [T, E] from its blob parts, with its biases and the clamped gate."""
+    def expert(self, layer: int, e: int, x: torch.Tensor, parts: dict, quant: str, linear=qlinear) -> torch.Tensor:
+        """One expert on x [T, E] from its blob parts, with its biases and the clamped gate (linear:
+        qlinear, or the runner's fp32 GEMM for a prompt chunk's busy experts)."""
         biases = self.layers[layer]
-        gate, up = (qlinear(x, parts, "gate_up", quant) + biases["gate_up_bias"][e].to(x.device, x.dtype)).chunk(2, -1)
-        return qlinear(self.clamped_glu(gate, up), parts, "down", quant) + biases["down_bias"][e].to(x.device, x.dtype)
+        gate, up = (linear(x, parts, "gate_up", quant) + biases["gate_up_bias"][e].to(x.device, x.dtype)).chunk(2, -1)
+        return linear(self.clamped_glu(gate, up), parts, "down", quant) + biases["down_bias"][e].to(x.device, x.dtype)
 
     def group_act(self, layer: int, experts: torch.Tensor) -> GroupAct:
         """The grouped device path's expert function for these experts (ids on the device)."""
