@@ -85,12 +85,13 @@ def set_threads(n: int) -> int:
 
 
 @contextmanager
-def torch_threads():
-    """torch's intra-op threads raised to the pool's for one large operation (a prompt's GEMM),
-    then back: with the dense matrices in the pool torch otherwise keeps one (runtime/loader.py)."""
+def torch_threads(when: bool = True):
+    """torch's intra-op threads raised to the pool's for large operations (a prompt's GEMM, or a
+    whole prompt chunk's forward), then back: with the dense matrices in the pool torch otherwise
+    keeps one (runtime/loader.py). when=False: unchanged."""
     before = torch.get_num_threads()
     lib = library()
-    want = lib.moe_threads() if lib and hasattr(lib, "moe_threads") else before
+    want = lib.moe_threads() if when and lib and hasattr(lib, "moe_threads") else before
     if want > before:
         torch.set_num_threads(want)
     try:

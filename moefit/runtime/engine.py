@@ -17,9 +17,11 @@ from typing import Callable, Iterator
 
 import torch
 
+from moefit import kernels
 from moefit.config import ServeConfig
 from moefit.errors import DeviceOutOfMemory, UsageError
 from moefit.memory.planner import NO_HEAD, NO_MTP, spec_mode
+from moefit.pack import quant as dense
 from moefit.pack.reader import Pack
 from moefit.runtime.loader import Loaded, load
 from moefit.runtime.state import StateLost
@@ -173,7 +175,8 @@ class Engine:
         logits = None
         for start in range(reuse, len(prompt), chunk):
             piece = prompt[start:start + chunk]
-            logits = self.forward(piece, start, last_only=True)[0]
+            with kernels.torch_threads(len(piece) >= dense.GEMM_TOKENS):   # large torch ops: all the threads
+                logits = self.forward(piece, start, last_only=True)[0]
             self.kv_tokens = prompt[:start + len(piece)]
             if self.mtp is not None:
                 self.mtp.catch_up(self.kv_tokens)
