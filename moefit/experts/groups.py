@@ -48,9 +48,10 @@ class Groups:
         return self.rows[a:b].long(), self.weights[a:b]
 
     def busy(self, tokens: int, quant: str) -> list[bool]:
-        """Which experts of a prompt chunk (pack/quant.py's GEMM_TOKENS tokens or more) have rows enough that two fp32
-        GEMMs on their dequantised matrices outpace the integer dots (gemm_first). Decode steps and
-        verify windows keep the dots, whose result for a token does not depend on the others."""
+        """Which experts of a prompt chunk (pack/quant.py's GEMM_TOKENS tokens or more) have rows
+        enough that two fp32 GEMMs on their dequantised matrices outpace the integer dots
+        (gemm_first). Decode steps and verify windows keep the dots, whose result for a token does
+        not depend on the others."""
         if tokens < dense.GEMM_TOKENS:
             return [False] * len(self.experts)
         least = GEMM_ROWS_BLOCKS if matrix_quants(quant)[0] in GGUF_BLOCKS else GEMM_ROWS
