@@ -170,3 +170,26 @@ def test_a_prompts_busy_experts_run_as_gemms_and_decode_steps_keep_the_dots(fami
     engine.kv_tokens = []
     dots, _ = engine.prefill(prompt)
     assert not calls and (gemm - dots).norm() / dots.norm() < 5e-2
+
+
+def test_a_long_prompt_chunk_runs_with_the_pools_threads_in_torch(tmp_path, monkeypatch):
+    """With --dense-quant torch keeps one thread (decode's small ops); a prompt chunk of GEMM_TOKENS
+    or more runs its whole forward (DeltaNet's chunked form, attention, norms) with the pool's."""
+    import tiny
+    from moefit import kernels
+    from moefit.config import ServeConfig
+    from moefit.pack import quant as q
+    from moefit.pack.convert import convert
+    from moefit.runtime.engine import Engine
+    if kernels.library() is None:
+        pytest.skip("the native kernel is not built")
+    convert(tiny.build_checkpoint("qwen3_moe", tmp_path / "hf"), tmp_path / "pack", "int8", progress=False)
+    engine = Engine.open(tmp_path / "pack", ServeConfig(ctx=256, dense_quant="int8", threads=2))
+    assert torch.get_num_threads() == 1
+    seen = []
+    real = engine.forward
+    monkeypatch.setattr(engine, "forward", lambda *a, **k: seen.append(torch.get_num_threads()) or real(*a, **k))
+    engine.prefill([(7 * i) % 300 + 3 for i in range(q.GEMM_TOKENS + 4)])
+    engine.kv_tokens = []
+    engine.prefill([5, 6, 7])
+    assert seen == [2, 1] and torch.get_num_threads() == 1
