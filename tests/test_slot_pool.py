@@ -195,3 +195,33 @@ def test_a_one_token_routing_groups_as_the_general_path_does():
     both = Groups.of(torch.cat([ids, ids]), torch.cat([weights, weights]))   # the general path, two tokens
     assert fast.experts == both.experts == sorted(ids[0].tolist()) and fast.start == list(range(9))
     assert torch.equal(fast.weights, both.weights[0::2]) and torch.equal(fast.rows, both.rows[0::2])
+
+
+def test_the_pcie_or_host_choice_costs_a_busy_expert_as_the_gemm_it_would_run(packs, card, monkeypatch):
+    """A prompt chunk's busy experts would run on the host as fp32 GEMMs (experts/groups.py): the
+    choice costs them with the GEMM path's own rates, measured at start next to the dots'."""
+    from moefit.config import ServeConfig
+    from moefit.experts import groups as grp
+    from moefit.experts.costs import MissCosts
+    from moefit.pack import quant as dense
+    from moefit.runtime.engine import Engine
+    from moefit.runtime.report import cache_json
+    costs = MissCosts(pcie_bytes_per_s=2e9, host_bytes_per_s=1e9, host_macs_per_s=1e10,
+                      gemm_bytes_per_s=5e9, gemm_macs_per_s=1e12)
+    assert costs.copy_is_cheaper(10 << 20, 64, 10 ** 7)                  # dots: 74 ms on the host, 5 ms copied
+    assert not costs.copy_is_cheaper(10 << 20, 64, 10 ** 7, gemm=True)  # GEMMs: 2.7 ms on the host
+    engine = Engine.open(packs("qwen3_moe", "int8"), ServeConfig(
+        device=f"sim:{card(64)}", ctx=160, vram_reserve_mib=1, low_headroom_mib=0, min_expert_slots=0,
+        expert_cache="4", prefetch_per_layer=0, pcie_gbps=1.0))
+    reported = cache_json(engine)
+    assert reported["host_gemm_gbps"] > 0 and reported["host_gemm_gmacs"] > 0
+    flags = []
+    real = engine.runner.costs.copy_is_cheaper
+    monkeypatch.setattr(engine.runner.costs, "copy_is_cheaper", lambda *a: flags.append(a[-1]) or real(*a))
+    monkeypatch.setattr(grp, "GEMM_ROWS", 8)
+    engine.prefill([(7 * i) % 300 + 3 for i in range(dense.GEMM_TOKENS + 4)])
+    assert True in flags
+    flags.clear()
+    engine.kv_tokens = []
+    engine.prefill([5, 17, 42, 99, 7, 3])                                # a short chunk: the dots' rates
+    assert flags and True not in flags

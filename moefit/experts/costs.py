@@ -3,6 +3,9 @@ window) is cheaper to run.
 
 A miss computed on the host reads its weights once and does rows x its MACs:
     host_s = blob_bytes / host_bytes_per_s + rows * macs / host_macs_per_s
+with the integer dots' rates, or, for an expert a prompt chunk makes busy (experts/groups.py:
+two fp32 GEMMs on its matrices dequantised first), the GEMM path's own two:
+    host_s = blob_bytes / gemm_bytes_per_s + rows * macs / gemm_macs_per_s
 A miss copied into a free or evictable slot over PCIe (from the pack's pages) is admitted
 and then runs on the device, whose time is small next to either (not counted):
     pcie_s = blob_bytes / pcie_bytes_per_s
@@ -27,18 +30,24 @@ class MissCosts:
     pcie_bytes_per_s: float = 0.0            # 0: never copy
     host_bytes_per_s: float = 20e9
     host_macs_per_s: float = 100e9
+    gemm_bytes_per_s: float = 5e9            # a busy expert's: dequantising its blob first ...
+    gemm_macs_per_s: float = 200e9           # ... then fp32 GEMMs
 
     @property
     def enabled(self) -> bool:
         return self.pcie_bytes_per_s > 0
 
-    def copy_is_cheaper(self, blob_bytes: int, rows: int, macs_per_row: int) -> bool:
-        host = blob_bytes / self.host_bytes_per_s + rows * macs_per_row / self.host_macs_per_s
+    def copy_is_cheaper(self, blob_bytes: int, rows: int, macs_per_row: int, gemm: bool = False) -> bool:
+        """Whether copying the miss over PCIe beats computing it on the host (gemm: as a busy expert)."""
+        bw, macs = ((self.gemm_bytes_per_s, self.gemm_macs_per_s) if gemm
+                    else (self.host_bytes_per_s, self.host_macs_per_s))
+        host = blob_bytes / bw + rows * macs_per_row / macs
         return self.enabled and blob_bytes / self.pcie_bytes_per_s < host
 
     def to_json(self) -> dict:
         return {"pcie_gbps": self.pcie_bytes_per_s / 1e9, "host_expert_gbps": self.host_bytes_per_s / 1e9,
-                "host_expert_gmacs": self.host_macs_per_s / 1e9}
+                "host_expert_gmacs": self.host_macs_per_s / 1e9, "host_gemm_gbps": self.gemm_bytes_per_s / 1e9,
+                "host_gemm_gmacs": self.gemm_macs_per_s / 1e9}
 
 
 def measure_pcie(device: torch.device, nbytes: int = 64 << 20) -> float:
@@ -57,14 +66,17 @@ def measure_pcie(device: torch.device, nbytes: int = 64 << 20) -> float:
     return nbytes / best
 
 
-def measure_host(run_one, blob_bytes: int, macs_per_row: int, rows: int = 64) -> tuple[float, float]:
-    """(bytes/s, MACs/s) of the host path from two timed calls of run_one(rows) on one expert:
-    1 row (weight streaming) and `rows` rows (compute)."""
+def measure_host(run_one, blob_bytes: int, macs_per_row: int, rows: int = 64, first: int = 1) -> tuple[float, float]:
+    """(bytes/s, MACs/s) of the host path from two timed calls of run_one(n) on one expert: `first`
+    rows and `rows` rows; the time a row more is the compute, what is left at `first` the fixed
+    cost (the weights streamed; for the GEMM path, with both counts a busy expert's, also their
+    dequantisation)."""
     def timed(n: int) -> float:
         run_one(n)
         t = time.perf_counter()
         run_one(n)
         return time.perf_counter() - t
-    one, many = timed(1), timed(rows)
-    per_row = max(1e-9, (many - one) / (rows - 1))
-    return blob_bytes / max(one, 1e-9), macs_per_row / per_row
+    one, many = timed(first), timed(rows)
+    per_row = max(1e-9, (many - one) / (rows - first))
+    fixed = max(one - first * per_row, 1e-9)
+    return blob_bytes / fixed, macs_per_row / per_row

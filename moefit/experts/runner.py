@@ -31,6 +31,7 @@ from moefit.experts.handoff import Handoff
 from moefit.experts.lookahead import LookAhead
 from moefit.experts.pool import SlotPool
 from moefit.experts.profile import Profile
+from moefit.pack import quant as dense
 from moefit.pack.layout import matrix_quants
 from moefit.pack.quant import blob_views, qlinear
 from moefit.pack.reader import Pack
@@ -204,7 +205,7 @@ class ExpertRunner:
         if self.ahead is not None:                                # the next layer's guess, brought in
             self.prefetch(self.ahead.next_guessed(layer), layer, groups.experts, x.device.type == "cuda")
         if x.shape[0] > 1 and self.costs.enabled:
-            resident = self._copy_cheap_misses(layer, groups, resident)
+            resident = self._copy_cheap_misses(layer, x.shape[0], groups, resident)
         if x.device.type == "cpu":             # slots and the pack's map are both host memory: one call
             return self._host_experts(layer, x, groups)
         out = self._device_experts(layer, x, groups.subset(resident))   # queued on the device ...
@@ -220,16 +221,18 @@ class ExpertRunner:
         out = self._host_experts(layer, xh.float() if x.device.type != "cpu" else x, Groups.of(ids_h, w_h))
         return out if x.device.type == "cpu" else self.handoff.to_device(out, x)
 
-    def _copy_cheap_misses(self, layer: int, groups: "Groups", resident: list[bool]) -> list[bool]:
+    def _copy_cheap_misses(self, layer: int, tokens: int, groups: "Groups", resident: list[bool]) -> list[bool]:
         """Admit the misses that are cheaper to copy over PCIe than to compute on the host
         (experts/costs.py), into free slots or in place of cold ones this step does not use."""
-        inter, _ = self._shape(self.pack.blobs[(layer, groups.experts[0])].quant)
+        quant = self.pack.blobs[(layer, groups.experts[0])].quant
+        inter, _ = self._shape(quant)
         macs = 3 * inter * self.pack.model.hidden_size
         busy = {(layer, e) for e in groups.experts}
+        gemm = groups.busy(tokens, quant)                # the host would run these as GEMMs
         out = list(resident)
         for i, e in enumerate(groups.experts):
             key, rows = (layer, e), groups.start[i + 1] - groups.start[i]
-            if out[i] or not self.costs.copy_is_cheaper(self.book.sizes[key], rows, macs):
+            if out[i] or not self.costs.copy_is_cheaper(self.book.sizes[key], rows, macs, gemm[i]):
                 continue
             if self._make_room(key, busy):
                 self.load(key)
@@ -237,8 +240,10 @@ class ExpertRunner:
                 out[i] = True
         return out
 
-    def measure_host(self) -> tuple[float, float]:
-        """(bytes/s, MACs/s) of the host path on this pack's experts (experts/costs.py)."""
+    def measure_host(self, gemm: bool = False) -> tuple[float, float]:
+        """(bytes/s, MACs/s) of the host path on this pack's experts (experts/costs.py): the
+        integer dots (1 and 64 rows), or a busy expert's fp32 GEMMs (one and two prompt chunks'
+        worth of rows: GEMM_TOKENS and twice that)."""
         layer = self.pack.model.moe_layers[0]
         quant = self.pack.blobs[(layer, 0)].quant
         inter, _ = self._shape(quant)
@@ -249,6 +254,9 @@ class ExpertRunner:
             e = next(calls) % n                       # a different expert each call: its weights come from memory
             ids = torch.full((rows, 1), e, dtype=torch.int64)
             self._host_experts(layer, torch.randn(rows, hidden), Groups.of(ids, torch.ones(rows, 1)))
+        if gemm:
+            tokens = dense.GEMM_TOKENS
+            return measure_host(run_one, self.book.sizes[(layer, 0)], 3 * inter * hidden, 2 * tokens, tokens)
         return measure_host(run_one, self.book.sizes[(layer, 0)], 3 * inter * hidden)
 
     @property

@@ -122,6 +122,7 @@ def miss_costs(runner: ExpertRunner, cfg: ServeConfig, mem: DeviceMemory) -> Mis
     if costs.enabled:
         measured_bw, costs.host_macs_per_s = runner.measure_host()
         costs.host_bytes_per_s = cfg.host_expert_gbps * 1e9 if cfg.host_expert_gbps else measured_bw
+        costs.gemm_bytes_per_s, costs.gemm_macs_per_s = runner.measure_host(gemm=True)
     return costs
 
 
