@@ -126,29 +126,40 @@ def test_a_long_prompt_takes_the_gemm_and_decode_steps_the_dots(tmp_path, monkey
         pytest.skip("the native kernel is not built")
     convert(tiny.build_checkpoint("qwen3_moe", tmp_path / "hf"), tmp_path / "pack", "int8", progress=False)
     engine = Engine.open(tmp_path / "pack", ServeConfig(ctx=256, dense_quant="int8"))
+    calls, gap = spied_prefills(engine, monkeypatch, (kernels, "dequantize", lambda *a: a[1]),
+                                lambda: monkeypatch.setattr(q, "GEMM_TOKENS", 10 ** 9))
+    assert calls and gap < 5e-2
+
+
+def spied_prefills(engine, monkeypatch, spy, switch_off) -> tuple[list, float]:
+    """A prompt of GEMM_TOKENS + 4 prefilled with calls to spy = (module, name, what to record of
+    a call's arguments) recorded, a decode step (none), the same prompt after switch_off() (none):
+    (the first prefill's records, the two prefills' logits' relative gap)."""
+    from moefit.pack import quant as q
+    module, name, record = spy
     prompt = [(7 * i) % 300 + 3 for i in range(q.GEMM_TOKENS + 4)]
     calls = []
-    real = kernels.dequantize
-    monkeypatch.setattr(kernels, "dequantize", lambda *a, **k: calls.append(a[1]) or real(*a, **k))
-    gemm, _ = engine.prefill(prompt)
-    assert calls
+    real = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a, **k: calls.append(record(*a)) or real(*a, **k))
+    first, _ = engine.prefill(prompt)
+    recorded = list(calls)
     calls.clear()
     engine.decode_step(5, len(prompt))
     assert not calls
-    monkeypatch.setattr(q, "GEMM_TOKENS", 10 ** 9)
+    switch_off()
     engine.kv_tokens = []
-    dots, _ = engine.prefill(prompt)
-    assert not calls and (gemm - dots).norm() / dots.norm() < 5e-2
+    again, _ = engine.prefill(prompt)
+    assert not calls
+    return recorded, ((first - again).norm() / again.norm()).item()
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])            # gpt-oss: its own expert function
 def test_a_prompts_busy_experts_run_as_gemms_and_decode_steps_keep_the_dots(family, tmp_path, monkeypatch):
-    """A prompt chunk's experts with GEMM_ROWS rows or more go through fp32 GEMMs (gemm_first), its logits within
-    the activations' rounding of the all-dots prefill; a decode step never does."""
+    """A prompt chunk's experts with GEMM_ROWS rows or more go through fp32 GEMMs (gemm_first), its
+    logits within the activations' rounding of the all-dots prefill; a decode step never does."""
     import tiny
     from moefit import kernels
     from moefit.experts import groups as grp, runner
-    from moefit.pack import quant as q
     from moefit.config import ServeConfig
     from moefit.pack.convert import convert
     from moefit.runtime.engine import Engine
@@ -156,20 +167,10 @@ def test_a_prompts_busy_experts_run_as_gemms_and_decode_steps_keep_the_dots(fami
         pytest.skip("the native kernel is not built")
     convert(tiny.build_checkpoint(family, tmp_path / "hf"), tmp_path / "pack", "int4", progress=False)
     engine = Engine.open(tmp_path / "pack", ServeConfig(ctx=256))
-    prompt = [(7 * i) % 300 + 3 for i in range(q.GEMM_TOKENS + 4)]
-    calls = []
-    real = runner.gemm_first
-    monkeypatch.setattr(runner, "gemm_first", lambda x, *a: calls.append(x.shape[0]) or real(x, *a))
     monkeypatch.setattr(grp, "GEMM_ROWS", 8)
-    gemm, _ = engine.prefill(prompt)
-    assert calls and min(calls) >= 8
-    calls.clear()
-    engine.decode_step(5, len(prompt))
-    assert not calls
-    monkeypatch.setattr(grp, "GEMM_ROWS", 10 ** 9)
-    engine.kv_tokens = []
-    dots, _ = engine.prefill(prompt)
-    assert not calls and (gemm - dots).norm() / dots.norm() < 5e-2
+    rows, gap = spied_prefills(engine, monkeypatch, (runner, "gemm_first", lambda x, *a: x.shape[0]),
+                               lambda: monkeypatch.setattr(grp, "GEMM_ROWS", 10 ** 9))
+    assert rows and min(rows) >= 8 and gap < 5e-2
 
 
 def test_a_long_prompt_chunk_runs_with_the_pools_threads_in_torch(tmp_path, monkeypatch):
