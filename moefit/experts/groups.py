@@ -52,7 +52,7 @@ class Groups:
         enough that two fp32 GEMMs on their dequantised matrices outpace the integer dots
         (gemm_first). Decode steps and verify windows keep the dots, whose result for a token does
         not depend on the others."""
-        if tokens < dense.GEMM_TOKENS:
+        if not dense.prompt_sized(tokens):
             return [False] * len(self.experts)
         least = GEMM_ROWS_BLOCKS if matrix_quants(quant)[0] in GGUF_BLOCKS else GEMM_ROWS
         return [b - a >= least for a, b in zip(self.start, self.start[1:])]

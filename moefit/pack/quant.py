@@ -93,6 +93,13 @@ def _fp32_weights(parts: dict[str, torch.Tensor], name: str, quant: str) -> torc
     return kernels.dequantize(parts, name, quant, _gemm_scratch[:rows * cols].view(rows, cols))
 
 
+def prompt_sized(tokens: int) -> bool:
+    """Whether a product of this many tokens is a prompt's, which GEMMs take (GEMM_TOKENS, read at
+    call time): the dense matrices here, busy experts (experts/groups.py), the chunk's torch threads
+    (runtime/engine.py). Fewer tokens (decode steps, verify windows) keep the integer dots."""
+    return tokens >= GEMM_TOKENS
+
+
 def gemm_linear(x: torch.Tensor, parts: dict[str, torch.Tensor], name: str, quant: str) -> torch.Tensor | None:
     """x [T, C] fp32 @ W[R, C]^T as torch's fp32 GEMM on W dequantised natively into the scratch
     (the caller holds kernels.torch_threads()); None where the kernel or the bound does not take W."""
@@ -106,7 +113,7 @@ def qlinear(x: torch.Tensor, parts: dict[str, torch.Tensor], name: str, quant: s
     """x [T, C] @ W[R, C]^T with W quantized: the host kernel for a few tokens, fp32 GEMM on the
     natively dequantised matrix for a prompt's many; elsewhere dequantise in torch and multiply
     (int8 applies its per-row scale after the matmul)."""
-    if x.shape[0] >= GEMM_TOKENS:
+    if prompt_sized(x.shape[0]):
         with kernels.torch_threads():
             if (y := gemm_linear(x, parts, name, quant)) is not None:
                 return y

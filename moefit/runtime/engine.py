@@ -175,7 +175,7 @@ class Engine:
         logits = None
         for start in range(reuse, len(prompt), chunk):
             piece = prompt[start:start + chunk]
-            with kernels.torch_threads(len(piece) >= dense.GEMM_TOKENS):   # large torch ops: all the threads
+            with kernels.torch_threads(dense.prompt_sized(len(piece))):   # large torch ops: all the threads
                 logits = self.forward(piece, start, last_only=True)[0]
             self.kv_tokens = prompt[:start + len(piece)]
             if self.mtp is not None:
