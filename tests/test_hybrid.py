@@ -117,3 +117,21 @@ def test_the_multimodal_checkpoint_packs_its_text_model(checkpoints, packs, tmp_
     convert(wrapped, tmp_path / "pack", "fp32", progress=False)
     got = Engine.open(tmp_path / "pack", ServeConfig(ctx=128)).generate(LOOPY[:20], GREEDY)[1].generated
     assert got == Engine.open(packs("qwen3_5_moe"), ServeConfig(ctx=128)).generate(LOOPY[:20], GREEDY)[1].generated
+
+
+def test_a_chat_turn_resumes_at_the_prompts_end_after_speculative_windows(packs):
+    """The next turn of a chat re-renders the reply (a template drops its thinking, a client
+    reformats a tool call), so it shares the last prompt and only part of the reply. Verify
+    windows move the recurrent layers' snapshot past that point: without the state kept at the
+    prompt's end the whole conversation ran again (cached_tokens 0)."""
+    pack = packs("qwen3_5_moe")
+    cfg = ServeConfig(ctx=256, prefill_chunk=16, spec="lookup", spec_window=4)
+    engine = Engine.open(pack, cfg)
+    first = LOOPY[:50]
+    out = engine.generate(first, GREEDY)[1].generated
+    assert engine.spec_stats.windows > 0
+    continued = first + out[:3] + [3, 4]                        # the reply re-rendered differently from token 3
+    got = engine.generate(continued, GREEDY)[1]
+    assert got.cached_tokens == len(first)
+    assert got.generated == Engine.open(pack, cfg).generate(continued, GREEDY)[1].generated
+    assert engine.loaded.kv.host_bytes() > 0                     # the prompt-end states live in host memory

@@ -83,6 +83,9 @@ class LatentKV:
     streams = True
 
 
+PROMPT_MARKS = 2        # prompt ends whose recurrent state a session keeps in host memory (runtime/state.py)
+
+
 @dataclass(frozen=True)
 class RecurrentState:
     heads: int

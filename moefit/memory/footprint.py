@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from moefit.config import ModelConfig
 from moefit.families.common import mtp_index, rope_dim
-from moefit.families.state import layer_bytes
+from moefit.families.state import PROMPT_MARKS, layer_bytes
 from moefit.pack.layout import DENSE_GROUP, dense_quantizable, expert_blob_sizes
 
 COMPUTE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
@@ -65,6 +65,11 @@ class Footprint:
         if resident is None:
             return 0
         return sum(ctx * s.bytes_per_token(kv_dtype) for s in self.states if s.streams)
+
+    def host_mark_bytes(self) -> int:
+        """Host bytes of one session's recurrent states kept at the last PROMPT_MARKS prompts' ends
+        (where the next turn of a chat resumes, runtime/state.py): half a layer's constant part each."""
+        return PROMPT_MARKS * sum(s.constant_bytes(self.cb) // 2 for s in self.states if s.kind == "recurrent")
 
     def kv_bytes_per_token(self, kv_dtype: str, resident: bool = False) -> int:
         """What one more token of context costs on the card (layers whose state grows with it;

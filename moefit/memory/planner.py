@@ -10,6 +10,7 @@ from moefit.config import ServeConfig
 from moefit.experts.cache import fill
 from moefit.experts.slots import fit, pool_bytes, slots_bytes, slots_fitting
 from moefit.memory import ledger as L
+from moefit.families.state import PROMPT_MARKS
 from moefit.memory.devices import DeviceSnapshot
 from moefit.memory.footprint import Footprint, Key
 
@@ -54,6 +55,7 @@ class Plan:
     host_free_bytes: int | None = None  # RAM available when planned (KV streaming's host part is checked against it)
     resident_group: int = 1             # resident experts a device step multiplies at once ...
     expert_slice: int = 1 << 62         # ... in row slices of at most this many weights (the scratch is planned)
+    host_mark_bytes: int = 0            # the recurrent layers' states at the last prompts' ends, in host memory
 
     @property
     def refused(self) -> bool:
@@ -75,11 +77,16 @@ class Plan:
     def table(self) -> str:
         """The card's ledger, and under it the host memory KV streaming holds, when it does."""
         card = L.render(self.lines, self.device.total_bytes, f"{self.device.name} (total)")
-        if self.kv_resident is None:
+        parts = [f"the sequence state before each layer's last {self.kv_resident} tokens (KV streaming)"] \
+            if self.kv_resident else []
+        if self.host_mark_bytes:
+            parts.append(f"the recurrent layers' state at the last {PROMPT_MARKS} prompts' ends (a chat's next turn "
+                         "resumes there)")
+        if not parts:
             return card
         available = f" of {L.mib(self.host_free_bytes):,.0f} MiB available" if self.host_free_bytes else ""
-        return (f"{card}\nhost memory: {L.mib(self.host_state_bytes):,.0f} MiB{available} for the sequence state "
-                f"before each layer's last {self.kv_resident} tokens (KV streaming)")
+        return (f"{card}\nhost memory: {L.mib(self.host_state_bytes + self.host_mark_bytes):,.0f} MiB{available} "
+                f"for {' and '.join(parts)}")
 
     def to_json(self) -> dict:
         return {
@@ -92,6 +99,7 @@ class Plan:
                         "is_recommended": self.reserve.total == self.reserve.recommended},
             "kv_dtype": self.kv_dtype,
             "kv_streaming": {"resident_tokens": self.kv_resident, "host_bytes": self.host_state_bytes},
+            "prompt_marks": {"count": PROMPT_MARKS if self.host_mark_bytes else 0, "host_bytes": self.host_mark_bytes},
             "serve_check": {"status": self.serve_status, "headroom_bytes": self.reserve.headroom,
                             "message": self.serve_message},
             "speculative": {"enabled": self.spec_enabled, "mode": self.spec_mode, "reason": self.spec_reason},
@@ -182,6 +190,7 @@ def plan(fp: Footprint, cfg: ServeConfig, snap: DeviceSnapshot, order: list[Key]
     host = fp.host_state_bytes(cfg.ctx, kv_dtype, resident) * cfg.sessions
     if spec_on and spec_mode(cfg.spec, fp) == "mtp":
         host += fp.mtp_host_bytes(cfg.ctx, kv_dtype, resident)
+    marks = fp.host_mark_bytes() * cfg.sessions
     other = snap.total_bytes - snap.free_bytes
     available = snap.free_bytes - dense - kv - reserve.total
     budget = _cache_budget(cfg, fp, available)
@@ -195,7 +204,7 @@ def plan(fp: Footprint, cfg: ServeConfig, snap: DeviceSnapshot, order: list[Key]
     status, message, fixes = _host_check(status, message, fixes, cfg, resident, host, host_free)
     return Plan(snap, lines, reserve, kv_dtype, resident, host, budget, keys, used, fp.largest_blob, min_slots,
                 len(fp.blob_sizes), status, message, spec_on and status != "REFUSED", cfg.spec, spec_reason, fixes,
-                host_free, *group)
+                host_free, *group, marks)
 
 
 def device_dense(fp: Footprint, cfg: ServeConfig) -> int:

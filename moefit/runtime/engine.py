@@ -144,7 +144,7 @@ class Engine:
         self.runner.tokens += len(tokens)
         ids = torch.tensor(tokens, dtype=torch.long)
         try:
-            h = self.model.forward(ids, start, self.loaded.kv, self.runner)
+            h = self.model.forward(ids, start, self.session.state, self.runner)
             if self.mtp is not None:
                 self.mtp.observe(start, h)
             self.hidden = h[-1:] if last_only else h
@@ -168,8 +168,8 @@ class Engine:
         reuse = _common_prefix(self.kv_tokens, prompt)
         reuse = min(reuse, len(prompt) - 1)          # the last token must run to give logits
         if self.mtp is not None and reuse < len(self.kv_tokens):
-            reuse = max(0, reuse - 1)                # the MTP's row there was made with the old next token
-        reuse = self.loaded.kv.resumable(reuse)      # recurrent layers resume only where they can
+            reuse = self._mtp_resume(reuse)
+        reuse = self.session.state.resumable(reuse)  # recurrent layers resume only where they can
         self.kv_tokens = prompt[:reuse]
         chunk = self.cfg.prefill_chunk
         logits = None
@@ -180,7 +180,17 @@ class Engine:
             self.kv_tokens = prompt[:start + len(piece)]
             if self.mtp is not None:
                 self.mtp.catch_up(self.kv_tokens)
+        self.session.mark_end(len(prompt), self.last_hidden)   # where the next turn of this chat resumes
         return logits, reuse
+
+    def _mtp_resume(self, reuse: int) -> int:
+        """The MTP's row at reuse - 1 was made with the old next token and is written again from the
+        model's hidden state there: kept where a prompt ended, else the model runs that position again."""
+        hidden = self.session.ends.get(reuse)
+        if hidden is None or self.session.state.resumable(reuse) != reuse:
+            return max(0, reuse - 1)
+        self.mtp.observe(reuse - 1, hidden[None])
+        return reuse
 
     # -- generation --------------------------------------------------------------
     def check_request(self, prompt: list[int], params: SamplingParams) -> None:

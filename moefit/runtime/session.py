@@ -7,6 +7,8 @@ works on with the model.
     session.spec_stats   windows verified, tokens drafted and accepted
     session.last         the last request's figures (prompt, cached, generated, timings)
     session.hidden       the final hidden states of the last forward (draft heads read them)
+    session.ends         the last prompts' ends -> the final hidden state of their last token (an
+                         MTP row's input, where a chat's next turn resumes: runtime/engine.py)
 
 The engine holds one (a card's memory holds one sequence state); a request reuses the
 session's longest common prefix with its prompt.
@@ -18,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from moefit.families.state import PROMPT_MARKS
 from moefit.runtime.speculative import Window
 
 
@@ -67,3 +70,12 @@ class Session:
     last: RequestStats = field(default_factory=RequestStats)
     hidden: torch.Tensor | None = None              # [T, E] of the last forward
     last_hidden: torch.Tensor | None = None         # [E] of its last position
+    ends: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def mark_end(self, pos: int, hidden: torch.Tensor) -> None:
+        """A prompt of `pos` tokens was consumed: its state is kept (recurrent layers' marks) and
+        the hidden state of its last token, for as many prompts as the marks."""
+        self.state.mark()
+        self.ends[pos] = hidden.clone()            # not a view: the chunk's hidden states go
+        while len(self.ends) > PROMPT_MARKS:
+            del self.ends[next(iter(self.ends))]

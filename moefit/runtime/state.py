@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from moefit.errors import MoefitError
-from moefit.families.state import AttentionKV, LatentKV, RecurrentState, split_kv_dtype
+from moefit.families.state import PROMPT_MARKS, AttentionKV, LatentKV, RecurrentState, split_kv_dtype
 from moefit.runtime.kv_codecs import FloatRows, codec
 from moefit.runtime.placement import DeviceMemory
 
@@ -135,7 +135,12 @@ class RecurrentLayerState:
     faster than the chunked one on 5 rows); replaying the kept tokens through the DeltaNet
     layers would cost 11-40 ms, running them through the whole model again (the first round's
     way) 33-80 ms. The price is memory: k state matrices per layer
-    during a window, in the verify arena (240 MiB for Qwen3.6-35B-A3B at 4 drafts)."""
+    during a window, in the verify arena (240 MiB for Qwen3.6-35B-A3B at 4 drafts).
+
+    The next turn of a chat shares the last prompt and, mostly, only part of the reply (a
+    template drops the reply's thinking, a client reformats a tool call), and a verify window's
+    snapshot is past that point: so the state at each prompt's end is kept too (`mark`), the
+    last PROMPT_MARKS of them, in host memory (pinned on CUDA; Qwen3.6-35B-A3B: 60 MiB each)."""
 
     def __init__(self, decl: RecurrentState, compute_dtype: torch.dtype, mem: DeviceMemory):
         def two(shape, dtype):
@@ -147,6 +152,8 @@ class RecurrentLayerState:
         self.checkpointing = False             # set for a verify window's forward
         self.saved: torch.Tensor | None = None  # [T-1, H, Dk, Dv]: s after positions 1..T-1 of the window
         self.conv_inputs: torch.Tensor | None = None
+        self.marks: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}   # position -> (s, conv), oldest first
+        self._pin = mem.torch_device.type == "cuda"
 
     rotations = (None, None)
     window = None
@@ -160,6 +167,10 @@ class RecurrentLayerState:
         elif start == self.snap_pos and start != self.pos:
             self.s.copy_(self.snap_s)
             self.conv.copy_(self.snap_conv)
+        elif start in self.marks and start != self.pos:
+            self.marks[start] = s, conv = self.marks.pop(start)           # the most recently used now
+            self.s.copy_(s, non_blocking=self._pin)
+            self.conv.copy_(conv, non_blocking=self._pin)
         elif start != self.pos:
             raise StateLost(f"recurrent state is at position {self.pos}, asked to resume at {start}")
         if t > 1:
@@ -191,14 +202,26 @@ class RecurrentLayerState:
             self.mem.free(CHECKPOINT_LINE, self.saved)
         self.saved = self.conv_inputs = None
 
+    def mark(self) -> None:
+        """Keep the state at the current position (a prompt's end), in place of the oldest mark."""
+        if self.pos == 0 or self.pos in self.marks:
+            return
+        if len(self.marks) < PROMPT_MARKS:
+            s, conv = (torch.empty(t.shape, dtype=t.dtype, pin_memory=self._pin) for t in (self.s, self.conv))
+        else:
+            s, conv = self.marks.pop(next(iter(self.marks)))
+        s.copy_(self.s, non_blocking=self._pin)            # stream-ordered: begin() copies back on the same stream
+        conv.copy_(self.conv, non_blocking=self._pin)
+        self.marks[self.pos] = s, conv
+
     def resumable(self, upto: int) -> int:
-        return max(p for p in (0, self.pos, self.snap_pos) if p is not None and p <= upto)
+        return max(p for p in (0, self.pos, self.snap_pos, *self.marks) if p is not None and p <= upto)
 
     def truncate(self, pos: int) -> None:
         """Nothing to cut here: the next forward's begin() resumes from `pos` or says it cannot."""
 
     def host_bytes(self) -> int:
-        return 0
+        return sum(t.nbytes for pair in self.marks.values() for t in pair)
 
 
 class SequenceState:
@@ -268,6 +291,12 @@ class SequenceState:
         for layer in self.layers:
             if isinstance(layer, RecurrentLayerState):
                 layer.keep(kept)
+
+    def mark(self) -> None:
+        """A prompt has been consumed: recurrent layers keep their state here (the next turn resumes at it)."""
+        for layer in self.layers:
+            if isinstance(layer, RecurrentLayerState):
+                layer.mark()
 
     def resumable(self, upto: int) -> int:
         """The longest prefix <= upto every layer can resume after (attention: any)."""
