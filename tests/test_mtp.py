@@ -222,3 +222,22 @@ def test_plan_counts_the_published_mtp_layers():
         assert m.mtp_layers == 1 and m.num_layers == layers
         assert 0 < fp.mtp_dense_bytes < fp.dense_bytes
         assert fp.mtp_bytes(4096, "bf16", 512) > fp.mtp_dense_bytes
+
+
+def test_each_session_has_its_own_mtp_kv_in_the_reserve(mtp_packs, card):
+    """--sessions 2 with MTP drafts (a hybrid): each conversation's MTP rows are its own, so two
+    interleaved conversations keep greedy output and resume where they were; the reserve holds
+    the MTP weights once and its KV once a session, exactly."""
+    pack = mtp_packs("qwen3_next", "int8")
+    cfg = ServeConfig(device=f"sim:{card(64)}", ctx=128, spec="mtp", spec_window=3, vram_reserve_mib=24, sessions=2)
+    engine = Engine.open(pack, cfg)
+    fp = from_pack_header(json.loads((pack / "moefit-pack.json").read_text()), "fp32")
+    assert engine.loaded.mem.charged["reserve"] == fp.mtp_bytes(128, engine.plan.kv_dtype, cfg.prefill_chunk,
+                                                                sessions=2) == engine.plan.reserve.draft
+    other = [201, 202, 203, 204] * 3
+    plain = Engine.open(pack, cfg.with_(spec="off", sessions=1))
+    for prompt in (PROMPT, other, PROMPT + [9], other + [9]):
+        want = plain.generate(prompt, GREEDY)[1].generated
+        got = engine.generate(prompt, GREEDY)[1]
+        assert got.generated == want
+    assert got.cached_tokens == len(other) and engine.spec_stats.drafted > 0

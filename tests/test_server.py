@@ -165,6 +165,7 @@ def test_status_and_metrics(server):
     assert [line["name"] for line in status["ledger"]][:2] == ["other processes", "dense weights"]
     assert status["serve_check"]["status"] == "OK" and "layer_hit_rates" in status["expert_cache"]
     assert status["speculative"]["enabled"] is False and status["uptime_s"] > 0
+    assert len(status["sessions"]) == 1 and status["sessions"][0]["tokens"] == status["kv_cache"]["tokens"]
     text = httpx.get(server.url + "/metrics").text
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:prompt_tokens_total",
                  "vllm:generation_tokens_total", "vllm:time_to_first_token_seconds_bucket",

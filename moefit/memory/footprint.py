@@ -124,22 +124,25 @@ class Footprint:
         weights = min(slice_weights, 2 * m.expert_size * m.hidden_size)
         return group * (self.largest_blob + weights * self.expert_scratch_per_weight())
 
-    def mtp_bytes(self, ctx: int, kv_dtype: str, chunk: int, resident: int | None = None) -> int:
+    def mtp_bytes(self, ctx: int, kv_dtype: str, chunk: int, resident: int | None = None, sessions: int = 1) -> int:
         """The first MTP layer as a draft source (runtime/mtp.py): its weights and its own KV over
-        the context (under KV streaming, its last `resident` tokens, like the model's layers)."""
+        the context for each session (under KV streaming, its last `resident` tokens, like the
+        model's layers)."""
         if not self.mtp_layers:
             return 0
         state = self.model.spec.mtp_state(self.model)
-        return self.mtp_dense_bytes + layer_bytes(state, ctx, kv_dtype, self.cb, chunk, resident)
+        return self.mtp_dense_bytes + sessions * layer_bytes(state, ctx, kv_dtype, self.cb, chunk, resident)
 
     def mtp_host_bytes(self, ctx: int, kv_dtype: str, resident: int | None) -> int:
         """Host bytes of the MTP layer's KV under KV streaming (the whole context, written through)."""
         return ctx * self.model.spec.mtp_state(self.model).bytes_per_token(kv_dtype) \
             if self.mtp_layers and resident is not None else 0
 
-    def draft_bytes(self, mode: str, ctx: int, kv_dtype: str, chunk: int, resident: int | None = None) -> int:
+    def draft_bytes(self, mode: str, ctx: int, kv_dtype: str, chunk: int, resident: int | None = None,
+                    sessions: int = 1) -> int:
         """What a draft source holds in the reserve: a trained head, the MTP layer, or nothing."""
-        return {"head": self.draft_head_bytes, "mtp": self.mtp_bytes(ctx, kv_dtype, chunk, resident)}.get(mode, 0)
+        return {"head": self.draft_head_bytes,
+                "mtp": self.mtp_bytes(ctx, kv_dtype, chunk, resident, sessions)}.get(mode, 0)
 
     def verify_arena_bytes(self, window: int) -> int:
         """A verify window's activations and logits, and each recurrent layer's state after every

@@ -122,7 +122,7 @@ def plan_reserve(fp: Footprint, cfg: ServeConfig, kv_dtype: str, spec_on: bool, 
                  group: tuple[int, int] = (1, 1 << 62)) -> Reserve:
     prompt = fp.prompt_path_bytes(cfg.prefill_chunk, cfg.ctx, kv_dtype, resident, group)
     verify = fp.verify_arena_bytes(cfg.spec_window) if cfg.spec != "off" else 0
-    draft = fp.draft_bytes(spec_mode(cfg.spec, fp), cfg.ctx, kv_dtype, cfg.prefill_chunk, resident)
+    draft = fp.draft_bytes(spec_mode(cfg.spec, fp), cfg.ctx, kv_dtype, cfg.prefill_chunk, resident, cfg.sessions)
     recommended = _round_mib(prompt + verify + draft + HEADROOM_MIB * MIB)
     if cfg.vram_reserve_mib is not None:
         total = cfg.vram_reserve_mib * MIB
@@ -189,7 +189,7 @@ def plan(fp: Footprint, cfg: ServeConfig, snap: DeviceSnapshot, order: list[Key]
     kv = fp.state_bytes(cfg.ctx, kv_dtype, cfg.prefill_chunk, resident) * cfg.sessions
     host = fp.host_state_bytes(cfg.ctx, kv_dtype, resident) * cfg.sessions
     if spec_on and spec_mode(cfg.spec, fp) == "mtp":
-        host += fp.mtp_host_bytes(cfg.ctx, kv_dtype, resident)
+        host += fp.mtp_host_bytes(cfg.ctx, kv_dtype, resident) * cfg.sessions
     marks = fp.host_mark_bytes() * cfg.sessions
     other = snap.total_bytes - snap.free_bytes
     available = snap.free_bytes - dense - kv - reserve.total
@@ -197,7 +197,7 @@ def plan(fp: Footprint, cfg: ServeConfig, snap: DeviceSnapshot, order: list[Key]
     room = max(0, min(budget, available))
     keys = fit(fill(order, fp.blob_sizes, room), fp.blob_sizes, room)
     used = pool_bytes(keys, fp.blob_sizes)            # the slot pool's allocation, chunk by chunk
-    lines = [L.Line(L.OTHER, other), L.Line(L.DENSE, dense), _state_line(kv, cfg.ctx, kv_dtype, resident, host),
+    lines = [L.Line(L.OTHER, other), L.Line(L.DENSE, dense), _state_line(kv, cfg.ctx, kv_dtype, resident, host, cfg.sessions),
              _reserve_line(reserve), L.Line(L.CACHE, used, note=f"{len(keys)} experts"),
              L.Line(L.FREE, snap.free_bytes - dense - kv - reserve.total - used)]
     status, message, fixes = _serve_check(fp, cfg, snap, reserve, budget, available, len(keys), min_slots, kv_dtype)
@@ -238,10 +238,11 @@ def resident_window(fp: Footprint, cfg: ServeConfig, snap: DeviceSnapshot, kv_dt
     return int(window) if cfg.prefill_chunk <= window < cfg.ctx else None
 
 
-def _state_line(kv: int, ctx: int, kv_dtype: str, resident: int | None, host: int) -> L.Line:
+def _state_line(kv: int, ctx: int, kv_dtype: str, resident: int | None, host: int, sessions: int) -> L.Line:
+    each = f"{sessions} sessions x " if sessions > 1 else ""
     if resident is None:
-        return L.Line(L.KV, kv, note=f"{ctx} x {kv_dtype}")
-    return L.Line(L.KV, kv, note=f"{resident} of {ctx} tokens x {kv_dtype}; {L.mib(host):,.0f} MiB in host memory")
+        return L.Line(L.KV, kv, note=f"{each}{ctx} x {kv_dtype}")
+    return L.Line(L.KV, kv, note=f"{each}{resident} of {ctx} tokens x {kv_dtype}; {L.mib(host):,.0f} MiB in host memory")
 
 
 def _host_check(status, message, fixes, cfg: ServeConfig, resident, host: int, host_free: int | None):

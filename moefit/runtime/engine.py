@@ -1,12 +1,13 @@
-"""The engine: one model on one device, one request at a time.
+"""The engine: one model on one device, one request at a time, --sessions conversations held.
 
     engine = Engine.open("model.pack", ServeConfig(device="sim:card.json"))
     for event in engine.stream(engine.codec.encode("Define: lantern"), SamplingParams(max_tokens=32)):
         print(event.text, end="")
 
-Per request: reuse the KV of the longest common prefix with the previous request,
-prefill the rest in chunks, then decode one token per step; the cache adapts between
-steps. Stats are kept for generate --json, /v1/status and /metrics.
+Per request: pick the session (the conversation) the prompt continues, reuse the sequence
+state of its longest common prefix with that session's tokens, prefill the rest in chunks,
+then decode one token per step; the cache adapts between steps. Stats are kept for
+generate --json, /v1/status and /metrics.
 """
 
 from __future__ import annotations
@@ -30,9 +31,12 @@ from moefit.runtime.draft_head import load_draft_head
 from moefit.runtime.grammar import Constraint, GrammarTokenizer
 from moefit.runtime.mtp import load_mtp
 from moefit.runtime.sampler import Sampler, SamplingParams
-from moefit.runtime.session import RequestStats, Session
+from moefit.runtime.session import RequestStats, Session, SpecStats
 from moefit.runtime.speculative import Window
 from moefit.runtime.text import Detokenizer, StopMatcher, TextCodec
+
+
+SHARE = 0.5     # a prompt goes to a session when it reuses at least this share of the session's tokens
 
 
 @dataclass
@@ -61,11 +65,15 @@ class Engine:
         self.pack: Pack = loaded.pack
         self.codec = TextCodec.load(self.pack.tokenizer_dir)
         self.eos_ids = self._eos_ids()
-        # the conversation being decoded: its tokens, its sequence state, its speculative window
-        self.session = Session(loaded.kv, Window(cfg.spec_window))
         self.spec_mode, self.spec_reason = self._spec_mode()
         self.draft_head = load_draft_head(self.pack, loaded) if self.spec_mode == "head" else None
-        self.mtp = load_mtp(self.pack, loaded, cfg, loaded.kv.kv_dtype) if self.spec_mode == "mtp" else None
+        drafters = load_mtp(self.pack, loaded, cfg, loaded.kv.kv_dtype) if self.spec_mode == "mtp" else None
+        # the conversations held: each one's tokens, sequence state, speculative window (and MTP KV)
+        spec = SpecStats()                          # the engine's counters, whichever session drafted
+        self.sessions = [Session(state, Window(cfg.spec_window), spec_stats=spec, mtp=drafters[i] if drafters else None)
+                         for i, state in enumerate(loaded.states)]
+        self.session = self.sessions[0]             # the one the current (or last) request runs on
+        self.requests = 0
         self.steps = 0
         self._grammar_tokenizer = None              # llguidance's tokenizer, built on first use
         self.forwards = 0                           # forwards run: the watchdog's sign of progress
@@ -126,6 +134,7 @@ class Engine:
     last_hidden = _session_field("last_hidden")
     spec_stats = _session_field("spec_stats")
     window = _session_field("window")
+    mtp = _session_field("mtp")
 
     def _eos_ids(self) -> set[int]:
         ids = set(self.pack.model.eos_token_ids)
@@ -161,6 +170,20 @@ class Engine:
             self.session.state.keep(len(tokens))
         except StateLost:
             self.forward(tokens, pos)
+
+    def session_for(self, prompt: list[int]) -> Session:
+        """The session a prompt runs on: the one whose held tokens it reuses best, when that keeps at
+        least half of them (a chat's next turn, a regenerated reply); else an empty one, else the
+        least recently used. A side request that shares a few tokens with a long conversation (an
+        agent's title or topic call) so leaves that conversation's state for its next turn."""
+        best = max(self.sessions, key=lambda s: (self._reusable(s, prompt), s.used))
+        if self._reusable(best, prompt) >= SHARE * len(best.tokens):
+            return best
+        return min(self.sessions, key=lambda s: (len(s.tokens) > 0, s.used))
+
+    @staticmethod
+    def _reusable(session: Session, prompt: list[int]) -> int:
+        return session.state.resumable(min(_common_prefix(session.tokens, prompt), len(prompt) - 1))
 
     def prefill(self, prompt: list[int]) -> tuple[torch.Tensor, int]:
         """Logits of the last prompt token, reusing the previous request's KV for the
@@ -204,6 +227,9 @@ class Engine:
                cancelled: Callable[[], bool] = lambda: False) -> Iterator[Event]:
         """Generate from prompt token ids; yields text deltas, the last one with its finish reason."""
         self.check_request(prompt, params)
+        self.session = self.session_for(prompt)
+        self.requests += 1
+        self.session.used = self.requests
         stats = self.last = RequestStats(prompt_tokens=len(prompt))
         constraint = Constraint(GrammarTokenizer.of(self), params.grammar) if params.grammar else None
         sampler = Sampler(params, prompt, self.pack.model.vocab_size, constraint)

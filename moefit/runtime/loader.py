@@ -39,10 +39,15 @@ class Loaded:
     mem: DeviceMemory
     plan: Plan | None                   # None on the cpu device (no VRAM to plan)
     model: object
-    kv: SequenceState
+    states: list[SequenceState]         # one a session (--sessions), each charged to the sequence state line
     runner: ExpertRunner
     compute_dtype: str
     notes: list[str]
+
+    @property
+    def kv(self) -> SequenceState:
+        """The first session's sequence state (its shape is every session's)."""
+        return self.states[0]
 
 
 def compute_dtype_for(cfg: ServeConfig, kind: str) -> str:
@@ -53,6 +58,8 @@ def compute_dtype_for(cfg: ServeConfig, kind: str) -> str:
 
 def load(pack: Pack, cfg: ServeConfig, log=lambda msg: None) -> Loaded:
     """Place the pack on cfg.device as the plan says; RefusedError when it does not fit."""
+    if cfg.sessions < 1:
+        raise UsageError(f"--sessions {cfg.sessions}: at least one session holds the sequence state")
     device = open_device(cfg.device)
     if device.kind == "cuda" and cfg.dense_quant != "off":
         raise UsageError(f"--dense-quant {cfg.dense_quant} runs the dense matrices in the host kernel; on CUDA it "
@@ -90,7 +97,7 @@ def _place(pack: Pack, cfg: ServeConfig, mem: DeviceMemory, cdt: str, the_plan: 
     model = FAMILY[m.family](m, weights, rope)
     kv_dtype = the_plan.kv_dtype if the_plan else (cdt if cfg.kv_dtype == "auto" else cfg.kv_dtype)
     resident = the_plan.kv_resident if the_plan else cfg.resident_tokens()
-    kv = SequenceState(m, cfg.ctx, kv_dtype, dtype, mem, cfg.prefill_chunk, resident)
+    states = [SequenceState(m, cfg.ctx, kv_dtype, dtype, mem, cfg.prefill_chunk, resident) for _ in range(cfg.sessions)]
     book = CacheBook({k: b.nbytes for k, b in pack.model_blobs.items()}, m.num_layers, m.num_experts,
                      the_plan.cache_budget if the_plan else 0,
                      SwapPolicy(cfg.swap_period, cfg.swap_decay, cfg.max_swaps))
@@ -109,7 +116,7 @@ def _place(pack: Pack, cfg: ServeConfig, mem: DeviceMemory, cdt: str, the_plan: 
             runner.ahead = LookAhead(m.num_layers, cfg.prefetch_per_layer, m.top_k, probe_layers=sorted(model.probes),
                                      moe_layers=list(m.moe_layers))
         runner.costs = miss_costs(runner, cfg, mem)
-    return Loaded(pack, mem, the_plan, model, kv, runner, cdt, notes)
+    return Loaded(pack, mem, the_plan, model, states, runner, cdt, notes)
 
 
 def miss_costs(runner: ExpertRunner, cfg: ServeConfig, mem: DeviceMemory) -> MissCosts:

@@ -91,8 +91,9 @@ class _HostExperts:
         self.run = runner.run_on_host
 
 
-def load_mtp(pack, loaded, cfg, kv_dtype: str) -> MtpDrafter:
-    """The pack's first MTP layer on the device and its KV, both charged to the reserve."""
+def load_mtp(pack, loaded, cfg, kv_dtype: str) -> list[MtpDrafter]:
+    """The pack's first MTP layer on the device, and a drafter with its own KV for each session,
+    all charged to the reserve."""
     m, mem = pack.model, loaded.mem
     dtype = TORCH_DTYPES[loaded.compute_dtype]
     place = lambda name, t, keep=False: mem.copy_in(  # noqa: E731
@@ -100,6 +101,6 @@ def load_mtp(pack, loaded, cfg, kv_dtype: str) -> MtpDrafter:
     weights = Weights(mtp_dense_names(m, pack.dense_names), pack.dense, place, cfg.dense_quant)
     mtp = loaded.model.mtp_layer(weights, 0) | {"index": m.num_layers, "style": m.mtp_style}
     resident = loaded.kv.resident                    # under KV streaming, the model's window and a host part
-    state = SequenceState(m, cfg.ctx, kv_dtype, dtype, mem, cfg.prefill_chunk, resident, decls=[m.spec.mtp_state(m)],
-                          line=L.RESERVE)
-    return MtpDrafter(loaded.model, mtp, state, loaded.runner, cfg.prefill_chunk)
+    state = lambda: SequenceState(m, cfg.ctx, kv_dtype, dtype, mem, cfg.prefill_chunk, resident,  # noqa: E731
+                                  decls=[m.spec.mtp_state(m)], line=L.RESERVE)
+    return [MtpDrafter(loaded.model, mtp, state(), loaded.runner, cfg.prefill_chunk) for _ in loaded.states]

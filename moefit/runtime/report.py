@@ -40,6 +40,12 @@ def speculative_json(engine) -> dict:
             "distinct_experts_per_window": mean("distinct_experts"), "misses_per_window": mean("misses")}
 
 
+def sessions_json(engine) -> list[dict]:
+    """Each session (--sessions): the tokens whose state it holds, and whether the last request ran on it."""
+    return [{"tokens": len(s.tokens), "last_request": s.used, "current": s is engine.session}
+            for s in engine.sessions]
+
+
 def status_json(engine) -> dict:
     """Ledger, cache statistics, serve check, speculative state and the device now."""
     plan = engine.loaded.plan
@@ -53,6 +59,7 @@ def status_json(engine) -> dict:
         except DeviceUnavailable as e:
             out["device_now"] = {"error": str(e)}
     out["speculative"] = speculative_json(engine)
+    out["sessions"] = sessions_json(engine)
     out["compute_dtype"] = engine.loaded.compute_dtype
     out["notes"] = engine.loaded.notes
     return out

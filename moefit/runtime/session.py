@@ -10,8 +10,9 @@ works on with the model.
     session.ends         the last prompts' ends -> the final hidden state of their last token (an
                          MTP row's input, where a chat's next turn resumes: runtime/engine.py)
 
-The engine holds one (a card's memory holds one sequence state); a request reuses the
-session's longest common prefix with its prompt.
+The engine holds --sessions of them, each with its own sequence state (planned and charged on
+the card): a request goes to the session whose tokens it reuses best, or to the least recently
+used one (Engine.session_for), and reuses that session's longest common prefix with its prompt.
 """
 
 from __future__ import annotations
@@ -71,6 +72,8 @@ class Session:
     hidden: torch.Tensor | None = None              # [T, E] of the last forward
     last_hidden: torch.Tensor | None = None         # [E] of its last position
     ends: dict[int, torch.Tensor] = field(default_factory=dict)
+    mtp: object | None = None                       # its MTP drafter (runtime/mtp.py), with the MTP's own KV
+    used: int = 0                                   # when a request last ran on it (the engine's count)
 
     def mark_end(self, pos: int, hidden: torch.Tensor) -> None:
         """A prompt of `pos` tokens was consumed: its state is kept (recurrent layers' marks) and

@@ -70,7 +70,8 @@ class Metrics:
             lines += gauge("vllm:prefix_cache_hits_total", self.cached_tokens, "counter")
             lines += self.ttft.lines("vllm:time_to_first_token_seconds")
             lines += self.e2e.lines("vllm:e2e_request_latency_seconds")
-            lines += gauge("vllm:kv_cache_usage_perc", round(engine.context_tokens() / engine.cfg.ctx, 6))
+            held = sum(len(s.tokens) for s in engine.sessions)
+            lines += gauge("vllm:kv_cache_usage_perc", round(held / engine.cfg.ctx / len(engine.sessions), 6))
             lines += ["# TYPE moefit_requests_total counter"]
             lines += [f'moefit_requests_total{{status="{s}"}} {n}' for s, n in sorted(self.requests.items())]
             lines += ["# TYPE moefit_http_requests_total counter"]

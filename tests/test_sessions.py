@@ -1,0 +1,59 @@
+"""--sessions N: N conversations' sequence states held at once, planned and charged on the card.
+A request goes to the session it continues; a side request does not overwrite another
+conversation's state; output does not depend on which session a prompt ran on."""
+
+import pytest
+
+from moefit.config import ServeConfig
+from moefit.errors import UsageError
+from moefit.memory import ledger as L
+from moefit.runtime.engine import Engine
+from moefit.runtime.sampler import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+MAIN = [5, 9, 17, 33, 65, 129, 7, 3, 150, 220, 31, 64] * 4               # a long system prompt and a task
+SIDE = [5, 9, 201, 202, 203, 204, 205, 206]                              # shares two tokens with it
+
+
+def turns(engine):
+    """Main turn, a side request, the main conversation's next turn, the side's next turn."""
+    main = engine.generate(MAIN, GREEDY)[1].generated
+    side = engine.generate(SIDE, GREEDY)[1].generated
+    main2 = engine.generate(MAIN + main + [11, 12], GREEDY)[1]
+    side2 = engine.generate(SIDE + side + [13], GREEDY)[1]
+    return main, side, main2, side2
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_5_moe"])
+def test_two_conversations_interleaved_each_resume_where_they_were(family, packs):
+    pack = packs(family)
+    main, side, main2, side2 = turns(Engine.open(pack, ServeConfig(ctx=128, sessions=2)))
+    assert main2.cached_tokens == len(MAIN) + len(main) - 1
+    assert side2.cached_tokens == len(SIDE) + len(side) - 1
+    one = turns(Engine.open(pack, ServeConfig(ctx=128)))                  # one session: the side request took it
+    assert one[2].cached_tokens <= 2
+    assert (one[0], one[1], one[2].generated, one[3].generated) == (main, side, main2.generated, side2.generated)
+
+
+def test_a_prompt_goes_to_the_session_it_continues_or_the_least_recently_used(packs):
+    engine = Engine.open(packs("qwen3_moe"), ServeConfig(ctx=128, sessions=2))
+    engine.generate(MAIN, GREEDY)
+    first = engine.session
+    engine.generate(SIDE, GREEDY)
+    assert engine.session is not first                                   # two tokens shared: the empty session
+    engine.generate(MAIN[:30] + [99], GREEDY)
+    assert engine.session is first                                       # most of what it holds: the same one
+    engine.generate([250, 251, 252], GREEDY)                             # nothing shared: the least recently used
+    assert engine.session is not first and engine.session.tokens[:3] == [250, 251, 252]
+
+
+def test_sessions_are_planned_and_charged_exactly(packs, card):
+    pack = packs("qwen3_5_moe")
+    charged = {}
+    for n in (1, 3):
+        engine = Engine.open(pack, ServeConfig(device=f"sim:{card(64)}", ctx=128, sessions=n, vram_reserve_mib=8))
+        charged[n] = engine.loaded.mem.charged[L.KV]
+        assert charged[n] == engine.plan.line(L.KV).bytes and len(engine.sessions) == n
+    assert charged[3] == 3 * charged[1]
+    with pytest.raises(UsageError, match="--sessions 0"):
+        Engine.open(pack, ServeConfig(ctx=128, sessions=0))
