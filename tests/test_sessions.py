@@ -35,16 +35,21 @@ def test_two_conversations_interleaved_each_resume_where_they_were(family, packs
     assert (one[0], one[1], one[2].generated, one[3].generated) == (main, side, main2.generated, side2.generated)
 
 
-def test_a_prompt_goes_to_the_session_it_continues_or_the_least_recently_used(packs):
-    engine = Engine.open(packs("qwen3_moe"), ServeConfig(ctx=128, sessions=2))
+def test_a_prompt_goes_where_it_reuses_more_than_it_overwrites(packs):
+    engine = Engine.open(packs("qwen3_moe"), ServeConfig(ctx=128, sessions=3))
     engine.generate(MAIN, GREEDY)
-    first = engine.session
+    main = engine.session
     engine.generate(SIDE, GREEDY)
-    assert engine.session is not first                                   # two tokens shared: the empty session
+    side = engine.session
+    assert side is not main                                               # two tokens shared: an empty session
     engine.generate(MAIN[:30] + [99], GREEDY)
-    assert engine.session is first                                       # most of what it holds: the same one
-    engine.generate([250, 251, 252], GREEDY)                             # nothing shared: the least recently used
-    assert engine.session is not first and engine.session.tokens[:3] == [250, 251, 252]
+    assert engine.session is main                                         # 30 of its 59 tokens: the same one
+    engine.generate(MAIN[:10] + [98], GREEDY)                             # 10 of 41: the empty one
+    third = engine.session
+    assert third not in (main, side)
+    engine.generate([250, 251, 252], GREEDY)                              # nothing shared: the one that loses least
+    assert engine.session is side and side.tokens[:3] == [250, 251, 252]
+    assert engine.sessions[0].tokens[:30] == MAIN[:30]                    # the main conversation's state is intact
 
 
 def test_sessions_are_planned_and_charged_exactly(packs, card):

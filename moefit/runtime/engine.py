@@ -36,9 +36,6 @@ from moefit.runtime.speculative import Window
 from moefit.runtime.text import Detokenizer, StopMatcher, TextCodec
 
 
-SHARE = 0.5     # a prompt goes to a session when it reuses at least this share of the session's tokens
-
-
 @dataclass
 class TokenLogprob:
     token: int
@@ -172,14 +169,15 @@ class Engine:
             self.forward(tokens, pos)
 
     def session_for(self, prompt: list[int]) -> Session:
-        """The session a prompt runs on: the one whose held tokens it reuses best, when that keeps at
-        least half of them (a chat's next turn, a regenerated reply); else an empty one, else the
-        least recently used. A side request that shares a few tokens with a long conversation (an
-        agent's title or topic call) so leaves that conversation's state for its next turn."""
-        best = max(self.sessions, key=lambda s: (self._reusable(s, prompt), s.used))
-        if self._reusable(best, prompt) >= SHARE * len(best.tokens):
-            return best
-        return min(self.sessions, key=lambda s: (len(s.tokens) > 0, s.used))
+        """The session a prompt runs on: the one where the tokens it reuses outweigh the held tokens
+        it overwrites by the most (an empty session: 0), the least recently used on a tie. A chat's
+        next turn continues its own session; a side request that shares a system prompt or a few
+        tokens with a long conversation (an agent's title call, a sub-agent) takes an empty or a
+        short session and leaves that conversation's state for its next turn."""
+        def gain(s: Session) -> tuple[int, int]:
+            reuse = self._reusable(s, prompt)
+            return reuse - (len(s.tokens) - reuse), -s.used
+        return max(self.sessions, key=gain)
 
     @staticmethod
     def _reusable(session: Session, prompt: list[int]) -> int:
