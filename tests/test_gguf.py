@@ -211,7 +211,7 @@ def test_by_default_a_gguf_file_keeps_its_blocks_and_names_what_it_cannot(hf, tm
 
 def test_a_prompts_busy_k_quant_experts_run_as_gemms(hf256, tmp_path, monkeypatch):
     """A Q4_K_M-style layer's (gate and up Q4_K, down Q6_K) busy experts in a prompt chunk: two fp32
-    GEMMs on the blocks dequantised natively, within the activations' rounding of the dots."""
+    GEMMs on the blocks dequantised natively, close to the dots (tests/test_quant.py)."""
     from moefit import kernels
     from moefit.experts import groups as grp, runner
     from moefit.pack import quant as q

@@ -167,7 +167,25 @@ def check_every_quant() -> str:
             got = kernels.moe_layer(x, quant, experts, rows, weights)
             want = reference(x, quant, experts, rows, weights)
             assert (got - want).norm() / want.norm() < 1e-3, (quant, tokens)
+    x = torch.randn(40, 256, generator=torch.Generator().manual_seed(1)) * torch.linspace(0, 3, 40)[:, None]
+    assert torch.equal(kernels.q8_round(x), q8_round_reference(x))          # row 0: all zeros
     return kernels.isa()
+
+
+def q8_round_reference(x: torch.Tensor) -> torch.Tensor:
+    """Each block of 32: round-half-even(x / d) * d, d = amax / 127 (quantize_row's codes and scale)."""
+    blocks = x.view(x.shape[0], -1, 32)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    return (torch.round(blocks * torch.where(d > 0, 1 / d, torch.zeros_like(d))) * d).view(x.shape)
+
+
+def test_a_prompts_activations_are_rounded_as_the_dots_round_them():
+    """kernels.q8_round (what a prompt's GEMMs multiply, pack/quant.py) equals the codes times the
+    scale quantize_row makes, bit for bit; a row that is not whole blocks is refused."""
+    if kernels.library() is None:
+        pytest.skip("the native kernel is not built")
+    check_every_quant()
+    assert kernels.q8_round(torch.randn(3, 48)) is None
 
 
 @pytest.mark.parametrize("isa", ["portable", "avx2"])

@@ -166,6 +166,20 @@ def dequantize(parts: dict, name: str, quant: str, out: torch.Tensor | None = No
     return out if ok == 0 else None
 
 
+def q8_round(x: torch.Tensor) -> torch.Tensor | None:
+    """x [T, C] fp32 with each block of 32 as the integer dots see it (int8 codes times their scale,
+    moe.c's quantize_row), over the pool; None where the library lacks it or C is not whole blocks."""
+    lib = library()
+    if lib is None or not hasattr(lib, "moe_q8_round"):
+        return None
+    if lib.moe_q8_round.argtypes is None:
+        lib.moe_q8_round.argtypes = [c_ptr, c_i64, c_i64, c_ptr]
+        lib.moe_q8_round.restype = ctypes.c_int
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    return out if lib.moe_q8_round(_p(x), x.shape[0], x.shape[1], _p(out)) == 0 else None
+
+
 PARTS = ("gate_up", "gate_up.scale", "down", "down.scale")
 
 

@@ -106,3 +106,57 @@ int moe_dequant(const void *w, const void *scales, int quant, int64_t R, int64_t
     parallel(dequant_task, &D, (R + D.chunk - 1) / D.chunk);
     return 0;
 }
+
+/* ---- a prompt's activations as the dots see them ---------------------------------------- */
+typedef struct {
+    const float *x;
+    int64_t C, rows_a_task, T;
+    float *out;
+} round_args;
+
+static void q8_round_block(const float *x, float *out) {
+    int8_t q[QK];
+    float s;
+    int32_t sum;
+    quantize_row(x, QK, q, &s, &sum, 0);
+    for (int i = 0; i < QK; i++) out[i] = (float)q[i] * s;
+}
+
+#if defined(__x86_64__)
+/* the same arithmetic on 8 lanes: amax, d = amax / 127, codes = round-half-even(x / d), codes * d */
+__attribute__((target("avx2,fma"))) static void q8_round_block_avx2(const float *x, float *out) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 v[4], m = _mm256_setzero_ps();
+    for (int i = 0; i < 4; i++) v[i] = _mm256_loadu_ps(x + 8 * i), m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[i]));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    const float d = _mm_cvtss_f32(h) / 127.0f, id = d ? 1.0f / d : 0.0f;
+    for (int i = 0; i < 4; i++) {
+        const __m256 c = _mm256_round_ps(_mm256_mul_ps(v[i], _mm256_set1_ps(id)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        _mm256_storeu_ps(out + 8 * i, _mm256_mul_ps(c, _mm256_set1_ps(d)));
+    }
+}
+#endif
+
+static void q8_round_task(void *ctx, int64_t task) {
+    const round_args *A = ctx;
+    void (*block)(const float *, float *) = q8_round_block;
+#if defined(__x86_64__)
+    if (strcmp(isa, "portable")) block = q8_round_block_avx2;
+#endif
+    for (int64_t t = task * A->rows_a_task; t < (task + 1) * A->rows_a_task && t < A->T; t++)
+        for (int64_t b = 0; b < A->C / QK; b++) block(A->x + t * A->C + b * QK, A->out + t * A->C + b * QK);
+}
+
+/* out [T, C] = x with each block of 32 replaced by its int8 codes times their scale, exactly as
+ * quantize_row makes them for the dots: a prompt's fp32 GEMM on these gives each token what the
+ * integer dots give it, up to fp32 rounding (pack/quant.py's q8_round). -1 for C not whole blocks. */
+int moe_q8_round(const float *x, int64_t T, int64_t C, float *out) {
+    if (C % QK) return -1;
+    choose_isa();
+    const int64_t per = T / (pool.threads * TASKS_PER_THREAD) + 1;
+    round_args A = {x, C, per, T, out};
+    parallel(q8_round_task, &A, (T + per - 1) / per);
+    return 0;
+}

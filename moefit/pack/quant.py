@@ -102,11 +102,23 @@ def prompt_sized(tokens: int) -> bool:
 
 def gemm_linear(x: torch.Tensor, parts: dict[str, torch.Tensor], name: str, quant: str) -> torch.Tensor | None:
     """x [T, C] fp32 @ W[R, C]^T as torch's fp32 GEMM on W dequantised natively into the scratch
-    (the caller holds kernels.torch_threads()); None where the kernel or the bound does not take W."""
+    and x rounded as the integer dots round it (q8_round); the caller holds kernels.torch_threads().
+    None where the kernel or the bound does not take W."""
     quant = matrix_quant(quant, name)
     if not kernels.usable(x, quant) or (w := _fp32_weights(parts, name, quant)) is None:
         return None
-    return F.linear(x, w)
+    return F.linear(q8_round(x), w)
+
+
+def q8_round(x: torch.Tensor) -> torch.Tensor:
+    """x [T, C] as the integer dots see it: each block of 32 rounded to int8 codes times its
+    amax / 127 (kernels/moe.c quantize_row, bit for bit, natively: in torch it cost a fifth of a
+    busy expert's GEMM). A prompt chunk's GEMM so gives a token what the dots give it, up to fp32
+    rounding, whatever the chunk it was in (with fp32 activations the two paths were ~1e-2 apart;
+    tests/test_quant.py). Rows the kernel does not take (not whole blocks) are multiplied in fp32
+    by the dots' fallback too: x as it is."""
+    rounded = kernels.q8_round(x)
+    return x if rounded is None else rounded
 
 
 def qlinear(x: torch.Tensor, parts: dict[str, torch.Tensor], name: str, quant: str) -> torch.Tensor:
