@@ -31,7 +31,7 @@ def server(model_pack, tmp_path_factory):
     root = tmp_path_factory.mktemp("server")
     card = root / "card.json"
     write_card(card, CARD["name"], CARD["total_mib"], DESKTOP)
-    s = Served(model_pack, card, root / "state", "--max-queue", "1")
+    s = Served(model_pack, card, root / "state", "--max-queue", "1", "--sessions", "2")
     s.card = card
     s.client = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0)
     yield s
@@ -97,7 +97,12 @@ def test_tool_calls_stream_as_deltas(server):
 
 
 def test_a_tool_result_round_trips_and_the_prefix_is_reused(server):
+    """The conversation's state survives a side request in between (--sessions 2: it takes the
+    other session), and the tool call re-rendered by the chat template reuses the first prompt."""
     first = server.client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, temperature=0, max_tokens=60)
+    side = server.client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "A title?"}],
+                                                 max_tokens=3)
+    assert side.usage.prompt_tokens_details.cached_tokens < 8
     call = first.choices[0].message.tool_calls[0]
     follow = ASK + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
                     {"role": "tool", "tool_call_id": call.id, "content": '{"temp": 21}'}]
@@ -165,7 +170,9 @@ def test_status_and_metrics(server):
     assert [line["name"] for line in status["ledger"]][:2] == ["other processes", "dense weights"]
     assert status["serve_check"]["status"] == "OK" and "layer_hit_rates" in status["expert_cache"]
     assert status["speculative"]["enabled"] is False and status["uptime_s"] > 0
-    assert len(status["sessions"]) == 1 and status["sessions"][0]["tokens"] == status["kv_cache"]["tokens"]
+    assert len(status["sessions"]) == 2 and sum(x["current"] for x in status["sessions"]) == 1
+    assert next(x for x in status["sessions"] if x["current"])["tokens"] == status["kv_cache"]["tokens"]
+    assert "2 sessions x 512 x" in next(x for x in status["ledger"] if x["name"] == "sequence state")["note"]
     text = httpx.get(server.url + "/metrics").text
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:prompt_tokens_total",
                  "vllm:generation_tokens_total", "vllm:time_to_first_token_seconds_bucket",
