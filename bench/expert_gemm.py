@@ -1,7 +1,7 @@
 """One expert's rows of a prompt chunk on the host two ways: the integer dots of the native layer
 call, and two fp32 GEMMs on its matrices dequantised natively (experts/groups.gemm_forward), over
 many distinct experts so that weights come from memory. Prints each way's time per expert and
-their ratio by row count: where the GEMM overtakes sets experts/runner.py's GEMM_ROWS. Not a test.
+their ratio by row count: where the GEMM overtakes is what experts/costs.py's crossover measures at start. Not a test.
 
     .venv/bin/python bench/expert_gemm.py [--hidden 2048] [--inter 768] [--quants int4 q4_k/q6_k]
                                           [--rows 8 16 32 64] [--threads 2]

@@ -1,6 +1,8 @@
-"""Prefill three ways, alternating in one process: all integer dots; the dense matrices (with
+"""Prefill four ways, alternating in one process: all integer dots; the dense matrices (with
 --dense-quant) as fp32 GEMMs on the natively dequantised matrix (pack/quant.py, GEMM_TOKENS or more
-tokens); and also each busy expert's (GEMM_ROWS rows or more: experts/groups.py). Not a test.
+tokens); and also each busy expert's, from the rows where that pays on this machine (the runner's
+measured crossover, --expert-gemm-rows auto), or from 24 rows (the threshold the eleventh round
+fixed on an Intel Xeon). Not a test.
 
     .venv/bin/python bench/prefill_gemm.py PACK [--prompt 512] [--chunk 512] [--dense-quant int4] [--rounds 3]
 
@@ -21,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from moefit import kernels  # noqa: E402
 from moefit.config import ServeConfig  # noqa: E402
-from moefit.experts import groups  # noqa: E402
+from moefit.experts.costs import NEVER  # noqa: E402
 from moefit.pack import quant  # noqa: E402
 from moefit.runtime.engine import Engine  # noqa: E402
 
@@ -37,23 +39,26 @@ def main() -> None:
     engine = Engine.open(Path(args.pack), ServeConfig(ctx=args.prompt + 64, dense_quant=args.dense_quant,
                                                           prefill_chunk=args.chunk))
     prompt = [(1000 + 7 * i) % engine.model.cfg.vocab_size for i in range(args.prompt)]
-    never = 10 ** 9
-    ways = {"experts GEMM": (quant.GEMM_TOKENS, groups.GEMM_ROWS, groups.GEMM_ROWS_BLOCKS),
-            "dense GEMM": (quant.GEMM_TOKENS, never, never), "integer dots": (never, never, never)}
+    engine.prefill(prompt[:quant.GEMM_TOKENS + 8])          # the crossover measured once, outside the timing
+    rows = {q: "never" if r >= NEVER else r for q, r in engine.runner._gemm_rows.items()}
+    never, tokens = 10 ** 9, quant.GEMM_TOKENS
+    ways = {"experts GEMM, auto": (tokens, "auto"), "experts GEMM, 24": (tokens, "24"),
+            "dense GEMM": (tokens, "off"), "integer dots": (never, "off")}
     rates: dict[str, list[float]] = {way: [] for way in ways}
     for _ in range(args.rounds):
-        for way, (tokens, rows, rows_blocks) in ways.items():
-            quant.GEMM_TOKENS, groups.GEMM_ROWS, groups.GEMM_ROWS_BLOCKS = tokens, rows, rows_blocks
-            engine.kv_tokens = []
+        for way, (gemm_tokens, expert_rows) in ways.items():
+            quant.GEMM_TOKENS, engine.runner.expert_gemm_rows = gemm_tokens, expert_rows
+            engine.forget_prefix()
             t0 = time.perf_counter()
             engine.prefill(prompt)
             rates[way].append(args.prompt / (time.perf_counter() - t0))
     print(f"# bench/prefill_gemm.py {Path(args.pack).name}: prompt {args.prompt}, chunk {args.chunk}, "
           f"dense {args.dense_quant}, "
-          f"{kernels.default_threads()} threads, torch {torch.__version__}; tok/s, best of {args.rounds}")
+          f"{kernels.default_threads()} threads, torch {torch.__version__}; tok/s, best of {args.rounds}; "
+          f"measured crossover (rows): {rows or 'none'}")
     base = max(rates["integer dots"])
     for way, r in rates.items():
-        print(f"{way:<13} {max(r):7.1f} tok/s  {max(r) / base:5.2f}x   ({', '.join(f'{v:.1f}' for v in r)})")
+        print(f"{way:<18} {max(r):7.1f} tok/s  {max(r) / base:5.2f}x   ({', '.join(f'{v:.1f}' for v in r)})")
 
 
 if __name__ == "__main__":

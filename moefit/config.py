@@ -65,6 +65,9 @@ class ServeConfig:
                                    "on CUDA at start; 0 = never; a simulated card has none unless given)")
     host_expert_gbps: float | None = _opt(None, "host expert weight-streaming GB/s for that choice (default: "
                                           "measured at start)")
+    expert_gemm_rows: str = _opt("auto", "a prompt chunk's expert with this many rows or more runs on the host as two "
+                                 "fp32 GEMMs on its dequantised matrices instead of the integer dots: auto (where the "
+                                 "two cross on this machine, measured at the first prompt), N, or off")
     threads: int | None = _opt(None, "host threads for expert and dense compute (default: the physical cores)")
 
     def resident_tokens(self) -> int | None:

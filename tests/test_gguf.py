@@ -213,7 +213,7 @@ def test_a_prompts_busy_k_quant_experts_run_as_gemms(hf256, tmp_path, monkeypatc
     """A Q4_K_M-style layer's (gate and up Q4_K, down Q6_K) busy experts in a prompt chunk: two fp32
     GEMMs on the blocks dequantised natively, close to the dots (tests/test_quant.py)."""
     from moefit import kernels
-    from moefit.experts import groups as grp, runner
+    from moefit.experts import runner
     from moefit.pack import quant as q
     if kernels.library() is None:
         pytest.skip("the native kernel is not built")
@@ -223,9 +223,9 @@ def test_a_prompts_busy_k_quant_experts_run_as_gemms(hf256, tmp_path, monkeypatc
     calls = []
     real = runner.gemm_first
     monkeypatch.setattr(runner, "gemm_first", lambda x, p, name, quant: calls.append(quant) or real(x, p, name, quant))
-    monkeypatch.setattr(grp, "GEMM_ROWS_BLOCKS", 8)
-    gemm = Engine.open(tmp_path / "pack", ServeConfig(ctx=256)).prefill(prompt)[0]
+    gemm = Engine.open(tmp_path / "pack", ServeConfig(ctx=256, expert_gemm_rows="8")).prefill(prompt)[0]
     assert set(calls) == {"q4_k/q6_k"}
-    monkeypatch.setattr(grp, "GEMM_ROWS_BLOCKS", 10 ** 9)
-    dots = Engine.open(tmp_path / "pack", ServeConfig(ctx=256)).prefill(prompt)[0]
+    calls.clear()
+    dots = Engine.open(tmp_path / "pack", ServeConfig(ctx=256, expert_gemm_rows="off")).prefill(prompt)[0]
+    assert not calls
     assert torch.isfinite(gemm).all() and (gemm - dots).norm() / dots.norm() < 5e-2

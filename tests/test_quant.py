@@ -71,7 +71,7 @@ def test_a_busy_expert_of_a_prompt_is_two_gemms_on_its_exact_weights():
     activations the two were 1e-2 apart); Groups.busy picks it only in a prompt chunk."""
     import torch.nn.functional as F
     from moefit import kernels
-    from moefit.experts.groups import GEMM_ROWS, GEMM_ROWS_BLOCKS, Groups, gemm_forward
+    from moefit.experts.groups import Groups, gemm_forward
     from moefit.pack import quant as q
     if kernels.library() is None:
         pytest.skip("the native kernel is not built")
@@ -88,9 +88,9 @@ def test_a_busy_expert_of_a_prompt_is_two_gemms_on_its_exact_weights():
     assert (dots - got).norm() / got.norm() < 1e-5
     ids = torch.tensor([[0, 1]] * 40 + [[0, 2]] * 60 + [[2, 3]] * 20)           # rows: 100, 40, 80, 20
     groups = Groups.of(ids, torch.ones(ids.shape))
-    assert groups.busy(len(ids), "int4") == [r >= GEMM_ROWS for r in (100, 40, 80, 20)] == [True, True, True, False]
-    assert groups.busy(len(ids), "q4_k/q6_k") == [r >= GEMM_ROWS_BLOCKS for r in (100, 40, 80, 20)]
-    assert groups.busy(q.GEMM_TOKENS - 1, "int4") == [False] * 4                # not a prompt chunk
+    assert groups.busy(len(ids), 32) == [True, True, True, False]             # rows: 100, 40, 80, 20
+    assert groups.busy(len(ids), 90) == [True, False, False, False]
+    assert groups.busy(q.GEMM_TOKENS - 1, 8) == [False] * 4                    # not a prompt chunk
 
 
 def test_a_prompts_product_runs_as_an_fp32_gemm_on_the_dequantised_matrix(monkeypatch):
@@ -160,21 +160,20 @@ def spied_prefills(engine, monkeypatch, spy, switch_off) -> tuple[list, float]:
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])            # gpt-oss: its own expert function
 def test_a_prompts_busy_experts_run_as_gemms_and_decode_steps_keep_the_dots(family, tmp_path, monkeypatch):
-    """A prompt chunk's experts with GEMM_ROWS rows or more go through fp32 GEMMs (gemm_first), its
-    logits close to the all-dots prefill's (see above); a decode step never does."""
+    """A prompt chunk's experts with --expert-gemm-rows rows or more go through fp32 GEMMs (gemm_first),
+    its logits close to the all-dots prefill's (see above); a decode step never does, nor any with off."""
     import tiny
     from moefit import kernels
-    from moefit.experts import groups as grp, runner
+    from moefit.experts import runner
     from moefit.config import ServeConfig
     from moefit.pack.convert import convert
     from moefit.runtime.engine import Engine
     if kernels.library() is None:
         pytest.skip("the native kernel is not built")
     convert(tiny.build_checkpoint(family, tmp_path / "hf"), tmp_path / "pack", "int4", progress=False)
-    engine = Engine.open(tmp_path / "pack", ServeConfig(ctx=256))
-    monkeypatch.setattr(grp, "GEMM_ROWS", 8)
+    engine = Engine.open(tmp_path / "pack", ServeConfig(ctx=256, expert_gemm_rows="8"))
     rows, gap = spied_prefills(engine, monkeypatch, (runner, "gemm_first", lambda x, *a: x.shape[0]),
-                               lambda: monkeypatch.setattr(grp, "GEMM_ROWS", 10 ** 9))
+                               lambda: setattr(engine.runner, "expert_gemm_rows", "off"))
     assert rows and min(rows) >= 8 and gap < 5e-2
 
 
@@ -199,3 +198,37 @@ def test_a_long_prompt_chunk_runs_with_the_pools_threads_in_torch(tmp_path, monk
     engine.kv_tokens = []
     engine.prefill([5, 6, 7])
     assert seen == [2, 1] and torch.get_num_threads() == 1
+
+
+def test_where_the_expert_gemm_pays_is_measured_on_this_machine(packs):
+    """crossover: each path a line through two timed row counts, the rows where they cross (never
+    where the GEMMs do not catch up); auto measures it once per quant at the first prompt chunk,
+    on the layer's own experts; a number or off is taken as given; anything else is refused."""
+    from moefit import kernels
+    from moefit.config import ServeConfig
+    from moefit.errors import UsageError
+    from moefit.experts.costs import NEVER, crossover
+    from moefit.pack import quant as q
+    from moefit.runtime.engine import Engine
+    lines = {False: (1.0, 0.1), True: (3.0, 0.02)}                           # dots, GEMMs: fixed + per row
+    assert crossover(lambda n, gemm: lines[gemm][0] + lines[gemm][1] * n, margin=0) == 25
+    assert crossover(lambda n, gemm: lines[gemm][0] + lines[gemm][1] * n) == 30          # 10 % below the dots
+    lines[True] = (3.0, 0.1)
+    assert crossover(lambda n, gemm: lines[gemm][0] + lines[gemm][1] * n) == NEVER
+    lines[True] = (0.5, 0.02)                                                  # GEMMs faster everywhere
+    assert crossover(lambda n, gemm: lines[gemm][0] + lines[gemm][1] * n) == 16
+    if kernels.library() is None:
+        pytest.skip("the native kernel is not built")
+    engine = Engine.open(packs("qwen3_moe", "int4"), ServeConfig(ctx=256))
+    timed = []
+    real = engine.runner._time_expert
+    engine.runner._time_expert = lambda *a: timed.append(a) or real(*a)
+    engine.prefill([(7 * i) % 300 + 3 for i in range(q.GEMM_TOKENS + 4)])
+    assert set(engine.runner._gemm_rows) == {"int4"} and len(timed) == 20      # 2 counts x 2 paths x best of 5
+    engine.forget_prefix()
+    engine.prefill([(5 * i) % 300 + 3 for i in range(q.GEMM_TOKENS + 4)])
+    assert len(timed) == 20                                                     # measured once
+    assert Engine.open(packs("qwen3_moe", "int4"), ServeConfig(ctx=256, expert_gemm_rows="off")).runner.gemm_rows(
+        0, "int4") == NEVER
+    with pytest.raises(UsageError, match="--expert-gemm-rows 0"):
+        Engine.open(packs("qwen3_moe", "int4"), ServeConfig(ctx=256, expert_gemm_rows="0"))

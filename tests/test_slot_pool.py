@@ -201,7 +201,6 @@ def test_the_pcie_or_host_choice_costs_a_busy_expert_as_the_gemm_it_would_run(pa
     """A prompt chunk's busy experts would run on the host as fp32 GEMMs (experts/groups.py): the
     choice costs them with the GEMM path's own rates, measured at start next to the dots'."""
     from moefit.config import ServeConfig
-    from moefit.experts import groups as grp
     from moefit.experts.costs import MissCosts
     from moefit.pack import quant as dense
     from moefit.runtime.engine import Engine
@@ -218,7 +217,7 @@ def test_the_pcie_or_host_choice_costs_a_busy_expert_as_the_gemm_it_would_run(pa
     flags = []
     real = engine.runner.costs.copy_is_cheaper
     monkeypatch.setattr(engine.runner.costs, "copy_is_cheaper", lambda *a: flags.append(a[-1]) or real(*a))
-    monkeypatch.setattr(grp, "GEMM_ROWS", 8)
+    engine.runner.expert_gemm_rows = "8"
     engine.prefill([(7 * i) % 300 + 3 for i in range(dense.GEMM_TOKENS + 4)])
     assert True in flags
     flags.clear()

@@ -19,6 +19,7 @@ slot as any resident one does.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -80,3 +81,28 @@ def measure_host(run_one, blob_bytes: int, macs_per_row: int, rows: int = 64, fi
     per_row = max(1e-9, (many - one) / (rows - first))
     fixed = max(one - first * per_row, 1e-9)
     return blob_bytes / fixed, macs_per_row / per_row
+
+
+NEVER = 1 << 30          # rows no prompt chunk reaches: the integer dots always
+
+
+def crossover(time_one, low: int = 16, high: int = 96, repeats: int = 5, margin: float = 0.1) -> int:
+    """The rows from which a prompt chunk's expert is faster as fp32 GEMMs than as the integer dots
+    on this machine: time_one(rows, gemm) at `low` and `high` rows for both (interleaved, best of
+    `repeats`: this machine's timings move by 20 % from call to call), each path a line through its
+    two points, and the rows where the GEMMs' line falls `margin` below the dots' (NEVER when it
+    does not by 4 x high). Measured on two machines (bench/prefill_gemm.py, a Q4_K_M pack, 512-token
+    prompt): on an Intel Xeon (2 hyperthreads) the experts' GEMMs from 24 rows made the prompt
+    1.28x faster; on an AMD EPYC (Zen 5, 2 cores) 0.75-0.89x (the pool and torch's threads taking
+    turns there costs more than the GEMMs save), and auto there 0.95x of all dots."""
+    t: dict = {}
+    for _ in range(repeats):
+        for n in (low, high):
+            for gemm in (False, True):
+                t[n, gemm] = min(t.get((n, gemm), math.inf), time_one(n, gemm))
+    dots = {n: (1 - margin) * t[n, False] for n in (low, high)}
+    slope_dots, slope_gemm = (dots[high] - dots[low]) / (high - low), (t[high, True] - t[low, True]) / (high - low)
+    if slope_gemm >= slope_dots:
+        return NEVER
+    rows = low + (t[low, True] - dots[low]) / (slope_dots - slope_gemm)
+    return max(low, math.ceil(rows)) if rows <= 4 * high else NEVER

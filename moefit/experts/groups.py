@@ -8,16 +8,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moefit.pack.layout import GGUF_BLOCKS, matrix_quants
 from moefit.pack import quant as dense
 from moefit.pack.quant import gemm_linear, qlinear
-
-
-# An expert with at least this many rows of a prompt chunk runs as fp32 GEMMs (measured by
-# bench/expert_gemm.py at Qwen3-30B-A3B's expert shape, 2 threads: dots / GEMM break even at ~24
-# rows for int4, int8 and Q8_0, ~16 for the GGUF blocks (their dots unpack more); 2-4x at 64-128).
-GEMM_ROWS = 32
-GEMM_ROWS_BLOCKS = 24
 
 
 class Groups:
@@ -47,14 +39,13 @@ class Groups:
         a, b = self.start[i], self.start[i + 1]
         return self.rows[a:b].long(), self.weights[a:b]
 
-    def busy(self, tokens: int, quant: str) -> list[bool]:
-        """Which experts of a prompt chunk (pack/quant.py's GEMM_TOKENS tokens or more) have rows
-        enough that two fp32 GEMMs on their dequantised matrices outpace the integer dots
-        (gemm_first). Decode steps and verify windows keep the dots, whose result for a token does
-        not depend on the others."""
+    def busy(self, tokens: int, least: int) -> list[bool]:
+        """Which experts of a prompt chunk (pack/quant.py's GEMM_TOKENS tokens or more) have at least
+        `least` rows, from which two fp32 GEMMs on their dequantised matrices outpace the integer
+        dots on this machine (ExpertRunner.gemm_rows; gemm_first). Decode steps and verify windows
+        keep the dots."""
         if not dense.prompt_sized(tokens):
             return [False] * len(self.experts)
-        least = GEMM_ROWS_BLOCKS if matrix_quants(quant)[0] in GGUF_BLOCKS else GEMM_ROWS
         return [b - a >= least for a, b in zip(self.start, self.start[1:])]
 
     def subset(self, keep: list[bool]) -> "Groups":

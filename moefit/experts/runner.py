@@ -23,7 +23,7 @@ import torch
 from moefit import kernels
 from moefit.experts.cache import CacheBook, Key
 from moefit.errors import DeviceOutOfMemory
-from moefit.experts.costs import MissCosts, measure_host
+from moefit.experts.costs import NEVER, MissCosts, crossover, measure_host
 from moefit.experts.grouped import (DENSE_TOKENS, combine_matrix, grouped_swiglu, padded_rows, stack_parts,
                                    swiglu_each)
 from moefit.experts.groups import Groups, expert_forward, gemm_first
@@ -56,6 +56,9 @@ class ExpertRunner:
         self.arriving: dict[Key, object] = {}   # CUDA prefetches in flight: key -> the copy's event
         self.side_stream = None                # the look-ahead's copy stream (CUDA)
         self.tokens = 0                        # token positions run through the MoE layers (engine.forward)
+        self.expert_gemm_rows = "auto"         # --expert-gemm-rows: auto (measured), N, or off
+        self._gemm_rows: dict[str, int] = {}   # quant -> rows from which a prompt's expert runs as GEMMs
+        self._timed = 0                        # experts timed so far (each timing takes the next one)
         self.group = 1                         # resident experts multiplied at once (the plan's resident_group) ...
         self.slice_weights = 1 << 62           # ... in row slices of at most this many weights (its expert_slice)
         # a family whose experts are not plain SwiGLU (gpt-oss: biases, a clamped gate) gives its own
@@ -228,7 +231,7 @@ class ExpertRunner:
         inter, _ = self._shape(quant)
         macs = 3 * inter * self.pack.model.hidden_size
         busy = {(layer, e) for e in groups.experts}
-        gemm = groups.busy(tokens, quant)                # the host would run these as GEMMs
+        gemm = self._busy(layer, quant, groups, tokens)  # the host would run these as GEMMs
         out = list(resident)
         for i, e in enumerate(groups.experts):
             key, rows = (layer, e), groups.start[i + 1] - groups.start[i]
@@ -253,7 +256,7 @@ class ExpertRunner:
         def run_one(rows: int) -> None:
             e = next(calls) % n                       # a different expert each call: its weights come from memory
             ids = torch.full((rows, 1), e, dtype=torch.int64)
-            self._host_experts(layer, torch.randn(rows, hidden), Groups.of(ids, torch.ones(rows, 1)))
+            self._host_experts(layer, torch.randn(rows, hidden), Groups.of(ids, torch.ones(rows, 1)), busy=[gemm])
         if gemm:
             tokens = dense.GEMM_TOKENS
             return measure_host(run_one, self.book.sizes[(layer, 0)], 3 * inter * hidden, 2 * tokens, tokens)
@@ -263,13 +266,47 @@ class ExpertRunner:
     def handoffs(self) -> int:
         return self.handoff.syncs
 
-    def _host_experts(self, layer: int, x: torch.Tensor, groups: "Groups") -> torch.Tensor:
+    def gemm_rows(self, layer: int, quant: str) -> int:
+        """Rows from which a prompt chunk's expert of `quant` runs as two fp32 GEMMs rather than the
+        integer dots (Groups.busy): --expert-gemm-rows N, never with off, and with auto where the two
+        paths' times cross on this machine (experts/costs.py crossover), measured on this layer's
+        experts the first time a prompt chunk needs it (~0.1 s once)."""
+        if self.expert_gemm_rows != "auto":
+            return NEVER if self.expert_gemm_rows == "off" else int(self.expert_gemm_rows)
+        if quant not in self._gemm_rows:
+            self._gemm_rows[quant] = crossover(lambda rows, gemm: self._time_expert(layer, rows, gemm))
+        return self._gemm_rows[quant]
+
+    def _busy(self, layer: int, quant: str, groups: "Groups", tokens: int) -> list[bool]:
+        """Each expert's choice in a step of `tokens` tokens: GEMMs (a prompt chunk's busy ones) or dots."""
+        least = self.gemm_rows(layer, quant) if dense.prompt_sized(tokens) else NEVER
+        return groups.busy(tokens, least)
+
+    def _time_expert(self, layer: int, rows: int, gemm: bool, experts: int = 8) -> float:
+        """Seconds a call of `experts` of the layer's experts (the next ones each call), `rows` random
+        rows each, takes on the host, timed as a prompt chunk runs them: all as dots, or one of them
+        as GEMMs. The host's native pool and torch's threads then take turns, which on some machines
+        costs more than the GEMMs save (an AMD EPYC, 2 cores: 8 experts of 64 rows, all dots 4.3 ms
+        an expert, half as GEMMs 4.7, where one expert alone was 5.1 as dots and 3.9 as GEMMs):
+        the two lines cross where the first GEMM expert of a layer pays for that too."""
+        n = self.pack.model.num_experts
+        ids = torch.tensor([(self._timed + i) % n for i in range(experts)]).repeat_interleave(rows)[:, None]
+        self._timed += experts
+        x = torch.randn(rows * experts, self.pack.model.hidden_size)
+        groups = Groups.of(ids, torch.ones(ids.shape))
+        one = [gemm and i == 0 for i in range(len(groups.experts))]
+        t0 = time.perf_counter()
+        self._host_experts(layer, x, groups, busy=one)
+        return time.perf_counter() - t0
+
+    def _host_experts(self, layer: int, x: torch.Tensor, groups: "Groups", busy: list[bool] | None = None) -> torch.Tensor:
         """The experts of `groups` on host memory (a slot of a simulated card, or the pack's
-        map): one native call, summed in expert order; torch per expert where it cannot."""
+        map): one native call, summed in expert order; torch per expert where it cannot. A
+        prompt chunk's busy experts run as GEMMs (`busy`: each expert's choice, given or decided)."""
         quant = self.pack.blobs[(layer, groups.experts[0])].quant
         native = self.expert_fn is None or self.native_act is not None
         if kernels.usable(x, quant) and native:
-            busy = groups.busy(x.shape[0], quant)
+            busy = self._busy(layer, quant, groups, x.shape[0]) if busy is None else busy
             dots = groups.subset([not b for b in busy]) if any(busy) else groups
             act = self.native_act(layer, dots.experts) if self.native_act is not None and dots.experts else None
             out = (kernels.moe_call(x, quant, self._shape(quant), self._pointers(layer, dots.experts), dots.start,

@@ -58,6 +58,8 @@ def compute_dtype_for(cfg: ServeConfig, kind: str) -> str:
 
 def load(pack: Pack, cfg: ServeConfig, log=lambda msg: None) -> Loaded:
     """Place the pack on cfg.device as the plan says; RefusedError when it does not fit."""
+    if cfg.expert_gemm_rows not in ("auto", "off") and not (cfg.expert_gemm_rows.isdigit() and int(cfg.expert_gemm_rows)):
+        raise UsageError(f"--expert-gemm-rows {cfg.expert_gemm_rows}: auto, off or a number of rows")
     if cfg.sessions < 1:
         raise UsageError(f"--sessions {cfg.sessions}: at least one session holds the sequence state")
     device = open_device(cfg.device)
@@ -104,6 +106,7 @@ def _place(pack: Pack, cfg: ServeConfig, mem: DeviceMemory, cdt: str, the_plan: 
     runner = ExpertRunner(pack, mem, book, profile, SlotPool(mem, book.sizes, m.num_layers, m.num_experts))
     if the_plan is not None:
         runner.group, runner.slice_weights = the_plan.resident_group, the_plan.expert_slice
+    runner.expert_gemm_rows = cfg.expert_gemm_rows
     runner.expert_fn = getattr(model, "expert", None)      # a family's own expert (gpt-oss), else SwiGLU
     runner.native_act = getattr(model, "native_act", None)
     runner.group_act = getattr(model, "group_act", None)
