@@ -2,7 +2,8 @@
 misses on the host straight from the pack's map.
 
 The host part is one native call per layer (kernels.moe_layer) for all its experts; in a prompt
-chunk, an expert with many rows runs as two fp32 GEMMs instead (Groups.busy), added after. Where the
+chunk, an expert with rows enough runs as two fp32 GEMMs instead (Groups.busy, from the rows where
+that pays on this machine: gemm_rows), added after. Where the
 device's memory is host memory (cpu, a simulated card), resident experts go through that same
 call, so the numbers do not depend on the cache size. On CUDA, the layer's routing and hidden
 rows come to the host in one hand-off (experts/handoff.py), the resident experts are queued on

@@ -1,7 +1,7 @@
 /* One quantised matrix as fp32 rows, over the pool (included by moe.c): a prompt's product of
  * many tokens then runs as torch's fp32 GEMM, which outpaces the integer dots there (the measures
- * and thresholds: GEMM_TOKENS in pack/quant.py for dense matrices, GEMM_ROWS in experts/groups.py
- * for an expert's). Each weight is computed as pack/quant.py's dequantize (kblocks.py for the GGUF
+ * and thresholds: GEMM_TOKENS in pack/quant.py for dense matrices; for an expert's, the rows where
+ * the two cross on the machine, experts/costs.py crossover). Each weight is computed as pack/quant.py's dequantize (kblocks.py for the GGUF
  * blocks) computes it, so the two agree bit for bit. */
 typedef struct {
     const void *w, *scales;
