@@ -31,7 +31,7 @@ from moefit.runtime.draft_head import load_draft_head
 from moefit.runtime.grammar import Constraint, GrammarTokenizer
 from moefit.runtime.mtp import load_mtp
 from moefit.runtime.sampler import Sampler, SamplingParams
-from moefit.runtime.session import RequestStats, Session, SpecStats
+from moefit.runtime.session import RequestStats, Session, SpecStats, common_prefix, session_for
 from moefit.runtime.speculative import Window
 from moefit.runtime.text import Detokenizer, StopMatcher, TextCodec
 
@@ -168,25 +168,10 @@ class Engine:
         except StateLost:
             self.forward(tokens, pos)
 
-    def session_for(self, prompt: list[int]) -> Session:
-        """The session a prompt runs on: the one where the tokens it reuses outweigh the held tokens
-        it overwrites by the most (an empty session: 0), the least recently used on a tie. A chat's
-        next turn continues its own session; a side request that shares a system prompt or a few
-        tokens with a long conversation (an agent's title call, a sub-agent) takes an empty or a
-        short session and leaves that conversation's state for its next turn."""
-        def gain(s: Session) -> tuple[int, int]:
-            reuse = self._reusable(s, prompt)
-            return reuse - (len(s.tokens) - reuse), -s.used
-        return max(self.sessions, key=gain)
-
-    @staticmethod
-    def _reusable(session: Session, prompt: list[int]) -> int:
-        return session.state.resumable(min(_common_prefix(session.tokens, prompt), len(prompt) - 1))
-
     def prefill(self, prompt: list[int]) -> tuple[torch.Tensor, int]:
         """Logits of the last prompt token, reusing the previous request's KV for the
         longest common prefix; returns (logits [V], reused tokens)."""
-        reuse = _common_prefix(self.kv_tokens, prompt)
+        reuse = common_prefix(self.kv_tokens, prompt)
         reuse = min(reuse, len(prompt) - 1)          # the last token must run to give logits
         if self.mtp is not None and reuse < len(self.kv_tokens):
             reuse = self._mtp_resume(reuse)
@@ -225,7 +210,7 @@ class Engine:
                cancelled: Callable[[], bool] = lambda: False) -> Iterator[Event]:
         """Generate from prompt token ids; yields text deltas, the last one with its finish reason."""
         self.check_request(prompt, params)
-        self.session = self.session_for(prompt)
+        self.session = session_for(self.sessions, prompt)
         self.requests += 1
         self.session.used = self.requests
         stats = self.last = RequestStats(prompt_tokens=len(prompt))
@@ -294,11 +279,3 @@ def _logprob(token: int, logits: torch.Tensor, top: int | None) -> TokenLogprob 
     best = torch.topk(lp, top) if top else None
     pairs = list(zip(best.indices.tolist(), best.values.tolist())) if best is not None else []
     return TokenLogprob(token, float(lp[token]), pairs)
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i

@@ -12,7 +12,7 @@ works on with the model.
 
 The engine holds --sessions of them, each with its own sequence state (planned and charged on
 the card): a request goes to the session whose tokens it reuses best, or to the least recently
-used one (Engine.session_for), and reuses that session's longest common prefix with its prompt.
+used one (session_for), and reuses that session's longest common prefix with its prompt.
 """
 
 from __future__ import annotations
@@ -82,3 +82,23 @@ class Session:
         self.ends[pos] = hidden.clone()            # not a view: the chunk's hidden states go
         while len(self.ends) > PROMPT_MARKS:
             del self.ends[next(iter(self.ends))]
+
+
+def session_for(sessions: list[Session], prompt: list[int]) -> Session:
+    """The session a prompt runs on: the one where the tokens it reuses outweigh the held tokens
+    it overwrites by the most (an empty session: 0), the least recently used on a tie. A chat's
+    next turn continues its own session; a side request that shares a system prompt or a few
+    tokens with a long conversation (an agent's title call, a sub-agent) takes an empty or a
+    short session and leaves that conversation's state for its next turn."""
+    def gain(s: Session) -> tuple[int, int]:
+        reuse = s.state.resumable(min(common_prefix(s.tokens, prompt), len(prompt) - 1))
+        return reuse - (len(s.tokens) - reuse), -s.used
+    return max(sessions, key=gain)
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
