@@ -135,3 +135,17 @@ def test_a_chat_turn_resumes_at_the_prompts_end_after_speculative_windows(packs)
     assert got.cached_tokens == len(first)
     assert got.generated == Engine.open(pack, cfg).generate(continued, GREEDY)[1].generated
     assert engine.loaded.kv.host_bytes() > 0                     # the prompt-end states live in host memory
+
+
+def test_the_same_prompt_again_runs_nothing_and_gives_the_same_reply(packs):
+    """A regenerated reply or a retried call sends the same prompt: its end's state, logits and
+    hidden state were kept, so no forward runs before the first new token (a hybrid after verify
+    windows went back to 0), and greedy output is the same."""
+    pack = packs("qwen3_5_moe")
+    engine = Engine.open(pack, ServeConfig(ctx=256, prefill_chunk=16, spec="lookup", spec_window=4))
+    first = LOOPY[:50]
+    out = engine.generate(first, GREEDY)[1].generated
+    forwards = engine.forwards
+    again = engine.generate(first, SamplingParams(max_tokens=1, temperature=0))[1]
+    assert again.cached_tokens == len(first) and engine.forwards == forwards and again.generated == out[:1]
+    assert engine.generate(first, GREEDY)[1].generated == out

@@ -241,3 +241,5 @@ def test_each_session_has_its_own_mtp_kv_in_the_reserve(mtp_packs, card):
         got = engine.generate(prompt, GREEDY)[1]
         assert got.generated == want
     assert got.cached_tokens == len(other) and engine.spec_stats.drafted > 0
+    again = engine.generate(other + [9], GREEDY)[1]                         # the same prompt: nothing runs
+    assert again.cached_tokens == len(other) + 1 and again.generated == got.generated

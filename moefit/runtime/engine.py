@@ -172,6 +172,8 @@ class Engine:
         """Logits of the last prompt token, reusing the previous request's KV for the
         longest common prefix; returns (logits [V], reused tokens)."""
         reuse = common_prefix(self.kv_tokens, prompt)
+        if reuse == len(prompt) and (logits := self._prompt_again(prompt)) is not None:
+            return logits, reuse
         reuse = min(reuse, len(prompt) - 1)          # the last token must run to give logits
         if self.mtp is not None and reuse < len(self.kv_tokens):
             reuse = self._mtp_resume(reuse)
@@ -186,16 +188,32 @@ class Engine:
             self.kv_tokens = prompt[:start + len(piece)]
             if self.mtp is not None:
                 self.mtp.catch_up(self.kv_tokens)
-        self.session.mark_end(len(prompt), self.last_hidden)   # where the next turn of this chat resumes
+        self.session.mark_end(len(prompt), self.last_hidden, logits)   # where the next turn of this chat resumes
         return logits, reuse
+
+    def _prompt_again(self, prompt: list[int]) -> torch.Tensor | None:
+        """The same prompt as one this session consumed (a regenerated reply, a retried call): its
+        last token's logits and hidden state were kept at its end and every layer resumes there, so
+        nothing runs (a hybrid went back to its last snapshot, which verify windows had moved past:
+        to 0). None where that end is not kept."""
+        end = self.session.ends.get(len(prompt))
+        if end is None or self.session.state.resumable(len(prompt)) != len(prompt):
+            return None
+        device = self.loaded.mem.torch_device
+        self.kv_tokens = list(prompt)
+        self.last_hidden = end.hidden.to(device)
+        self.hidden = self.last_hidden[None]
+        if self.mtp is not None:                     # its row at the prompt's last token waits for the next token
+            self.mtp.observe(len(prompt) - 1, self.hidden)
+        return end.logits.to(device)
 
     def _mtp_resume(self, reuse: int) -> int:
         """The MTP's row at reuse - 1 was made with the old next token and is written again from the
         model's hidden state there: kept where a prompt ended, else the model runs that position again."""
-        hidden = self.session.ends.get(reuse)
-        if hidden is None or self.session.state.resumable(reuse) != reuse:
+        end = self.session.ends.get(reuse)
+        if end is None or self.session.state.resumable(reuse) != reuse:
             return max(0, reuse - 1)
-        self.mtp.observe(reuse - 1, hidden[None])
+        self.mtp.observe(reuse - 1, end.hidden.to(self.loaded.mem.torch_device)[None])
         return reuse
 
     # -- generation --------------------------------------------------------------

@@ -7,8 +7,9 @@ works on with the model.
     session.spec_stats   windows verified, tokens drafted and accepted
     session.last         the last request's figures (prompt, cached, generated, timings)
     session.hidden       the final hidden states of the last forward (draft heads read them)
-    session.ends         the last prompts' ends -> the final hidden state of their last token (an
-                         MTP row's input, where a chat's next turn resumes: runtime/engine.py)
+    session.ends         the last prompts' ends -> their last token's final hidden state and logits,
+                         in host memory (a chat's next turn resumes there: an MTP row's input; the
+                         same prompt again, a regenerated reply, runs nothing: runtime/engine.py)
 
 The engine holds --sessions of them, each with its own sequence state (planned and charged on
 the card): a request goes to the session whose tokens it reuses best, or to the least recently
@@ -63,6 +64,12 @@ class RequestStats:
 
 
 @dataclass
+class PromptEnd:
+    hidden: torch.Tensor            # [E] the final hidden state of the prompt's last token (host memory)
+    logits: torch.Tensor            # [V] its logits (host memory)
+
+
+@dataclass
 class Session:
     state: object                                   # runtime.state.SequenceState
     window: Window
@@ -71,15 +78,15 @@ class Session:
     last: RequestStats = field(default_factory=RequestStats)
     hidden: torch.Tensor | None = None              # [T, E] of the last forward
     last_hidden: torch.Tensor | None = None         # [E] of its last position
-    ends: dict[int, torch.Tensor] = field(default_factory=dict)
+    ends: dict[int, PromptEnd] = field(default_factory=dict)
     mtp: object | None = None                       # its MTP drafter (runtime/mtp.py), with the MTP's own KV
     used: int = 0                                   # when a request last ran on it (the engine's count)
 
-    def mark_end(self, pos: int, hidden: torch.Tensor) -> None:
+    def mark_end(self, pos: int, hidden: torch.Tensor, logits: torch.Tensor) -> None:
         """A prompt of `pos` tokens was consumed: its state is kept (recurrent layers' marks) and
-        the hidden state of its last token, for as many prompts as the marks."""
+        its last token's hidden state and logits, for as many prompts as the marks."""
         self.state.mark()
-        self.ends[pos] = hidden.clone()            # not a view: the chunk's hidden states go
+        self.ends[pos] = PromptEnd(hidden.detach().to("cpu", copy=True), logits.detach().to("cpu", copy=True))
         while len(self.ends) > PROMPT_MARKS:
             del self.ends[next(iter(self.ends))]
 
