@@ -224,3 +224,23 @@ def test_the_pcie_or_host_choice_costs_a_busy_expert_as_the_gemm_it_would_run(pa
     engine.kv_tokens = []
     engine.prefill([5, 17, 42, 99, 7, 3])                                # a short chunk: the dots' rates
     assert flags and True not in flags
+
+
+def test_the_host_kernels_never_get_a_device_slot(packs):
+    """On CUDA a resident expert's slot is device memory: the host's kernels (the start's host
+    measurements, the prompt's GEMM crossover, a miss) take the pack's map instead. Device slots
+    are stood in for by meta tensors (no data) on a cpu engine."""
+    import torch
+    from moefit.config import ServeConfig
+    from moefit import kernels
+    from moefit.runtime.engine import Engine
+    engine = Engine.open(packs("qwen3_moe", "int4"), ServeConfig(ctx=64))
+    runner, layer = engine.runner, engine.pack.model.moe_layers[0]
+    host = {e: runner._host(layer, e) for e in range(engine.pack.model.num_experts)}
+    runner.slots.update({(layer, e): {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in p.items()}
+                         for e, p in host.items()})
+    assert all(runner._on_host(layer, e) is host[e] for e in host)
+    if kernels.library() is None:
+        pytest.skip("the native kernel is not built")
+    assert runner._pointers(layer, [0, 1]) == kernels.addresses(host[0]) + kernels.addresses(host[1])
+    assert min(runner.measure_host()) > 0 and runner._time_expert(layer, 16, True) > 0

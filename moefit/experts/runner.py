@@ -317,7 +317,7 @@ class ExpertRunner:
         out = torch.zeros_like(x)
         for i, e in enumerate(groups.experts):                  # fixed summation order
             rows, w = groups.rows_of(i)
-            parts = self.slots.get((layer, e)) or self._host(layer, e)
+            parts = self._on_host(layer, e)
             y = self._forward(layer, e)(x[rows], parts, self.pack.blobs[(layer, e)].quant)
             out.index_add_(0, rows, y * w[:, None].to(y.dtype))
         return out
@@ -329,7 +329,7 @@ class ExpertRunner:
             for i, e in enumerate(groups.experts):
                 if busy[i]:
                     rows, w = groups.rows_of(i)
-                    parts, quant = self.slots.get((layer, e)) or self._host(layer, e), self.pack.blobs[(layer, e)].quant
+                    parts, quant = self._on_host(layer, e), self.pack.blobs[(layer, e)].quant
                     y = self._forward(layer, e)(x[rows], parts, quant, gemm_first)
                     out.index_add_(0, rows, y.mul_(w[:, None]))
         return out
@@ -392,16 +392,22 @@ class ExpertRunner:
         return self._shapes[quant]
 
     def _pointers(self, layer: int, experts: list[int]) -> list[int]:
-        """The four part addresses of each expert, from its slot or from the pack's map
-        (both host memory here), flat in expert order."""
+        """The four part addresses of each expert in host memory (_on_host), flat in expert order."""
         out = []
         for e in experts:
             key = (layer, e)
             if key not in self._addresses:
-                slot = self.slots.get(key)
-                self._addresses[key] = kernels.addresses(slot if slot is not None else self._host(layer, e))
+                self._addresses[key] = kernels.addresses(self._on_host(layer, e))
             out += self._addresses[key]
         return out
+
+    def _on_host(self, layer: int, e: int) -> dict:
+        """An expert's parts in host memory, for the host's kernels: its slot where the card's memory
+        is host memory (cpu, a simulated card), else the pack's map. A CUDA slot is never handed to
+        them (the start's host measurements time experts that may be resident: their device
+        addresses would be read on the host)."""
+        slot = self.slots.get((layer, e))
+        return slot if slot is not None and next(iter(slot.values())).device.type == "cpu" else self._host(layer, e)
 
     def _host(self, layer: int, e: int) -> dict:
         parts = self._host_parts.get((layer, e))
