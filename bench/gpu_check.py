@@ -287,6 +287,10 @@ def main(argv=None) -> int:
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print("no CUDA device here: run it on the GPU machine, or with --device sim:moefit/demo/card.json")
         return 2
+    if args.device.startswith("sim:"):                 # the guard's and oom's checks write the card: a copy
+        copy = Path(tempfile.mkdtemp()) / Path(args.device[4:]).name
+        copy.write_text(Path(args.device[4:]).read_text())
+        args.device = f"sim:{copy}"
     pack = demo_pack(log=print)
     started, results = time.time(), {}
     names = args.only.split(",") if args.only else list(CHECKS) + ["decode"]

@@ -141,6 +141,7 @@ def test_the_device_check_runs_its_checks_on_the_simulated_card(tmp_path):
     root = Path(__file__).resolve().parent.parent
     card = tmp_path / "card.json"
     shutil.copy(root / "moefit" / "demo" / "card.json", card)
+    before = card.read_text()
     out = tmp_path / "gpu_check.json"
     # the GPU machine's image has no server packages: the check must run without them
     blocked = "fastapi uvicorn pydantic starlette sse_starlette".split()
@@ -160,6 +161,7 @@ def test_the_device_check_runs_its_checks_on_the_simulated_card(tmp_path):
                                                          "decode": None}
     assert checks["syncs"]["handoffs_per_moe_layer_token"] == 1.0
     assert checks["guard"]["driver_saw_mib"] == checks["guard"]["freed_by_pool_mib"] > 0
+    assert card.read_text() == before                  # its guard and oom checks wrote a copy, not the card
 
 
 def test_prefill_misses_go_over_pcie_when_that_is_cheaper_and_the_tokens_do_not_change(packs, card):
