@@ -169,8 +169,8 @@ class Engine:
             self.forward(tokens, pos)
 
     def prefill(self, prompt: list[int]) -> tuple[torch.Tensor, int]:
-        """Logits of the last prompt token, reusing the previous request's KV for the
-        longest common prefix; returns (logits [V], reused tokens)."""
+        """Logits of the last prompt token, reusing the session's sequence state for the longest
+        common prefix it can resume at; returns (logits [V], reused tokens)."""
         reuse = common_prefix(self.kv_tokens, prompt)
         if reuse == len(prompt) and (logits := self._prompt_again(prompt)) is not None:
             return logits, reuse
