@@ -232,3 +232,25 @@ def test_where_the_expert_gemm_pays_is_measured_on_this_machine(packs):
         0, "int4") == NEVER
     with pytest.raises(UsageError, match="--expert-gemm-rows 0"):
         Engine.open(packs("qwen3_moe", "int4"), ServeConfig(ctx=256, expert_gemm_rows="0"))
+
+
+def test_a_prompt_gemm_takes_the_faster_of_mkl_and_onednn_per_shape(monkeypatch):
+    """kernels/gemm.py: timed once per shape class (rows to the next power of two, the matrix's
+    shape), then kept; either backend is an fp32 GEMM, equal to F.linear to fp32 rounding."""
+    import torch.nn.functional as F
+    from moefit.kernels import gemm
+    monkeypatch.setattr(gemm, "_onednn_for", {})
+    g = torch.Generator().manual_seed(5)
+    x, w = torch.randn(100, 256, generator=g), torch.randn(96, 256, generator=g)
+    want = F.linear(x, w)
+    for onednn in (False, True):
+        gemm._onednn_for[(128, 256, 96)] = onednn
+        assert torch.allclose(gemm.linear(x, w), want, rtol=1e-5, atol=1e-4)
+    timed = []
+    monkeypatch.setattr(gemm, "_onednn_is_faster", lambda x, w: timed.append(x.shape) or True)
+    gemm.linear(x[:70], w[:48])
+    gemm.linear(x[:65], w[:48])                       # the same class (128 rows): not timed again
+    gemm.linear(x[:40], w[:48])
+    assert timed == [(70, 256), (40, 256)] and gemm._onednn_for[(128, 256, 48)] is True
+    monkeypatch.undo()
+    assert gemm._onednn_is_faster(x[:8], w) in (True, False)

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from moefit import kernels
+from moefit.kernels import gemm
 from moefit.pack.kblocks import dequantize_blocks
 from moefit.pack.layout import FLOAT_QUANTS, GGUF_BLOCKS, Q8_0_GROUP, Part, matrix_quant
 
@@ -101,13 +102,14 @@ def prompt_sized(tokens: int) -> bool:
 
 
 def gemm_linear(x: torch.Tensor, parts: dict[str, torch.Tensor], name: str, quant: str) -> torch.Tensor | None:
-    """x [T, C] fp32 @ W[R, C]^T as torch's fp32 GEMM on W dequantised natively into the scratch
-    and x rounded as the integer dots round it (q8_round); the caller holds kernels.torch_threads().
+    """x [T, C] fp32 @ W[R, C]^T as torch's fp32 GEMM (MKL or oneDNN, the faster here: kernels/gemm.py)
+    on W dequantised natively into the scratch and x rounded as the integer dots round it
+    (q8_round); the caller holds kernels.torch_threads().
     None where the kernel or the bound does not take W."""
     quant = matrix_quant(quant, name)
     if not kernels.usable(x, quant) or (w := _fp32_weights(parts, name, quant)) is None:
         return None
-    return F.linear(q8_round(x), w)
+    return gemm.linear(q8_round(x), w)
 
 
 def q8_round(x: torch.Tensor) -> torch.Tensor:
