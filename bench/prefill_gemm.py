@@ -23,7 +23,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from moefit import kernels  # noqa: E402
 from moefit.config import ServeConfig  # noqa: E402
-from moefit.experts.costs import NEVER  # noqa: E402
 from moefit.pack import quant  # noqa: E402
 from moefit.runtime.engine import Engine  # noqa: E402
 
@@ -40,14 +39,14 @@ def main() -> None:
                                                           prefill_chunk=args.chunk))
     prompt = [(1000 + 7 * i) % engine.model.cfg.vocab_size for i in range(args.prompt)]
     engine.prefill(prompt[:quant.GEMM_TOKENS + 8])          # the crossover measured once, outside the timing
-    rows = {q: "never" if r >= NEVER else r for q, r in engine.runner._gemm_rows.items()}
+    rows = {q: r or "never" for q, r in engine.runner.rates.reported().items()}
     never, tokens = 10 ** 9, quant.GEMM_TOKENS
     ways = {"experts GEMM, auto": (tokens, "auto"), "experts GEMM, 24": (tokens, "24"),
             "dense GEMM": (tokens, "off"), "integer dots": (never, "off")}
     rates: dict[str, list[float]] = {way: [] for way in ways}
     for _ in range(args.rounds):
         for way, (gemm_tokens, expert_rows) in ways.items():
-            quant.GEMM_TOKENS, engine.runner.expert_gemm_rows = gemm_tokens, expert_rows
+            quant.GEMM_TOKENS, engine.runner.rates.setting = gemm_tokens, expert_rows
             engine.forget_prefix()
             t0 = time.perf_counter()
             engine.prefill(prompt)

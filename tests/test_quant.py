@@ -173,7 +173,7 @@ def test_a_prompts_busy_experts_run_as_gemms_and_decode_steps_keep_the_dots(fami
     convert(tiny.build_checkpoint(family, tmp_path / "hf"), tmp_path / "pack", "int4", progress=False)
     engine = Engine.open(tmp_path / "pack", ServeConfig(ctx=256, expert_gemm_rows="8"))
     rows, gap = spied_prefills(engine, monkeypatch, (runner, "gemm_first", lambda x, *a: x.shape[0]),
-                               lambda: setattr(engine.runner, "expert_gemm_rows", "off"))
+                               lambda: setattr(engine.runner.rates, "setting", "off"))
     assert rows and min(rows) >= 8 and gap < 5e-2
 
 
@@ -221,14 +221,14 @@ def test_where_the_expert_gemm_pays_is_measured_on_this_machine(packs):
         pytest.skip("the native kernel is not built")
     engine = Engine.open(packs("qwen3_moe", "int4"), ServeConfig(ctx=256))
     timed = []
-    real = engine.runner._time_expert
-    engine.runner._time_expert = lambda *a: timed.append(a) or real(*a)
+    real = engine.runner.rates.time_experts
+    engine.runner.rates.time_experts = lambda *a: timed.append(a) or real(*a)
     engine.prefill([(7 * i) % 300 + 3 for i in range(q.GEMM_TOKENS + 4)])
-    assert set(engine.runner._gemm_rows) == {"int4"} and len(timed) == 20      # 2 counts x 2 paths x best of 5
+    assert set(engine.runner.rates.crossovers) == {"int4"} and len(timed) == 20      # 2 counts x 2 paths x best of 5
     engine.forget_prefix()
     engine.prefill([(5 * i) % 300 + 3 for i in range(q.GEMM_TOKENS + 4)])
     assert len(timed) == 20                                                     # measured once
-    assert Engine.open(packs("qwen3_moe", "int4"), ServeConfig(ctx=256, expert_gemm_rows="off")).runner.gemm_rows(
+    assert Engine.open(packs("qwen3_moe", "int4"), ServeConfig(ctx=256, expert_gemm_rows="off")).runner.rates.gemm_rows(
         0, "int4") == NEVER
     with pytest.raises(UsageError, match="--expert-gemm-rows 0"):
         Engine.open(packs("qwen3_moe", "int4"), ServeConfig(ctx=256, expert_gemm_rows="0"))

@@ -219,7 +219,7 @@ def test_the_pcie_or_host_choice_costs_a_busy_expert_as_the_gemm_it_would_run(pa
     flags = []
     real = engine.runner.costs.copy_is_cheaper
     monkeypatch.setattr(engine.runner.costs, "copy_is_cheaper", lambda *a: flags.append(a[-1]) or real(*a))
-    engine.runner.expert_gemm_rows = "8"
+    engine.runner.rates.setting = "8"
     engine.prefill([(7 * i) % 300 + 3 for i in range(dense.GEMM_TOKENS + 4)])
     assert True in flags
     flags.clear()
@@ -245,4 +245,4 @@ def test_the_host_kernels_never_get_a_device_slot(packs):
     if kernels.library() is None:
         pytest.skip("the native kernel is not built")
     assert runner._pointers(layer, [0, 1]) == kernels.addresses(host[0]) + kernels.addresses(host[1])
-    assert min(runner.measure_host()) > 0 and runner._time_expert(layer, 16, True) > 0
+    assert min(runner.rates.measure()) > 0 and runner.rates.time_experts(layer, 16, True) > 0

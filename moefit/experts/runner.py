@@ -3,7 +3,7 @@ misses on the host straight from the pack's map.
 
 The host part is one native call per layer (kernels.moe_layer) for all its experts; in a prompt
 chunk, an expert with rows enough runs as two fp32 GEMMs instead (Groups.busy, from the rows where
-that pays on this machine: gemm_rows), added after. Where the
+that pays on this machine: experts/host_rates.py), added after. Where the
 device's memory is host memory (cpu, a simulated card), resident experts go through that same
 call, so the numbers do not depend on the cache size. On CUDA, the layer's routing and hidden
 rows come to the host in one hand-off (experts/handoff.py), the resident experts are queued on
@@ -24,15 +24,15 @@ import torch
 from moefit import kernels
 from moefit.experts.cache import CacheBook, Key
 from moefit.errors import DeviceOutOfMemory
-from moefit.experts.costs import NEVER, MissCosts, crossover, measure_host
+from moefit.experts.costs import MissCosts
 from moefit.experts.grouped import (DENSE_TOKENS, combine_matrix, grouped_swiglu, padded_rows, stack_parts,
                                    swiglu_each)
 from moefit.experts.groups import Groups, expert_forward, gemm_first
 from moefit.experts.handoff import Handoff
+from moefit.experts.host_rates import HostRates
 from moefit.experts.lookahead import LookAhead
 from moefit.experts.pool import SlotPool
 from moefit.experts.profile import Profile
-from moefit.pack import quant as dense
 from moefit.pack.layout import matrix_quants
 from moefit.pack.quant import blob_views, qlinear
 from moefit.pack.reader import Pack
@@ -57,9 +57,7 @@ class ExpertRunner:
         self.arriving: dict[Key, object] = {}   # CUDA prefetches in flight: key -> the copy's event
         self.side_stream = None                # the look-ahead's copy stream (CUDA)
         self.tokens = 0                        # token positions run through the MoE layers (engine.forward)
-        self.expert_gemm_rows = "auto"         # --expert-gemm-rows: auto (measured), N, or off
-        self._gemm_rows: dict[str, int] = {}   # quant -> rows from which a prompt's expert runs as GEMMs
-        self._timed = 0                        # experts timed so far (each timing takes the next one)
+        self.rates = HostRates(self)           # the host's measured rates and GEMM crossovers (experts/host_rates.py)
         self.group = 1                         # resident experts multiplied at once (the plan's resident_group) ...
         self.slice_weights = 1 << 62           # ... in row slices of at most this many weights (its expert_slice)
         # a family whose experts are not plain SwiGLU (gpt-oss: biases, a clamped gate) gives its own
@@ -232,7 +230,7 @@ class ExpertRunner:
         inter, _ = self._shape(quant)
         macs = 3 * inter * self.pack.model.hidden_size
         busy = {(layer, e) for e in groups.experts}
-        gemm = self._busy(layer, quant, groups, tokens)  # the host would run these as GEMMs
+        gemm = self.rates.busy(layer, quant, groups, tokens)  # the host would run these as GEMMs
         out = list(resident)
         for i, e in enumerate(groups.experts):
             key, rows = (layer, e), groups.start[i + 1] - groups.start[i]
@@ -244,61 +242,9 @@ class ExpertRunner:
                 out[i] = True
         return out
 
-    def measure_host(self, gemm: bool = False) -> tuple[float, float]:
-        """(bytes/s, MACs/s) of the host path on this pack's experts (experts/costs.py): the
-        integer dots (1 and 64 rows), or a busy expert's fp32 GEMMs (one and two prompt chunks'
-        worth of rows: GEMM_TOKENS and twice that)."""
-        layer = self.pack.model.moe_layers[0]
-        quant = self.pack.blobs[(layer, 0)].quant
-        inter, _ = self._shape(quant)
-        hidden, n = self.pack.model.hidden_size, self.pack.model.num_experts
-        calls = iter(range(10 ** 9))
-
-        def run_one(rows: int) -> None:
-            e = next(calls) % n                       # a different expert each call: its weights come from memory
-            ids = torch.full((rows, 1), e, dtype=torch.int64)
-            self._host_experts(layer, torch.randn(rows, hidden), Groups.of(ids, torch.ones(rows, 1)), busy=[gemm])
-        if gemm:
-            tokens = dense.GEMM_TOKENS
-            return measure_host(run_one, self.book.sizes[(layer, 0)], 3 * inter * hidden, 2 * tokens, tokens)
-        return measure_host(run_one, self.book.sizes[(layer, 0)], 3 * inter * hidden)
-
     @property
     def handoffs(self) -> int:
         return self.handoff.syncs
-
-    def gemm_rows(self, layer: int, quant: str) -> int:
-        """Rows from which a prompt chunk's expert of `quant` runs as two fp32 GEMMs rather than the
-        integer dots (Groups.busy): --expert-gemm-rows N, never with off, and with auto where the two
-        paths' times cross on this machine (experts/costs.py crossover), measured on this layer's
-        experts the first time a prompt chunk needs it (~0.1 s once)."""
-        if self.expert_gemm_rows != "auto":
-            return NEVER if self.expert_gemm_rows == "off" else int(self.expert_gemm_rows)
-        if quant not in self._gemm_rows:
-            self._gemm_rows[quant] = crossover(lambda rows, gemm: self._time_expert(layer, rows, gemm))
-        return self._gemm_rows[quant]
-
-    def _busy(self, layer: int, quant: str, groups: "Groups", tokens: int) -> list[bool]:
-        """Each expert's choice in a step of `tokens` tokens: GEMMs (a prompt chunk's busy ones) or dots."""
-        least = self.gemm_rows(layer, quant) if dense.prompt_sized(tokens) else NEVER
-        return groups.busy(tokens, least)
-
-    def _time_expert(self, layer: int, rows: int, gemm: bool, experts: int = 8) -> float:
-        """Seconds a call of `experts` of the layer's experts (the next ones each call), `rows` random
-        rows each, takes on the host, timed as a prompt chunk runs them: all as dots, or one of them
-        as GEMMs. The host's native pool and torch's threads then take turns, which on some machines
-        costs more than the GEMMs save (an AMD EPYC, 2 cores: 8 experts of 64 rows, all dots 4.3 ms
-        an expert, half as GEMMs 4.7, where one expert alone was 5.1 as dots and 3.9 as GEMMs):
-        the two lines cross where the first GEMM expert of a layer pays for that too."""
-        n = self.pack.model.num_experts
-        ids = torch.tensor([(self._timed + i) % n for i in range(experts)]).repeat_interleave(rows)[:, None]
-        self._timed += experts
-        x = torch.randn(rows * experts, self.pack.model.hidden_size)
-        groups = Groups.of(ids, torch.ones(ids.shape))
-        one = [gemm and i == 0 for i in range(len(groups.experts))]
-        t0 = time.perf_counter()
-        self._host_experts(layer, x, groups, busy=one)
-        return time.perf_counter() - t0
 
     def _host_experts(self, layer: int, x: torch.Tensor, groups: "Groups", busy: list[bool] | None = None) -> torch.Tensor:
         """The experts of `groups` on host memory (a slot of a simulated card, or the pack's
@@ -307,7 +253,7 @@ class ExpertRunner:
         quant = self.pack.blobs[(layer, groups.experts[0])].quant
         native = self.expert_fn is None or self.native_act is not None
         if kernels.usable(x, quant) and native:
-            busy = self._busy(layer, quant, groups, x.shape[0]) if busy is None else busy
+            busy = self.rates.busy(layer, quant, groups, x.shape[0]) if busy is None else busy
             dots = groups.subset([not b for b in busy]) if any(busy) else groups
             act = self.native_act(layer, dots.experts) if self.native_act is not None and dots.experts else None
             out = (kernels.moe_call(x, quant, self._shape(quant), self._pointers(layer, dots.experts), dots.start,

@@ -106,7 +106,7 @@ def _place(pack: Pack, cfg: ServeConfig, mem: DeviceMemory, cdt: str, the_plan: 
     runner = ExpertRunner(pack, mem, book, profile, SlotPool(mem, book.sizes, m.num_layers, m.num_experts))
     if the_plan is not None:
         runner.group, runner.slice_weights = the_plan.resident_group, the_plan.expert_slice
-    runner.expert_gemm_rows = cfg.expert_gemm_rows
+    runner.rates.setting = cfg.expert_gemm_rows
     runner.expert_fn = getattr(model, "expert", None)      # a family's own expert (gpt-oss), else SwiGLU
     runner.native_act = getattr(model, "native_act", None)
     runner.group_act = getattr(model, "group_act", None)
@@ -130,9 +130,9 @@ def miss_costs(runner: ExpertRunner, cfg: ServeConfig, mem: DeviceMemory) -> Mis
     elif mem.device.kind == "cuda":
         costs.pcie_bytes_per_s = measure_pcie(mem.torch_device)
     if costs.enabled:
-        measured_bw, costs.host_macs_per_s = runner.measure_host()
+        measured_bw, costs.host_macs_per_s = runner.rates.measure()
         costs.host_bytes_per_s = cfg.host_expert_gbps * 1e9 if cfg.host_expert_gbps else measured_bw
-        costs.gemm_bytes_per_s, costs.gemm_macs_per_s = runner.measure_host(gemm=True)
+        costs.gemm_bytes_per_s, costs.gemm_macs_per_s = runner.rates.measure(gemm=True)
     return costs
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from moefit.errors import DeviceUnavailable
-from moefit.experts.costs import NEVER
 from moefit.memory import ledger as L
 from moefit.memory.planner import device_json
 
@@ -21,7 +20,7 @@ def cache_json(engine) -> dict:
         "layer_hit_rates": book.layer_hit_rates(), "swaps": book.swaps, "bytes_moved": book.bytes_moved,
         "pool_bytes": engine.runner.pool.allocated, "pool_chunks": len(engine.runner.pool.chunks),
         "pcie_loads": engine.runner.pcie_loads, **engine.runner.costs.to_json(),
-        "expert_gemm_rows": {q: (None if r >= NEVER else r) for q, r in engine.runner._gemm_rows.items()},
+        "expert_gemm_rows": engine.runner.rates.reported(),
         "handoffs_per_token": engine.runner.handoffs / engine.runner.tokens if engine.runner.tokens else 0.0,
         "handoffs_per_moe_layer_token": (engine.runner.handoffs / engine.runner.tokens / len(engine.pack.model.moe_layers)
                                          if engine.runner.tokens else 0.0),
