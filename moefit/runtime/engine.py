@@ -196,8 +196,8 @@ class Engine:
         last token's logits and hidden state were kept at its end and every layer resumes there, so
         nothing runs (a hybrid went back to its last snapshot, which verify windows had moved past:
         to 0). None where that end is not kept."""
-        end = self.session.ends.get(len(prompt))
-        if end is None or self.session.state.resumable(len(prompt)) != len(prompt):
+        end = self.session.end_at(len(prompt))
+        if end is None:
             return None
         device = self.loaded.mem.torch_device
         self.kv_tokens = list(prompt)
@@ -210,8 +210,8 @@ class Engine:
     def _mtp_resume(self, reuse: int) -> int:
         """The MTP's row at reuse - 1 was made with the old next token and is written again from the
         model's hidden state there: kept where a prompt ended, else the model runs that position again."""
-        end = self.session.ends.get(reuse)
-        if end is None or self.session.state.resumable(reuse) != reuse:
+        end = self.session.end_at(reuse)
+        if end is None:
             return max(0, reuse - 1)
         self.mtp.observe(reuse - 1, end.hidden.to(self.loaded.mem.torch_device)[None])
         return reuse

@@ -91,6 +91,12 @@ class Session:
             del self.ends[next(iter(self.ends))]
 
 
+    def end_at(self, pos: int) -> PromptEnd | None:
+        """The kept end of a prompt of `pos` tokens, where every layer can resume at it; else None."""
+        end = self.ends.get(pos)
+        return end if end is not None and self.state.resumable(pos) == pos else None
+
+
 def session_for(sessions: list[Session], prompt: list[int]) -> Session:
     """The session a prompt runs on: the one where the tokens it reuses outweigh the held tokens
     it overwrites by the most (an empty session: 0), the least recently used on a tie. A chat's
