@@ -1,8 +1,8 @@
-"""Prefill four ways, alternating in one process: all integer dots; the dense matrices (with
---dense-quant) as fp32 GEMMs on the natively dequantised matrix (pack/quant.py, GEMM_TOKENS or more
-tokens); and also each busy expert's, from the rows where that pays on this machine (the runner's
-measured crossover, --expert-gemm-rows auto), or from 24 rows (the threshold the eleventh round
-fixed on an Intel Xeon). Not a test.
+"""Prefill several ways, alternating in one process: as moefit runs it (each dense product of a
+prompt by the way measured fastest for its shape, kernels/gemm.py; busy experts as GEMMs from the
+measured crossover, --expert-gemm-rows auto); each dense way forced (the integer dots, MKL's or
+oneDNN's fp32 GEMM on the natively dequantised matrix); busy experts from 24 rows (the threshold
+the eleventh round fixed on an Intel Xeon); all integer dots. Not a test.
 
     .venv/bin/python bench/prefill_gemm.py PACK [--prompt 512] [--chunk 512] [--dense-quant int4] [--rounds 3]
 
@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from moefit import kernels  # noqa: E402
 from moefit.config import ServeConfig  # noqa: E402
-from moefit.pack import quant  # noqa: E402
+from moefit.kernels import gemm  # noqa: E402
 from moefit.runtime.engine import Engine  # noqa: E402
 
 
@@ -38,15 +38,15 @@ def main() -> None:
     engine = Engine.open(Path(args.pack), ServeConfig(ctx=args.prompt + 64, dense_quant=args.dense_quant,
                                                           prefill_chunk=args.chunk))
     prompt = [(1000 + 7 * i) % engine.model.cfg.vocab_size for i in range(args.prompt)]
-    engine.prefill(prompt[:quant.GEMM_TOKENS + 8])          # the crossover measured once, outside the timing
+    engine.prefill(prompt)                   # the crossover and the dense ways measured once, outside the timing
     rows = {q: r or "never" for q, r in engine.runner.rates.reported().items()}
-    never, tokens = 10 ** 9, quant.GEMM_TOKENS
-    ways = {"experts GEMM, auto": (tokens, "auto"), "experts GEMM, 24": (tokens, "24"),
-            "dense GEMM": (tokens, "off"), "integer dots": (never, "off")}
+    chosen = gemm.chosen()
+    ways = {"measured (moefit)": (None, "auto"), "dense: dots": ("dots", "auto"), "dense: MKL": ("mkl", "auto"),
+            "dense: oneDNN": ("onednn", "auto"), "experts GEMM, 24": (None, "24"), "integer dots": ("dots", "off")}
     rates: dict[str, list[float]] = {way: [] for way in ways}
     for _ in range(args.rounds):
-        for way, (gemm_tokens, expert_rows) in ways.items():
-            quant.GEMM_TOKENS, engine.runner.rates.setting = gemm_tokens, expert_rows
+        for way, (forced, expert_rows) in ways.items():
+            gemm.FORCED, engine.runner.rates.setting = forced, expert_rows
             engine.forget_prefix()
             t0 = time.perf_counter()
             engine.prefill(prompt)
@@ -54,7 +54,7 @@ def main() -> None:
     print(f"# bench/prefill_gemm.py {Path(args.pack).name}: prompt {args.prompt}, chunk {args.chunk}, "
           f"dense {args.dense_quant}, "
           f"{kernels.default_threads()} threads, torch {torch.__version__}; tok/s, best of {args.rounds}; "
-          f"measured crossover (rows): {rows or 'none'}")
+          f"measured crossover (rows): {rows or 'none'}; shape classes won: {chosen}")
     base = max(rates["integer dots"])
     for way, r in rates.items():
         print(f"{way:<18} {max(r):7.1f} tok/s  {max(r) / base:5.2f}x   ({', '.join(f'{v:.1f}' for v in r)})")

@@ -93,37 +93,74 @@ def test_a_busy_expert_of_a_prompt_is_two_gemms_on_its_exact_weights():
     assert groups.busy(q.GEMM_TOKENS - 1, 8) == [False] * 4                    # not a prompt chunk
 
 
-def test_a_prompts_product_runs_as_an_fp32_gemm_on_the_dequantised_matrix(monkeypatch):
-    """GEMM_TOKENS or more tokens: x, rounded as the dots round it (int8 codes per block of 32,
-    q8_round), times the dequantised matrix in fp32; fewer: the integer dots. The two agree to
-    fp32 rounding, so a token's result does not depend on the chunk it was in."""
+@pytest.mark.parametrize("way", ["dots", "mkl", "onednn"])
+def test_a_prompts_product_agrees_whichever_way_runs_it(way, monkeypatch):
+    """GEMM_TOKENS or more tokens: the integer dots, or x rounded as the dots round it (int8 codes
+    per block of 32, q8_round) times the dequantised matrix in fp32 (MKL, oneDNN); they agree to
+    fp32 rounding, and the dots give each token what it gets alone, bit for bit. Fewer tokens: the
+    dots, whatever was measured."""
     from moefit import kernels
+    from moefit.kernels import gemm
     from moefit.pack import quant as q
     if kernels.library() is None:
         pytest.skip("the native kernel is not built")
+    monkeypatch.setattr(gemm, "FORCED", way)
     g = torch.Generator().manual_seed(2)
     parts = dict(zip(["w", "w.scale"], quantize(torch.randn(200, 512, generator=g), "int4", 32)))
     x = torch.randn(q.GEMM_TOKENS, 512, generator=g)
     w = dequantize(parts, "w", "int4", torch.float32)
     exact = q.q8_round(x) @ w.T
-    gemm = q.qlinear(x, parts, "w", "int4")
-    assert torch.allclose(gemm, exact, rtol=1e-5, atol=1e-4)
-    dots = torch.cat([q.qlinear(x[i:i + 1], parts, "w", "int4") for i in range(len(x))])   # one token at a time
-    assert torch.allclose(dots, gemm, rtol=1e-5, atol=1e-4)
-    assert not torch.allclose(x @ w.T, gemm, rtol=1e-5, atol=1e-4)         # fp32 activations: ~1e-2 away
+    prompt = q.qlinear(x, parts, "w", "int4")
+    assert torch.allclose(prompt, exact, rtol=1e-5, atol=1e-4)
+    alone = torch.cat([q.qlinear(x[i:i + 1], parts, "w", "int4") for i in range(len(x))])
+    assert torch.allclose(alone, prompt, rtol=1e-5, atol=1e-4)
+    assert torch.equal(alone, prompt) or way != "dots"
+    assert not torch.allclose(x @ w.T, prompt, rtol=1e-5, atol=1e-4)         # fp32 activations: ~1e-2 away
     monkeypatch.setattr(q, "GEMM_MAX_BYTES", 200 * 512 * 4 - 1)       # a matrix above the bound: the dots
-    assert torch.equal(q.qlinear(x, parts, "w", "int4"), torch.cat([q.qlinear(x[:48], parts, "w", "int4"),
-                                                                     q.qlinear(x[48:], parts, "w", "int4")]))
+    assert torch.equal(q.qlinear(x, parts, "w", "int4"), alone)
+
+
+def test_a_prompts_product_takes_the_way_measured_fastest_for_its_shape(monkeypatch):
+    """kernels/gemm.py: every way timed on the product itself the first time its shape class (rows
+    to the next power of two, the matrix) is met, best of REPEATS, interleaved; then only the
+    chosen one runs. The first way stays unless another is MARGIN faster; a way that returns None
+    or raises is out; none left: None."""
+    from moefit.kernels import gemm
+    monkeypatch.setattr(gemm, "_way_for", {})
+    now, ran = [0.0], []
+
+    def way(name, cost, result=1):
+        def run():
+            ran.append(name)
+            now[0] += cost
+            return None if result is None else torch.tensor(float(result))
+        return run
+    clock = lambda: now[0]  # noqa: E731
+    ways = {"dots": way("dots", 10.0), "mkl": way("mkl", 5.0, 2), "onednn": way("onednn", 9.5)}
+    assert gemm.fastest(("k", 1), ways, clock) == 2 and ran == ["dots", "mkl", "onednn"] * gemm.REPEATS
+    ran.clear()
+    assert gemm.fastest(("k", 1), ways, clock) == 2 and ran == ["mkl"]          # kept: not timed again
+    ways["mkl"] = way("mkl", 9.5)                                               # within the margin: the first
+    assert gemm.fastest(("k", 2), ways, clock) == 1 and gemm._way_for[("k", 2)] == "dots"
+    refuse = lambda: (_ for _ in ()).throw(RuntimeError("refused"))  # noqa: E731
+    ways = {"dots": way("dots", 1.0, None), "mkl": way("mkl", 5.0, 3), "onednn": refuse}
+    assert gemm.fastest(("k", 3), ways, clock) == 3 and gemm._way_for[("k", 3)] == "mkl"
+    assert gemm.fastest(("k", 4), {"dots": way("dots", 1.0, None)}, clock) is None and ("k", 4) not in gemm._way_for
+    assert gemm.chosen() == {"mkl": 2, "dots": 1}
+    assert gemm.shape_class(65, "int4", 512, 200) == gemm.shape_class(128, "int4", 512, 200) == (128, "int4", 512, 200)
+    monkeypatch.setattr(gemm, "FORCED", "onednn")
+    assert gemm.fastest(("k", 1), {"dots": way("dots", 1.0), "onednn": way("onednn", 1.0, 4)}, clock) == 4
 
 
 def test_a_long_prompt_takes_the_gemm_and_decode_steps_the_dots(tmp_path, monkeypatch):
-    """With --dense-quant a prompt of GEMM_TOKENS or more multiplies its dense matrices as fp32 GEMMs,
-    its logits close to the integer dots' (each product agrees to fp32 rounding, tested above; the
-    tiny random model amplifies that: 1e-7 noise on its GEMMs moves its logits by 4e-3); decode
-    steps never do."""
+    """With --dense-quant a prompt of GEMM_TOKENS or more may multiply its dense matrices as fp32
+    GEMMs (where they are measured fastest: forced here), its logits close to the integer dots'
+    (each product agrees to fp32 rounding, tested above; the tiny random model amplifies that:
+    1e-7 noise on its GEMMs moves its logits by 4e-3); decode steps never do."""
     import tiny
     from moefit import kernels
     from moefit.config import ServeConfig
+    from moefit.kernels import gemm
     from moefit.pack import quant as q
     from moefit.pack.convert import convert
     from moefit.runtime.engine import Engine
@@ -131,6 +168,7 @@ def test_a_long_prompt_takes_the_gemm_and_decode_steps_the_dots(tmp_path, monkey
         pytest.skip("the native kernel is not built")
     convert(tiny.build_checkpoint("qwen3_moe", tmp_path / "hf"), tmp_path / "pack", "int8", progress=False)
     engine = Engine.open(tmp_path / "pack", ServeConfig(ctx=256, dense_quant="int8"))
+    monkeypatch.setattr(gemm, "FORCED", "mkl")
     calls, gap = spied_prefills(engine, monkeypatch, (kernels, "dequantize", lambda *a: a[1]),
                                 lambda: monkeypatch.setattr(q, "GEMM_TOKENS", 10 ** 9))
     assert calls and gap < 5e-2
@@ -235,25 +273,17 @@ def test_where_the_expert_gemm_pays_is_measured_on_this_machine(packs):
 
 
 def test_a_prompt_gemm_takes_the_faster_of_mkl_and_onednn_per_shape(monkeypatch):
-    """kernels/gemm.py: timed once per shape class (rows to the next power of two, the matrix's
-    shape), then kept; either backend is an fp32 GEMM, equal to F.linear to fp32 rounding."""
+    """gemm.linear (a busy expert's GEMM): either backend is an fp32 GEMM, equal to F.linear to
+    fp32 rounding; oneDNN refusing or missing leaves MKL."""
     import torch.nn.functional as F
     from moefit.kernels import gemm
-    monkeypatch.setattr(gemm, "_onednn_for", {})
     g = torch.Generator().manual_seed(5)
     x, w = torch.randn(100, 256, generator=g), torch.randn(96, 256, generator=g)
     want = F.linear(x, w)
-    for onednn in (False, True):
-        gemm._onednn_for[(128, 256, 96)] = onednn
+    for way in ("mkl", "onednn"):
+        monkeypatch.setattr(gemm, "FORCED", way)
         assert torch.allclose(gemm.linear(x, w), want, rtol=1e-5, atol=1e-4)
-    timed = []
-    monkeypatch.setattr(gemm, "_onednn_is_faster", lambda x, w: timed.append(x.shape) or True)
-    gemm.linear(x[:70], w[:48])
-    gemm.linear(x[:65], w[:48])                       # the same class (128 rows): not timed again
-    gemm.linear(x[:40], w[:48])
-    assert timed == [(70, 256), (40, 256)] and gemm._onednn_for[(128, 256, 48)] is True
-    monkeypatch.undo()
-    monkeypatch.setattr(gemm, "_onednn", lambda x, w: (_ for _ in ()).throw(RuntimeError("refused")))
-    assert gemm._onednn_is_faster(x, w) is False                           # oneDNN refuses: MKL
+    monkeypatch.setattr(gemm, "FORCED", None)
+    monkeypatch.setattr(gemm, "_way_for", {})
     monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
-    assert gemm._onednn_is_faster(x, w) is False                           # no oneDNN in this torch: MKL
+    assert torch.allclose(gemm.linear(x, w), want, rtol=1e-5, atol=1e-4) and gemm.chosen() == {"mkl": 1}

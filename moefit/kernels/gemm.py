@@ -1,48 +1,89 @@
-"""torch's fp32 GEMM for a prompt's products (pack/quant.py gemm_linear), through MKL (F.linear)
-or oneDNN (mkldnn_linear), whichever runs the shape faster on this machine: timed the first time
-a shape class (rows to the next power of two, the matrix's shape) is met, then kept.
+"""A prompt's product with a quantised matrix, by whichever way runs its shape class fastest on
+this machine: timed the first time the class (rows to the next power of two, the matrix's shape
+and quant) is met, every way on that very product, interleaved, best of REPEATS; then kept.
 
-MKL takes a slow path on some CPUs: on an AMD EPYC (Zen 5, 2 cores) oneDNN ran an expert's gate_up
-at 64 x 2048 x 1024 2.3x faster, reorders of both operands included, yet 128 x 2048 x 8192 0.8x;
-in place of every prompt GEMM a 512-token Q4_K_M prompt went from 126 to 145 tok/s and a 128-token
-one from 120 to 113, so one choice for all shapes would not do. Both are fp32 GEMMs: the results
-agree to fp32 rounding.
+The ways (pack/quant.py prompt_linear builds them): the integer dots (moe.c, the decode path's),
+or the matrix dequantised natively and torch's fp32 GEMM through MKL (F.linear) or oneDNN
+(mkldnn_linear), the dequantisation in its time. Machines differ by more than 2x each way:
+on a Xeon (AVX512, 2 cores) the fp32 GEMM ran a 128 x 2048 x 12352 int4 product in 49 ms, the
+dots in 87; on an AMD EPYC (Zen 5, 2 cores) the dots in 21 ms, the GEMM in 50 (MKL's slow path
+there; oneDNN ran an expert's 64 x 2048 x 1024 2.3x faster than MKL, yet 128 x 2048 x 8192 0.8x).
+So no fixed choice would do. The results agree to fp32 rounding (tests/test_quant.py); with the
+dots a token's result does not depend on the chunk it was in, bit for bit.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 import time
 
 import torch
 import torch.nn.functional as F
 
-_onednn_for: dict[tuple[int, int, int], bool] = {}     # shape class -> oneDNN is the faster
+REPEATS = 2
+FORCED: str | None = None                       # a way taken wherever it is offered (tests, benchmarks)
+MARGIN = 0.9                                    # the first way's time, as the others see it
+_way_for: dict[tuple, str] = {}                 # shape class -> the fastest way's name
+Ways = dict[str, Callable[[], "torch.Tensor | None"]]
+
+
+def shape_class(rows: int, *matrix) -> tuple:
+    """The key a choice is kept under: rows to the next power of two, then what identifies the matrix."""
+    return (1 << max(0, rows - 1).bit_length(), *matrix)
+
+
+def fastest(key: tuple, ways: Ways, clock: Callable[[], float] = time.perf_counter) -> torch.Tensor | None:
+    """The product by the way chosen for key (measured now when key is new). The first way is
+    kept unless another is at least MARGIN faster (the noise of two runs). A way that returns None
+    or raises RuntimeError (a backend refusing the operands) is out; None when all are."""
+    if FORCED in ways:
+        return ways[FORCED]()
+    if key in _way_for and _way_for[key] in ways:
+        return ways[_way_for[key]]()
+    best, result = {}, {}
+    for _ in range(REPEATS):
+        for name, way in ways.items():
+            if best.get(name, 0.0) == float("inf"):
+                continue
+            t0 = clock()
+            try:
+                result[name] = way()
+            except RuntimeError:
+                result[name] = None
+            took = clock() - t0 if result[name] is not None else float("inf")
+            best[name] = min(best.get(name, float("inf")), took)
+    first = next(iter(ways))
+    name = min(best, key=lambda n: best[n] * (MARGIN if n == first else 1.0))
+    if best[name] == float("inf"):
+        return None
+    _way_for[key] = name
+    return result[name]
+
+
+def chosen() -> dict[str, int]:
+    """How many shape classes each way won so far (/v1/status, generate --json)."""
+    counts: dict[str, int] = {}
+    for way in _way_for.values():
+        counts[way] = counts.get(way, 0) + 1
+    return counts
+
+
+def fp32_ways(x: Callable[[], torch.Tensor], w: Callable[[], torch.Tensor | None]) -> Ways:
+    """torch's two fp32 GEMMs of x() [T, C] and w() [R, C] (w() None: the way is out)."""
+    def mkl():
+        weights = w()
+        return None if weights is None else F.linear(x(), weights)
+
+    def onednn():
+        weights = w()
+        if weights is None or not torch.backends.mkldnn.is_available():
+            return None
+        return torch._C._nn.mkldnn_linear(x().to_mkldnn(), weights.to_mkldnn()).to_dense()
+    return {"mkl": mkl, "onednn": onednn}
 
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [T, C] @ w [R, C]^T in fp32, by the backend this shape class runs faster with."""
-    key = (1 << max(0, x.shape[0] - 1).bit_length(), w.shape[1], w.shape[0])
-    if key not in _onednn_for:
-        _onednn_for[key] = _onednn_is_faster(x, w)
-    return _onednn(x, w) if _onednn_for[key] else F.linear(x, w)
-
-
-def _onednn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return torch._C._nn.mkldnn_linear(x.to_mkldnn(), w.to_mkldnn()).to_dense()
-
-
-def _onednn_is_faster(x: torch.Tensor, w: torch.Tensor, repeats: int = 2) -> bool:
-    """Both backends timed on this very product, interleaved, best of `repeats`; MKL on a tie
-    within 10 % (it is torch's own path), and where oneDNN is missing or refuses the operands."""
-    if not torch.backends.mkldnn.is_available():
-        return False
-    best = {False: float("inf"), True: float("inf")}
-    try:
-        for _ in range(repeats):
-            for onednn in (False, True):
-                t0 = time.perf_counter()
-                _onednn(x, w) if onednn else F.linear(x, w)
-                best[onednn] = min(best[onednn], time.perf_counter() - t0)
-    except RuntimeError:
-        return False
-    return best[True] < 0.9 * best[False]
+    """x [T, C] @ w [R, C]^T in fp32 by the faster of MKL and oneDNN for this shape class (a busy
+    expert's GEMM, experts/groups.py)."""
+    return fastest(shape_class(x.shape[0], "fp32", w.shape[1], w.shape[0]),
+                   fp32_ways(lambda: x, lambda: w)) if x.shape[0] else F.linear(x, w)

@@ -6,6 +6,8 @@ Legend: R rows (output features), C columns (input features), G groups per row.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -71,13 +73,12 @@ def int4_codes(w: torch.Tensor) -> torch.Tensor:
     return torch.stack(((w & 0xF).to(torch.int8) - 8, (w >> 4).to(torch.int8) - 8), dim=-1).flatten(-2)
 
 
-# A host product of at least this many tokens dequantises the matrix to fp32 once (natively) and
-# runs torch's fp32 GEMM, which outpaces the integer dots there (measured on a 12352 x 2048 int4
-# matrix, 2 threads: 41.6 / 30.3 ms at 64 tokens, 86.9 / 49.0 at 128, 428 / 247 at 512, integer
-# dots / fp32 GEMM; the fp32 copy ~12 ms). Fewer tokens (decode steps, verify windows) keep the
-# integer dots, whose result for a token does not depend on the others in the batch. The copy
-# goes into one scratch kept for the process (a fresh 100 MB buffer a call cost ~35 ms of page
-# faults), at most GEMM_MAX_BYTES of host memory: a larger matrix (an lm_head over a whole
+# A host product of at least this many tokens is a prompt's: it runs by the way measured fastest
+# for its shape on this machine (kernels/gemm.py): the integer dots, or the matrix dequantised to
+# fp32 once (natively) and torch's fp32 GEMM. Fewer tokens (decode steps, verify windows) keep
+# the integer dots, whose result for a token does not depend on the others in the batch. The fp32
+# copy goes into one scratch kept for the process (a fresh 100 MB buffer a call cost ~35 ms of
+# page faults), at most GEMM_MAX_BYTES of host memory: a larger matrix (an lm_head over a whole
 # prompt) keeps the integer dots.
 GEMM_TOKENS = 96
 GEMM_MAX_BYTES = 256 << 20
@@ -95,9 +96,9 @@ def _fp32_weights(parts: dict[str, torch.Tensor], name: str, quant: str) -> torc
 
 
 def prompt_sized(tokens: int) -> bool:
-    """Whether a product of this many tokens is a prompt's, which GEMMs take (GEMM_TOKENS, read at
-    call time): the dense matrices here, busy experts (experts/groups.py), the chunk's torch threads
-    (runtime/engine.py). Fewer tokens (decode steps, verify windows) keep the integer dots."""
+    """Whether a product of this many tokens is a prompt's, which may take a GEMM (GEMM_TOKENS, read
+    at call time): the dense matrices here, busy experts (experts/groups.py), the chunk's torch
+    threads (runtime/engine.py). Fewer tokens (decode steps, verify windows) keep the integer dots."""
     return tokens >= GEMM_TOKENS
 
 
@@ -112,6 +113,21 @@ def gemm_linear(x: torch.Tensor, parts: dict[str, torch.Tensor], name: str, quan
     return gemm.linear(q8_round(x), w)
 
 
+def prompt_linear(x: torch.Tensor, parts: dict[str, torch.Tensor], name: str, quant: str) -> torch.Tensor | None:
+    """A prompt's x [T, C] @ W[R, C]^T by the way measured fastest for its shape class here: the
+    integer dots, or MKL's or oneDNN's fp32 GEMM on W dequantised (in each one's time) and x
+    rounded as the dots round it; the caller holds kernels.torch_threads(). None where the
+    kernel does not take W."""
+    quant = matrix_quant(quant, name)
+    if not kernels.usable(x, quant):
+        return None
+    rounded = functools.cache(lambda: q8_round(x))                 # once, whichever ways are timed
+    ways = {"dots": lambda: kernels.qlinear(x, parts, name, quant),
+            **gemm.fp32_ways(rounded, lambda: _fp32_weights(parts, name, quant))}
+    rows, cols = kernels.matrix_shape(parts[name], quant)
+    return gemm.fastest(gemm.shape_class(x.shape[0], quant, cols, rows), ways)
+
+
 def q8_round(x: torch.Tensor) -> torch.Tensor:
     """x [T, C] as the integer dots see it: each block of 32 rounded to int8 codes times its
     amax / 127 (kernels/moe.c quantize_row, bit for bit, natively: in torch it cost a fifth of a
@@ -124,12 +140,12 @@ def q8_round(x: torch.Tensor) -> torch.Tensor:
 
 
 def qlinear(x: torch.Tensor, parts: dict[str, torch.Tensor], name: str, quant: str) -> torch.Tensor:
-    """x [T, C] @ W[R, C]^T with W quantized: the host kernel for a few tokens, fp32 GEMM on the
-    natively dequantised matrix for a prompt's many; elsewhere dequantise in torch and multiply
-    (int8 applies its per-row scale after the matmul)."""
+    """x [T, C] @ W[R, C]^T with W quantized: the host kernel for a few tokens, the fastest way
+    here for a prompt's many (prompt_linear); elsewhere dequantise in torch and multiply (int8
+    applies its per-row scale after the matmul)."""
     if prompt_sized(x.shape[0]):
         with kernels.torch_threads():
-            if (y := gemm_linear(x, parts, name, quant)) is not None:
+            if (y := prompt_linear(x, parts, name, quant)) is not None:
                 return y
     quant = matrix_quant(quant, name)
     if kernels.usable(x, quant) and (y := kernels.qlinear(x, parts, name, quant)) is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from moefit.errors import DeviceUnavailable
+from moefit.kernels import gemm
 from moefit.memory import ledger as L
 from moefit.memory.planner import device_json
 
@@ -62,6 +63,7 @@ def status_json(engine) -> dict:
     out["speculative"] = speculative_json(engine)
     out["sessions"] = sessions_json(engine)
     out["compute_dtype"] = engine.loaded.compute_dtype
+    out["prompt_product_ways"] = gemm.chosen()
     out["notes"] = engine.loaded.notes
     return out
 
