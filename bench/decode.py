@@ -25,10 +25,10 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import moefit  # noqa: E402,F401  (before torch: its OpenMP wait policy, moefit/__init__.py)
+import torch  # noqa: E402
 from moefit.config import ServeConfig  # noqa: E402
 from moefit.pack.convert import convert  # noqa: E402
 from moefit.runtime.engine import Engine  # noqa: E402

@@ -194,3 +194,17 @@ def test_the_narrower_instruction_sets_match_the_reference_too(isa):
     picks, so every path runs on this machine."""
     from narrow_isa import check_under
     check_under(isa, "test_kernels", "check_every_quant")
+
+
+def test_torchs_openmp_workers_sleep_unless_the_user_says_otherwise():
+    """moefit/__init__.py: OMP_WAIT_POLICY passive before torch loads (its spinning workers took
+    the native pool's cores), a policy the user set kept."""
+    import os
+    import subprocess
+    import sys
+    show = "import moefit, os, torch; print(os.environ['OMP_WAIT_POLICY'])"
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    assert subprocess.run([sys.executable, "-c", show], env=env, capture_output=True, text=True,
+                          check=True).stdout.strip() == "PASSIVE"
+    assert subprocess.run([sys.executable, "-c", show], env={**env, "OMP_WAIT_POLICY": "active"},
+                          capture_output=True, text=True, check=True).stdout.strip() == "active"
