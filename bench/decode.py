@@ -20,15 +20,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import time
 from pathlib import Path
 
+import torch  # first: OpenMP's wait policy left as it is for both engines (see below)
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import moefit  # noqa: E402,F401  (before torch: its OpenMP wait policy, moefit/__init__.py)
-import torch  # noqa: E402
 from moefit.config import ServeConfig  # noqa: E402
 from moefit.pack.convert import convert  # noqa: E402
 from moefit.runtime.engine import Engine  # noqa: E402
@@ -196,7 +197,9 @@ def report(rows: dict, args) -> None:
              f"{sh['num_experts']} experts top-8, expert {sh['moe_intermediate_size']}, "
              f"{sh['num_attention_heads']}/{sh['num_key_value_heads']} heads, vocab {args.vocab}; prompt {args.prompt}, "
              f"{args.new} new tokens, batch 1, best of {REPEATS}, {args.threads} threads, torch {torch.__version__}, "
-             f"{platform.processor() or platform.machine()}; ratios (x) against the first row",
+             f"{platform.processor() or platform.machine()}, OMP_WAIT_POLICY {os.environ.get('OMP_WAIT_POLICY', 'unset')} "
+             f"(one process holds one OpenMP: moefit's server sets passive, llama.cpp's decode wants its spinning); "
+             f"ratios (x) against the first row",
              f"{'engine':<20} {'prefill tok/s':>14} {'x':>6} {'decode tok/s':>13} {'x':>6} {'experts':>8}"]
     for name, r in rows.items():
         lines.append(f"{name:<20} {r['prefill_tok_s']:>14.1f} {r['prefill_tok_s'] / base['prefill_tok_s']:>6.2f} "
