@@ -74,10 +74,14 @@ def chunked(q, k, v, g, beta, s: torch.Tensor, chunk: int = CHUNK) -> torch.Tens
     later = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
     pair = decay_exp((decay[..., :, None] - decay[..., None, :]).masked_fill(later, float("-inf")))   # [H, N, C, C]
     kb, vb = k * beta[..., None], v * beta[..., None]
-    # (I + strictly-lower(beta K K^T * decay)) U = beta V: unitriangular reads only the strict lower part
+    # (I + strictly-lower(beta K K^T * decay)) U = beta V: unitriangular reads only the strict lower part.
+    # Its inverse once (C right-hand sides), then two batched products: the two solves with Dv and
+    # Dk right-hand sides took 34 ms, this 18, at Qwen3.6's 32 heads x 512 tokens (2 threads).
     system = (kb @ k.transpose(-1, -2)) * pair
-    u = torch.linalg.solve_triangular(system, vb, upper=False, unitriangular=True)            # new values
-    w = torch.linalg.solve_triangular(system, kb * decay_exp(decay)[..., None], upper=False, unitriangular=True)
+    eye = torch.eye(chunk, dtype=system.dtype, device=system.device).expand_as(system)
+    inverse = torch.linalg.solve_triangular(system, eye, upper=False, unitriangular=True)
+    u = inverse @ vb                                                                 # new values
+    w = inverse @ (kb * decay_exp(decay)[..., None])
     scores = (q @ k.transpose(-1, -2)) * pair                                        # causal, incl. the diagonal
     q_dec = q * decay_exp(decay)[..., None]
     k_dec = k * decay_exp(decay[..., -1:] - decay)[..., None]
