@@ -211,3 +211,17 @@ def test_the_page_has_a_favicon(server, browser):
     assert r.status_code == 200 and r.headers["content-type"].startswith("image/svg+xml") and b"<svg" in r.content
     browser.get(server.url + "/")
     assert browser.execute_script("return document.querySelector('link[rel=icon]').href").endswith("/favicon.ico")
+
+
+def test_the_sessions_card_shows_what_each_session_holds(pack, tmp_path, browser):
+    """--sessions 2: the card lists both, the tokens each holds and which served the last request."""
+    s = start(pack, tmp_path, "--sessions", "2")
+    try:
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": "Define: lantern", "max_tokens": 4}, timeout=60)
+        assert r.status_code == 200
+        held = next(x["tokens"] for x in httpx.get(s.url + "/v1/status").json()["sessions"] if x["current"])
+        browser.get(s.url + "/")
+        text = wait_for(lambda: browser.find_element("id", "sessions").text, what="the sessions card")
+        assert text.count("tokens") == 2 and f"{held} tokens (the last request's)" in text, text
+    finally:
+        s.stop()

@@ -96,6 +96,8 @@ function drawChecks(status) {
     return li;
   }));
   $("verdict").textContent = (status.start && status.start.verdict) || "-";
+  $("sessions").textContent = status.sessions.map((s, i) =>     // --sessions: conversations whose state is kept
+    `${i + 1}: ${s.tokens} tokens${s.current ? " (the last request's)" : ""}`).join("; ");
 }
 
 function lookAhead(c) {
