@@ -1,8 +1,8 @@
 """The native host kernels (moe.c), built at install time (setup.py) and loaded with ctypes.
 
 - moe_layer: one call per MoE layer for the routed experts computed on the host;
-- qlinear: one quantised matrix (the dense path with --dense-quant int8); dequantize: one as fp32
-  rows (a prompt's product then runs as torch's fp32 GEMM);
+- qlinear: one quantised matrix (the dense path with --dense-quant); dequantize: one as fp32
+  rows (for a prompt's product where torch's fp32 GEMM runs its shape faster here: gemm.py);
 - the float operations between them (RMSNorm, QK-norm + RoPE, one position's attention):
   rows.h, called from rows.py.
 
