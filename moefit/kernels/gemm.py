@@ -33,31 +33,40 @@ def shape_class(rows: int, *matrix) -> tuple:
 
 
 def fastest(key: tuple, ways: Ways, clock: Callable[[], float] = time.perf_counter) -> torch.Tensor | None:
-    """The product by the way chosen for key (measured now when key is new). The first way is
-    kept unless another is at least MARGIN faster (the noise of two runs). A way that returns None
-    or raises RuntimeError (a backend refusing the operands) is out; None when all are."""
+    """The product by the way chosen for key (measured now when key is new: each timed run's
+    result is dropped at once, then the chosen way runs again, so a prompt's product is held once).
+    The first way is kept unless another is at least MARGIN faster (the noise of two runs). A way
+    that returns None or raises RuntimeError (a backend refusing the operands) is out; None when
+    all are."""
     if FORCED in ways:
         return ways[FORCED]()
-    if key in _way_for and _way_for[key] in ways:
-        return ways[_way_for[key]]()
-    best, result = {}, {}
+    if key not in _way_for or _way_for[key] not in ways:
+        name = _measure(ways, clock)
+        if name is None:
+            return None
+        _way_for[key] = name
+    return ways[_way_for[key]]()
+
+
+def _measure(ways: Ways, clock: Callable[[], float]) -> str | None:
+    best = {name: float("inf") for name in ways}
+    out = set()
     for _ in range(REPEATS):
         for name, way in ways.items():
-            if best.get(name, 0.0) == float("inf"):
+            if name in out:
                 continue
             t0 = clock()
             try:
-                result[name] = way()
+                ran = way() is not None
             except RuntimeError:
-                result[name] = None
-            took = clock() - t0 if result[name] is not None else float("inf")
-            best[name] = min(best.get(name, float("inf")), took)
+                ran = False
+            if not ran:
+                out.add(name)
+                continue
+            best[name] = min(best[name], clock() - t0)
     first = next(iter(ways))
     name = min(best, key=lambda n: best[n] * (MARGIN if n == first else 1.0))
-    if best[name] == float("inf"):
-        return None
-    _way_for[key] = name
-    return result[name]
+    return None if best[name] == float("inf") else name
 
 
 def chosen() -> dict[str, int]:
