@@ -9,5 +9,5 @@ __version__ = "0.1.0"
 # libgomp spinning. Passive workers sleep at once: those samples gone, a 128-token prompt 1-4 %
 # faster (alternating runs; the noise is of that order; `active`, spinning for good, ran it 25 %
 # slower), decode unchanged (its torch keeps one thread). Only where the user set no policy, and
-# only before torch is loaded: moefit first (the CLI, the server, bench/decode.py import it so).
+# only before torch is loaded: moefit first (the CLI and the server import it so).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
