@@ -16,7 +16,7 @@ from moefit import __version__
 from moefit.config import ServeConfig
 from moefit.errors import DirtyCardError, MoefitError, RefusedError
 from moefit.memory.devices import open_device
-from moefit.ops import zerocheck
+from moefit.ops import measured, zerocheck
 from moefit.ops.history import History, HistoryError, range_verdict
 from moefit.pack.reader import Pack
 
@@ -61,6 +61,7 @@ class Start:
     verdict: str = ""
     config_hash: str = ""
     warnings: list[str] = field(default_factory=list)
+    state_dir: Path | None = None                  # where the host's measured choices are kept
 
     def update(self, **values) -> None:
         if self.history is None or self.row_id is None:
@@ -73,6 +74,8 @@ class Start:
 
     def finish(self, engine, final: bool = False, **extra) -> None:
         """Write what the run measured; final=True when the process ends its run cleanly."""
+        if self.state_dir is not None:
+            measured.keep(self.state_dir, engine.runner.rates)
         book = engine.runner.book
         if final:
             extra["ended"] = time.time()
@@ -93,12 +96,14 @@ def start_engine(pack_path, cfg: ServeConfig, opts: StartOptions | None = None, 
     pack = Pack.open(pack_path)
     device = open_device(cfg.device)
     if not device.has_vram:
-        return Engine.open(pack, cfg, say), Start(None, None, None, "cpu device: no VRAM to check")
+        engine = Engine.open(pack, cfg, say)
+        _restore_measured(engine, opts.state_dir, say)
+        return engine, Start(None, None, None, "cpu device: no VRAM to check", state_dir=opts.state_dir)
     zero = _zero_check(device, opts, say)
     history = _open_history(opts.state_dir, say)
     snap = zero.snapshot
     config = plan_config(cfg, pack.pack_id, snap.name, snap.total_bytes)
-    start = Start(history, None, zero, config_hash=config_hash(config))
+    start = Start(history, None, zero, config_hash=config_hash(config), state_dir=opts.state_dir)
     row = dict(version=__version__, command=command, pid=os.getpid(), config_hash=start.config_hash, config_json=json.dumps(config),
                pack_id=pack.pack_id, device_json=json.dumps(snap.to_json()), free_bytes_at_start=snap.free_bytes,
                used_bytes_at_start=snap.used_bytes, zero_check=zero.verdict,
@@ -122,7 +127,14 @@ def start_engine(pack_path, cfg: ServeConfig, opts: StartOptions | None = None, 
             slots_now=len(engine.runner.slots), cache_bytes=engine.runner.book.used, outcome="started",
             verdict=start.verdict)
     _banner(engine, zero, start, say)
+    _restore_measured(engine, opts.state_dir, say)
     return engine, start
+
+
+def _restore_measured(engine, state_dir: Path, say) -> None:
+    if taken := measured.restore(state_dir, engine.runner.rates):
+        say(f"host: {taken} measured choices (prompt products' ways, expert GEMM crossovers) kept from an "
+            f"earlier start on this machine ({Path(state_dir) / measured.FILE})")
 
 
 def _zero_check(device, opts: StartOptions, say) -> zerocheck.ZeroCheck:
