@@ -162,6 +162,7 @@ Q4_BODY(dot_q4_avxvnni, "avx2,fma,f16c,avxvnni", DOT_AVXVNNI, Q4_UNPACK_MASK, Q4
 KQUANT_BODIES(avx2, "avx2,fma,f16c", DOT_AVX2)
 KQUANT_BODIES(vnni256, AVX512, DOT_VNNI256)
 Q4K_BODY512(dot_q4k_vnni512, AVX512)
+Q6K_BODY512(dot_q6k_vnni512, AVX512)
 #ifdef HAVE_AVXVNNI
 KQUANT_BODIES(avxvnni, "avx2,fma,f16c,avxvnni", DOT_AVXVNNI)
 #endif

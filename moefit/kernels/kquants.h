@@ -328,6 +328,50 @@ static inline void k4_unpack(const uint8_t *s, uint32_t out[4]) {
         return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1)) - hsum8(off);                     \
     }
 
+/* Q6_K on 512 bits: two blocks of 32 an instruction (the lower half block k, the upper k + 1),
+ * each lane doing what Q6K_BODY's does (the lower halves its acc[0], the upper its acc[1]), so
+ * the result is the 256-bit body's bit for bit. A half super-block's codes are built two blocks
+ * a vector, with per-half shifts; its eight d sc s scales in one vector (qs d, then sc, as the
+ * scalar code multiplies them), a permute placing each block's two. */
+#define Q6K_BODY512(NAME, TARGET)                                                                \
+    __attribute__((target(TARGET))) static float NAME(const void *w, const void *ws,             \
+            const int8_t *q, const float *qs, const int32_t *qsum, int64_t n, int64_t group) {   \
+        (void)ws, (void)group, (void)qsum;                                                       \
+        const __m512i low = _mm512_set1_epi8(15), top = _mm512_set1_epi8(0x30), one = _mm512_set1_epi8(1); \
+        const __m512i up4_2 = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1); \
+        const __m512i down0_2 = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1); \
+        const __m256i pairs = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);                          \
+        __m512 acc = _mm512_setzero_ps();                                                        \
+        for (int64_t sb = 0; sb < n / QK_K; sb++) {                                              \
+            const uint8_t *blk = (const uint8_t *)w + sb * 210;                                  \
+            const float d = F16C(blk + 208);                                                      \
+            for (int half = 0; half < 2; half++) {                                               \
+                const __m512i l = _mm512_loadu_si512(blk + 64 * half);          /* l0 | l1 */     \
+                const __m512i h = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * half))); \
+                const __m512i codes[2] = {                                                       \
+                    _mm512_or_si512(_mm512_and_si512(l, low), _mm512_and_si512(_mm512_sllv_epi16(h, up4_2), top)), \
+                    _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), low),              \
+                                    _mm512_and_si512(_mm512_srlv_epi16(h, down0_2), top))};      \
+                const int64_t b0 = sb * 8 + half * 4;                                            \
+                const __m256 qd = _mm256_mul_ps(_mm256_permutevar8x32_ps(_mm256_castps128_ps256(  \
+                    _mm_loadu_ps(qs + b0)), pairs), _mm256_set1_ps(d));                           \
+                const __m256 sv = _mm256_mul_ps(qd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(     \
+                    _mm_loadl_epi64((const __m128i *)(blk + 192 + 8 * half)))));                 \
+                const __m512 s16 = _mm512_castps256_ps512(sv);                                   \
+                for (int k = 0; k < 4; k += 2) {                                                 \
+                    const __m512i x = _mm512_loadu_si512(q + (b0 + k) * QK);                     \
+                    const __m512i isum = _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), codes[k / 2], x), \
+                        _mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), one, x), 5)); \
+                    const __m512i idx = _mm512_set_epi32(2 * k + 3, 2 * k + 3, 2 * k + 3, 2 * k + 3, \
+                        2 * k + 2, 2 * k + 2, 2 * k + 2, 2 * k + 2, 2 * k + 1, 2 * k + 1, 2 * k + 1, 2 * k + 1, \
+                        2 * k, 2 * k, 2 * k, 2 * k);                                            \
+                    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_permutexvar_ps(idx, s16), acc); \
+                }                                                                                \
+            }                                                                                    \
+        }                                                                                        \
+        return hsum8(_mm256_add_ps(_mm512_castps512_ps256(acc), _mm512_extractf32x8_ps(acc, 1))); \
+    }
+
 #define KQUANT_BODIES(SUFFIX, TARGET, DOT32)                                                     \
     Q45K_BODY(dot_q4k_##SUFFIX, TARGET, DOT32, 0)                                                \
     Q45K_BODY(dot_q5k_##SUFFIX, TARGET, DOT32, 1)                                                \

@@ -102,7 +102,7 @@ static void choose_isa(void) {
         dot_q8 = dot_q8_vnni512, dot_q4 = dot_q4_vnni512, isa = "avx512-vnni";
         dot_q8g = dot_q8g_vnni512;
         SET_KQUANTS(vnni256);
-        dot_q4k = dot_q4k_vnni512;
+        dot_q4k = dot_q4k_vnni512, dot_q6k = dot_q6k_vnni512;
         return;
     }
 #ifdef HAVE_AVXVNNI
