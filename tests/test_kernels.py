@@ -208,3 +208,23 @@ def test_torchs_openmp_workers_sleep_unless_the_user_says_otherwise():
                           check=True).stdout.strip() == "PASSIVE"
     assert subprocess.run([sys.executable, "-c", show], env={**env, "OMP_WAIT_POLICY": "active"},
                           capture_output=True, text=True, check=True).stdout.strip() == "active"
+
+
+def q6k_layer() -> torch.Tensor:
+    x, experts, rows, weights = make("q6_k", 512, 256, 3, 5, seed=11)
+    return kernels.moe_layer(x, "q6_k", experts, rows, weights)
+
+
+def test_q6_k_gives_the_same_bits_on_every_instruction_set(tmp_path):
+    """The 512-bit Q6_K body does lane for lane what the 256-bit ones do: a layer equals, bit for
+    bit, the one the AVX2 body gives (in a subprocess capped with MOEFIT_ISA)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    out = tmp_path / "avx2.pt"
+    code = f"import torch, test_kernels as t; torch.save(t.q6k_layer(), {str(out)!r})"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         cwd=Path(__file__).parent, env={**os.environ, "MOEFIT_ISA": "avx2"})
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert torch.equal(q6k_layer(), torch.load(out))
