@@ -6,6 +6,6 @@ from setuptools import Extension, setup
 
 setup(ext_modules=[Extension("moefit.kernels._moe", ["moefit/kernels/moe.c"], depends=["moefit/kernels/dots.h", "moefit/kernels/kquants.h",
                                                                                "moefit/kernels/rows.h", "moefit/kernels/step.h",
-                                                                               "moefit/kernels/delta.h", "moefit/kernels/dequant.h"],
+                                                                               "moefit/kernels/delta.h", "moefit/kernels/dequant.h", "moefit/kernels/pool.h"],
                              extra_compile_args=["-O3", "-std=gnu11", "-fno-math-errno"], libraries=["m", "pthread"],
                              optional=True)])
