@@ -13,7 +13,6 @@ not differ by a noisy timing. Another host, or the file removed, measures afresh
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 import platform
 
@@ -21,6 +20,7 @@ import torch
 
 from moefit import kernels
 from moefit.kernels import gemm
+from moefit.pack.format import write_json_atomic
 
 FILE = "measured.json"
 
@@ -67,9 +67,7 @@ def keep(state_dir: Path, rates) -> None:
     data[host_key()] = entry
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data, indent=1))
-        tmp.replace(path)
+        write_json_atomic(path, data)
     except OSError:
         pass
 
