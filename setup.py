@@ -4,8 +4,8 @@ succeeds and moefit runs its torch path, saying so once."""
 
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension("moefit.kernels._moe", ["moefit/kernels/moe.c"], depends=["moefit/kernels/dots.h", "moefit/kernels/kquants.h",
-                                                                               "moefit/kernels/rows.h", "moefit/kernels/step.h",
-                                                                               "moefit/kernels/delta.h", "moefit/kernels/dequant.h", "moefit/kernels/pool.h"],
+HEADERS = ["dots.h", "kquants.h", "panels.h", "rows.h", "step.h", "delta.h", "dequant.h", "pool.h"]
+
+setup(ext_modules=[Extension("moefit.kernels._moe", ["moefit/kernels/moe.c"], depends=[f"moefit/kernels/{h}" for h in HEADERS],
                              extra_compile_args=["-O3", "-std=gnu11", "-fno-math-errno"], libraries=["m", "pthread"],
                              optional=True)])

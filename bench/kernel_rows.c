@@ -5,6 +5,9 @@
  *   cc -O3 -std=gnu11 -Imoefit/kernels -o /tmp/kernel_rows bench/kernel_rows.c -lm -lpthread
  *   /tmp/kernel_rows [rows 256] [repeats 7]        (prints the best of the repeats)
  *
+ * It also times int4 through matrix_rows, as the kernel calls it: in panels of eight rows where the
+ * ISA has them (panels.h) and a row at a time, for 1, 4, 16 and 64 tokens.
+ *
  * A moe.c from before activation orders were numbered (before round 8's commit 07f9239):
  *   -DMOE_C='"/path/to/old/moe.c"' -I/path/to/old -D'ORDER(q)=((q) == 4)'
  */
@@ -71,6 +74,36 @@ static double time_rows(int quant, int64_t rows, int64_t cols, int repeats) {
     return best;
 }
 
+/* ns a row and a token for `tokens` tokens through matrix_rows (int4: by panels where the ISA has
+ * them, panels.h), and a row at a time (panels off), best of `repeats` */
+static void time_matrix(int quant, int64_t rows, int64_t cols, int64_t tokens, int repeats, double ns[2]) {
+    const int64_t nb = cols / QK, rb = row_bytes(quant, cols);
+    uint8_t *w = aligned_alloc(64, rows * rb + 64);
+    uint16_t *s = aligned_alloc(64, rows * nb * 2 + 64);
+    float *x = malloc(4 * tokens * cols), *qs = malloc(4 * tokens * nb), *y = malloc(4 * tokens * rows);
+    int8_t *q = aligned_alloc(64, tokens * cols + 64);
+    int32_t *qsum = malloc(4 * tokens * nb);
+    for (int64_t i = 0; i < rows * rb; i++) w[i] = (uint8_t)rand();
+    for (int64_t i = 0; i < rows * nb; i++) s[i] = 0x3c00;
+    for (int64_t i = 0; i < tokens * cols; i++) x[i] = rand() / (float)RAND_MAX - 0.5f;
+    for (int64_t t = 0; t < tokens; t++) quantize_row(x + t * cols, cols, q + t * cols, qs + t * nb, qsum + t * nb, ORDER(quant));
+    const act_rows A = {q, qs, qsum, NULL, y, rows, tokens};
+    const int panels = int4_panels;
+    const int reps = (int)(20000000 / (rows * rb * tokens)) + 1;
+    for (int way = 0; way < 2; way++) {
+        int4_panels = way == 0 ? panels : 0;
+        ns[way] = 1e30;
+        for (int r = 0; r < repeats; r++) {
+            const double t0 = now();
+            for (int k = 0; k < reps; k++) matrix_rows(quant, w, s, cols, QK, 0, rows, &A);
+            const double t = (now() - t0) / ((double)reps * rows * tokens) * 1e9;
+            ns[way] = t < ns[way] ? t : ns[way];
+        }
+    }
+    int4_panels = panels;
+    free(w), free(s), free(x), free(qs), free(y), free(q), free(qsum);
+}
+
 int main(int argc, char **argv) {
     const int64_t rows = argc > 1 ? atoll(argv[1]) : 256;
     const int repeats = argc > 2 ? atoi(argv[2]) : 7;
@@ -80,5 +113,11 @@ int main(int argc, char **argv) {
     printf("isa %s; %lld rows of 2048 columns (in cache), one thread, best of %d\n", isa, (long long)rows, repeats);
     for (size_t k = 0; k < sizeof kinds / sizeof kinds[0]; k++)
         printf("%-7s %7.1f ns a row\n", kinds[k].name, time_rows(kinds[k].code, rows, 2048, repeats));
+    printf("int4 through matrix_rows (%s), ns a row and a token:\n", int4_panels ? "panels of 8 rows" : "no panels on this isa");
+    for (int64_t tokens = 1; tokens <= 64; tokens *= 4) {
+        double ns[2];
+        time_matrix(4, rows, 2048, tokens, repeats, ns);
+        printf("  %2lld tokens: %6.1f (a row at a time %6.1f, x%.2f)\n", (long long)tokens, ns[0], ns[1], ns[1] / ns[0]);
+    }
     return 0;
 }

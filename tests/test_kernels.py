@@ -196,6 +196,29 @@ def test_the_narrower_instruction_sets_match_the_reference_too(isa):
     check_under(isa, "test_kernels", "check_every_quant")
 
 
+def check_int4_panels() -> str:
+    """int4 in panels of eight rows (panels.h, the AVX2 body's): 43 rows (five panels and three rows
+    a row at a time), 9 blocks of columns (8 groups of scales packed at once, then one), groups of
+    32 and 96; 1 to 9 tokens (tiles of 4, 4 and 1): each token's outputs are those it gets alone,
+    bit for bit, and equal the reference."""
+    g = torch.Generator().manual_seed(7)
+    for group in (32, 96):
+        parts = dict(zip(["w", "w.scale"], quantize(torch.randn(43, 288, generator=g), "int4", group)))
+        x = torch.randn(9, 288, generator=g)
+        alone = torch.cat([kernels.qlinear(x[t:t + 1], parts, "w", "int4") for t in range(9)])
+        want = q8(x).double() @ dequantize(parts, "w", "int4", torch.float64).T
+        for tokens in range(1, 10):
+            assert torch.equal(kernels.qlinear(x[:tokens], parts, "w", "int4"), alone[:tokens]), (group, tokens)
+        assert (alone - want).norm() / want.norm() < 1e-6, group
+    return kernels.isa()
+
+
+def test_int4_rows_in_panels_give_each_token_what_it_gets_alone():
+    from narrow_isa import check_under
+    check_int4_panels()
+    check_under("avx2", "test_kernels", "check_int4_panels")
+
+
 def test_torchs_openmp_workers_sleep_unless_the_user_says_otherwise():
     """moefit/__init__.py: OMP_WAIT_POLICY passive before torch loads (its spinning workers took
     the native pool's cores), a policy the user set kept."""

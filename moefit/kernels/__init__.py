@@ -35,6 +35,9 @@ _lib: ctypes.CDLL | None | bool = None
 # the C side's quant codes; the GGUF super-block types carry their scales inside (kquants.h)
 Q = {"int8": 8, "int4": 4, "q8_0": 9, "q4_k": 10, "q5_k": 11, "q6_k": 12, "iq4_xs": 13, "mxfp4": 14}
 GROUPED = ("int4", "q8_0")                      # a scale per (row, group of inputs)
+# Raised when a body's speed changes (2: int4 in panels of eight rows on AVX2, panels.h): the
+# choices a host measured and kept (ops/measured.py) are then measured again.
+REVISION = 2
 c_i64, c_ptr = ctypes.c_int64, ctypes.c_void_p
 
 

@@ -77,6 +77,7 @@ static void quantize_row(const float *x, int64_t n, int8_t *q, float *s, int32_t
 }
 
 #include "dots.h"
+#include "panels.h"
 
 static dot_fn dot_q8 = dot_q8_portable, dot_q4 = dot_q4_portable, dot_q8g = dot_q8g_portable;
 static dot_fn dot_q4k = dot_q4k_portable, dot_q5k = dot_q5k_portable, dot_q6k = dot_q6k_portable,
@@ -114,6 +115,7 @@ static void choose_isa(void) {
 #endif
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
         dot_q8 = dot_q8_avx2, dot_q4 = dot_q4_avx2, dot_q8g = dot_q8g_avx2, isa = "avx2";
+        int4_panels = 1;
         SET_KQUANTS(avx2);
     }
 #endif
@@ -228,21 +230,34 @@ static const void *scale_of(int quant, const void *scales, int64_t row, int64_t 
                       : (const void *)((const uint16_t *)scales + row * (cols / group));   /* 4, and 9 (group 32) */
 }
 
-static void gate_up_task(void *ctx, int64_t task) {
-    const layer *L = ctx;
-    const int64_t e = L->task_expert[task], r0 = L->task_row[task], r1 = r0 + L->chunk;
-    const expert_ptrs *x = &L->ex[e];
-    const dot_fn dot = dot_for(L->quant);
-    for (int64_t r = r0; r < r1 && r < 2 * L->I; r++) {
-        const void *w = (const char *)x->gu + r * row_bytes(L->quant, L->E);
-        const void *ws = scale_of(L->quant, x->gu_scale, r, L->E, L->group);
-        const float b = L->act ? L->act->gu_bias[e][r] : 0.0f;
-        for (int64_t p = L->start[e]; p < L->start[e + 1]; p++) {
-            const int64_t t = L->rows[p];
-            L->h[p * 2 * L->I + r] = b + dot(w, ws, L->xq + t * L->E, L->xs + t * (L->E / QK),
-                                             L->xsum + t * (L->E / QK), L->E, L->group);
+/* Rows [r0, r1) of a matrix against the activation rows of A: int4 in panels where the CPU's body
+ * takes them (panels.h), the rest a row at a time. */
+static void matrix_rows(int quant, const void *w, const void *scales, int64_t cols, int64_t group, int64_t r0,
+                        int64_t r1, const act_rows *A) {
+#if defined(__x86_64__)
+    if (quant == 4 && int4_panels) r0 = int4_panel_rows(w, scales, cols, group, r0, r1, A);
+#endif
+    const dot_fn dot = dot_for(quant);
+    const int64_t nb = cols / QK;
+    for (int64_t r = r0; r < r1; r++) {
+        const void *wr = (const char *)w + r * row_bytes(quant, cols), *ws = scale_of(quant, scales, r, cols, group);
+        for (int64_t i = 0; i < A->n; i++) {
+            const int64_t row = A->row ? A->row[i] : i;
+            A->y[i * A->y_stride + r] = dot(wr, ws, A->q + row * cols, A->s + row * nb, A->sum + row * nb, cols, group);
         }
     }
+}
+
+static void gate_up_task(void *ctx, int64_t task) {
+    const layer *L = ctx;
+    const int64_t e = L->task_expert[task], r0 = L->task_row[task], first = L->start[e];
+    const int64_t r1 = r0 + L->chunk < 2 * L->I ? r0 + L->chunk : 2 * L->I;
+    const act_rows A = {L->xq, L->xs, L->xsum, L->rows + first, L->h + first * 2 * L->I, 2 * L->I,
+                        L->start[e + 1] - first};
+    matrix_rows(L->quant, L->ex[e].gu, L->ex[e].gu_scale, L->E, L->group, r0, r1, &A);
+    if (L->act)
+        for (int64_t i = 0; i < A.n; i++)
+            for (int64_t r = r0; r < r1; r++) A.y[i * A.y_stride + r] += L->act->gu_bias[e][r];
 }
 
 static void act_task(void *ctx, int64_t p) {
@@ -262,17 +277,14 @@ static void act_task(void *ctx, int64_t p) {
 
 static void down_task(void *ctx, int64_t task) {
     const layer *L = ctx;
-    const int64_t e = L->task_expert[task], r0 = L->task_row[task], r1 = r0 + L->chunk;
-    const expert_ptrs *x = &L->ex[e];
-    const dot_fn dot = dot_for(L->quant_dn);
-    for (int64_t r = r0; r < r1 && r < L->E; r++) {
-        const void *w = (const char *)x->dn + r * row_bytes(L->quant_dn, L->I);
-        const void *ws = scale_of(L->quant_dn, x->dn_scale, r, L->I, L->group);
-        const float b = L->act ? L->act->dn_bias[e][r] : 0.0f;
-        for (int64_t p = L->start[e]; p < L->start[e + 1]; p++)
-            L->y[p * L->E + r] = b + dot(w, ws, L->hq + p * L->I, L->hs + p * (L->I / QK),
-                                         L->hsum + p * (L->I / QK), L->I, L->group);
-    }
+    const int64_t e = L->task_expert[task], r0 = L->task_row[task], first = L->start[e];
+    const int64_t r1 = r0 + L->chunk < L->E ? r0 + L->chunk : L->E;
+    const act_rows A = {L->hq + first * L->I, L->hs + first * (L->I / QK), L->hsum + first * (L->I / QK), NULL,
+                        L->y + first * L->E, L->E, L->start[e + 1] - first};
+    matrix_rows(L->quant_dn, L->ex[e].dn, L->ex[e].dn_scale, L->I, L->group, r0, r1, &A);
+    if (L->act)
+        for (int64_t i = 0; i < A.n; i++)
+            for (int64_t r = r0; r < r1; r++) A.y[i * A.y_stride + r] += L->act->dn_bias[e][r];
 }
 
 static int64_t plan_tasks(layer *L, int64_t rows) {
@@ -346,14 +358,9 @@ typedef struct {
 
 static void linear_task(void *ctx, int64_t task) {
     const linear *L = ctx;
-    const dot_fn dot = dot_for(L->quant);
-    for (int64_t r = task * L->chunk; r < (task + 1) * L->chunk && r < L->R; r++) {
-        const void *w = (const char *)L->w + r * row_bytes(L->quant, L->C);
-        const void *ws = scale_of(L->quant, L->scales, r, L->C, L->group);
-        for (int64_t t = 0; t < L->T; t++)
-            L->y[t * L->R + r] = dot(w, ws, L->xq + t * L->C, L->xs + t * (L->C / QK), L->xsum + t * (L->C / QK),
-                                     L->C, L->group);
-    }
+    const int64_t r0 = task * L->chunk, r1 = r0 + L->chunk < L->R ? r0 + L->chunk : L->R;
+    const act_rows A = {L->xq, L->xs, L->xsum, NULL, L->y, L->R, L->T};
+    matrix_rows(L->quant, L->w, L->scales, L->C, L->group, r0, r1, &A);
 }
 
 int moe_linear(const float *x, int64_t T, int64_t C, int64_t R, int quant, int64_t group, const void *w,

@@ -1,7 +1,7 @@
 """What this machine's host measured, kept across starts: each prompt product's fastest way
 (kernels/gemm.py) and each expert quant's GEMM crossover (experts/host_rates.py, `auto`), in
 <state dir>/measured.json under a key for the host (CPU model, the pool's threads, torch, the
-kernels' instruction set). A start on the same host takes them as they were: its prompts run the
+kernels' instruction set and revision). A start on the same host takes them as they were: its prompts run the
 ways the last start's did from the first request on, without timing them again (a fresh process
 paid 1-2 s on its first prompt of each size for that), and two starts of one configuration do
 not differ by a noisy timing. Another host, or the file removed, measures afresh.
@@ -28,7 +28,7 @@ FILE = "measured.json"
 def host_key() -> str:
     lib = kernels.library()
     threads = lib.moe_threads() if lib is not None and hasattr(lib, "moe_threads") else 1
-    return f"{cpu_model()} | {threads} threads | torch {torch.__version__} | {kernels.isa()}"
+    return f"{cpu_model()} | {threads} threads | torch {torch.__version__} | {kernels.isa()} r{kernels.REVISION}"
 
 
 def cpu_model() -> str:
