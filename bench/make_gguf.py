@@ -2,6 +2,8 @@
 
     CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AMX_TILE=OFF \\
       -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" .venv/bin/pip install llama-cpp-python==0.3.36
+    (a CPU without AVX512 dies of SIGILL in that build: there CMAKE_ARGS="-DGGML_NATIVE=ON -DGGML_AMX_TILE=OFF
+     -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF", about 7 minutes on 2 cores)
     .venv/bin/pip download --no-binary :all: --no-deps llama-cpp-python==0.3.36 -d /tmp/llsd
     tar xzf /tmp/llsd/llama_cpp_python-0.3.36.tar.gz -C /tmp/llsd
     .venv/bin/pip install -e /tmp/llsd/llama_cpp_python-0.3.36/vendor/llama.cpp/gguf-py
