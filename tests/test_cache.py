@@ -167,7 +167,23 @@ def test_quantised_dense_weights_stay_close_and_the_ledger_still_matches_the_car
     assert (got - exact).norm() / exact.norm() < tol
     if quant == "int8":
         assert got.argmax() == exact.argmax()
+    else:                        # kept as the kernel reads it where it multiplies int4 in panels (AVX2)
+        from moefit import kernels
+        assert {w.quant for w in qweights(engine.model)} == ({"int4p"} if kernels.int4_panels() else {"int4"})
     plan = engine.loaded.plan
     assert engine.loaded.mem.charged[L.DENSE] == plan.line(L.DENSE).bytes
     full = Engine.open(pack, sim(card(16))).loaded.plan.line(L.DENSE).bytes
     assert plan.line(L.DENSE).bytes < 0.4 * full           # (int4 keeps o_proj [64, 80] in fp32: 80 % 32 != 0)
+
+
+def qweights(obj, depth: int = 5):
+    """The dense matrices quantised at load (QWeight) reachable from obj."""
+    from moefit.models.layers import QWeight
+    if isinstance(obj, QWeight):
+        yield obj
+    elif depth and isinstance(obj, (list, tuple, dict)):
+        for item in obj.values() if isinstance(obj, dict) else obj:
+            yield from qweights(item, depth - 1)
+    elif depth and hasattr(obj, "__dict__") and type(obj).__module__.startswith("moefit.models"):
+        for item in vars(obj).values():
+            yield from qweights(item, depth - 1)

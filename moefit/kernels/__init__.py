@@ -33,8 +33,8 @@ log = logging.getLogger("moefit.kernels")
 HERE = Path(__file__).parent
 _lib: ctypes.CDLL | None | bool = None
 # the C side's quant codes; the GGUF super-block types carry their scales inside (kquants.h)
-Q = {"int8": 8, "int4": 4, "q8_0": 9, "q4_k": 10, "q5_k": 11, "q6_k": 12, "iq4_xs": 13, "mxfp4": 14}
-GROUPED = ("int4", "q8_0")                      # a scale per (row, group of inputs)
+Q = {"int8": 8, "int4": 4, "int4p": 5, "q8_0": 9, "q4_k": 10, "q5_k": 11, "q6_k": 12, "iq4_xs": 13, "mxfp4": 14}
+GROUPED = ("int4", "int4p", "q8_0")             # a scale per (row, group of inputs)
 # Raised when a body's speed changes (2: int4 in panels of eight rows on AVX2, panels.h): the
 # choices a host measured and kept (ops/measured.py) are then measured again.
 REVISION = 2
@@ -132,7 +132,7 @@ def matrix_shape(codes: torch.Tensor, quant: str) -> tuple[int, int]:
     if quant in GGUF_BLOCKS:
         weights, nbytes = GGUF_BLOCKS[quant]
         return codes.shape[0], codes.shape[1] // nbytes * weights
-    return codes.shape[0], codes.shape[1] * (2 if quant == "int4" else 1)
+    return codes.shape[0], codes.shape[1] * (2 if quant in ("int4", "int4p") else 1)
 
 
 def _p(t: torch.Tensor) -> ctypes.c_void_p:
@@ -158,6 +158,8 @@ def dequantize(parts: dict, name: str, quant: str, out: torch.Tensor | None = No
     lib = library()
     if lib is None or not hasattr(lib, "moe_dequant") or quant not in Q:
         return None
+    if quant == "int4p":                        # rows again (a prompt's GEMM way; its timing includes this)
+        parts, quant = panels_to_rows(parts, name), "int4"
     if lib.moe_dequant.argtypes is None:
         lib.moe_dequant.argtypes = [c_ptr, c_ptr, ctypes.c_int, c_i64, c_i64, c_i64, c_ptr]
         lib.moe_dequant.restype = ctypes.c_int
@@ -181,6 +183,42 @@ def q8_round(x: torch.Tensor) -> torch.Tensor | None:
     x = x.contiguous()
     out = torch.empty_like(x)
     return out if lib.moe_q8_round(_p(x), x.shape[0], x.shape[1], _p(out)) == 0 else None
+
+
+# ---- int4 stored in panels of 8 rows (panels.h): a dense matrix quantised at load, on CPUs whose
+# kernel multiplies int4 in panels, is kept that way ("int4p"), so that a decode step's product
+# does not rearrange it every call. The first rows - rows % 8 rows become panels in place (codes
+# [nb][4 quads][8 rows][4 bytes], scales [groups][8 rows]); the rest stay rows. Same bytes.
+PANEL = 8
+
+
+def int4_panels() -> bool:
+    """Whether this CPU's kernel multiplies int4 in panels (AVX2's body), so takes "int4p"."""
+    lib = library()
+    return bool(lib is not None and hasattr(lib, "moe_int4_panels") and lib.moe_int4_panels())
+
+
+def rows_to_panels(codes: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int4 parts (codes [R, C/2] uint8, scale [R, G] fp16) -> the same in panel order."""
+    return _reorder(codes, scale, to_panels=True)
+
+
+def panels_to_rows(parts: dict, name: str) -> dict:
+    """{name, name.scale} of an "int4p" matrix back in row order."""
+    codes, scale = _reorder(parts[name], parts[name + ".scale"], to_panels=False)
+    return {name: codes, name + ".scale": scale}
+
+
+def _reorder(codes: torch.Tensor, scale: torch.Tensor, to_panels: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    rows, half = codes.shape
+    groups, head = scale.shape[1], rows - rows % PANEL
+    as_rows = (head // PANEL, PANEL, half // 16, 4, 4)                  # panel, row, block, quad, byte
+    as_panels = (head // PANEL, half // 16, 4, PANEL, 4)
+    order = (0, 2, 3, 1, 4) if to_panels else (0, 3, 1, 2, 4)
+    c = codes[:head].reshape(as_rows if to_panels else as_panels).permute(order).reshape(head, half)
+    s = scale[:head].reshape((head // PANEL, PANEL, groups) if to_panels else (head // PANEL, groups, PANEL))
+    s = s.transpose(1, 2).reshape(head, groups)
+    return torch.cat([c, codes[head:]]), torch.cat([s, scale[head:]])
 
 
 PARTS = ("gate_up", "gate_up.scale", "down", "down.scale")

@@ -146,11 +146,17 @@ static void quantize_rows(const float *x, int64_t T, int64_t n, int8_t *q, float
 
 /* The order quantize_row stores activations in for a matrix of `quant` (after choose_isa). */
 static int int4_order(int quant) {
+    if (quant == 5) return 1;                                  /* int4 in stored panels: AVX2's */
     if (quant != 4) return 0;
 #if defined(__x86_64__)
     if (dot_q4 == dot_q4_vnni512) return 2;
 #endif
     return 1;
+}
+
+int moe_int4_panels(void) {
+    choose_isa();
+    return int4_panels;
 }
 
 const char *moe_isa(void) {
@@ -189,7 +195,8 @@ typedef struct {
     const act_params *act;              /* NULL: SwiGLU; else gpt-oss's biases and clamped gate */
 } layer;
 
-/* quant: 8 int8 (a scale per row), 4 int4 (fp16 per group), 9 Q8_0 (int8, fp16 per 32), and the
+/* quant: 8 int8 (a scale per row), 4 int4 (fp16 per group), 5 int4 stored in panels of 8 rows
+ * (panels.h; one matrix only, where int4_panels), 9 Q8_0 (int8, fp16 per 32), and the
  * GGUF block types of kquants.h: 10 Q4_K, 11 Q5_K, 12 Q6_K, 13 IQ4_XS, 14 MXFP4 (no separate scales) */
 static dot_fn dot_for(int quant) {
     switch (quant) {
@@ -200,13 +207,13 @@ static dot_fn dot_for(int quant) {
     case 12: return dot_q6k;
     case 13: return dot_iq4xs;
     case 14: return dot_mxfp4;
-    default: return dot_q4;
+    default: return dot_q4;                                    /* 4, and 5's rows past its panels */
     }
 }
 
 static size_t row_bytes(int quant, int64_t cols) {
     if (quant >= 10) return block_row_bytes(quant, cols);
-    return quant == 4 ? (size_t)cols / 2 : (size_t)cols;
+    return quant == 4 || quant == 5 ? (size_t)cols / 2 : (size_t)cols;
 }
 
 /* whether the kernel takes `quant` for rows of `cols` inputs */
@@ -227,7 +234,7 @@ static int64_t task_rows(int64_t rows) {
 static const void *scale_of(int quant, const void *scales, int64_t row, int64_t cols, int64_t group) {
     if (quant >= 10) return NULL;                                                  /* inside the blocks */
     return quant == 8 ? (const void *)((const float *)scales + row)
-                      : (const void *)((const uint16_t *)scales + row * (cols / group));   /* 4, and 9 (group 32) */
+                      : (const void *)((const uint16_t *)scales + row * (cols / group));   /* 4, 5, and 9 (group 32) */
 }
 
 /* Rows [r0, r1) of a matrix against the activation rows of A: int4 in panels where the CPU's body
@@ -360,14 +367,22 @@ static void linear_task(void *ctx, int64_t task) {
     const linear *L = ctx;
     const int64_t r0 = task * L->chunk, r1 = r0 + L->chunk < L->R ? r0 + L->chunk : L->R;
     const act_rows A = {L->xq, L->xs, L->xsum, NULL, L->y, L->R, L->T};
-    matrix_rows(L->quant, L->w, L->scales, L->C, L->group, r0, r1, &A);
+    if (L->quant != 5) {
+        matrix_rows(L->quant, L->w, L->scales, L->C, L->group, r0, r1, &A);
+        return;
+    }
+    const int64_t panels_end = L->R - L->R % PANEL, r = r1 < panels_end ? r1 : panels_end;
+#if defined(__x86_64__)
+    int4_stored_panel_rows(L->w, L->scales, L->C, L->group, r0, r, &A);
+#endif
+    matrix_rows(4, L->w, L->scales, L->C, L->group, r > r0 ? r : r0, r1, &A);    /* the rows past the panels */
 }
 
 int moe_linear(const float *x, int64_t T, int64_t C, int64_t R, int quant, int64_t group, const void *w,
                const void *scales, float *y) {
-    if (C % QK || (quant == 4 && group % QK) || (quant == 9 && group != QK) ||
-        (quant != 4 && quant != 8 && quant != 9)) return -1;
     choose_isa();
+    if (C % QK || ((quant == 4 || quant == 5) && group % QK) || (quant == 9 && group != QK) ||
+        (quant != 4 && quant != 8 && quant != 9 && !(quant == 5 && int4_panels))) return -1;
     int8_t *xq = malloc(T * C);
     float *xs = malloc(sizeof(float) * T * (C / QK));
     int32_t *xsum = malloc(4 * T * (C / QK));

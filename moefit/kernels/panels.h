@@ -6,7 +6,7 @@
  * byte quad k, the eight rows' bytes 4k..4k+3 side by side in one 256-bit vector, so that a lane
  * is a row. maddubs then multiplies each row's quad of codes by the same four activations
  * (broadcast), the block's int16 sums stay in their lanes, and the block's eight scales are one
- * vector (pack_scales, fp32). The packed panel then serves every token of the call,
+ * vector (pack_scales). The packed panel then serves every token of the call,
  * PANEL_TOKENS at a time, each weight vector used by that many.
  *
  * Measured on an AVX2-only EPYC (Zen 3), one thread, a 1536 x 2048 int4 matrix in cache, against
@@ -22,6 +22,8 @@
 #define PANEL_TOKENS 4            /* tokens a tile (their sums and accumulators stay in registers) */
 
 static int int4_panels;           /* set by choose_isa where dot_q4 is dot_q4_avx2 */
+
+int moe_int4_panels(void);        /* moe.c: whether this CPU's kernel multiplies int4 in panels */
 
 typedef struct {
     const int8_t *q;              /* activation rows [., cols], order 1 */
@@ -56,9 +58,9 @@ __attribute__((target("avx2"))) static void pack_codes(const uint8_t *w, int64_t
 #undef ROWS_AT
 }
 
-/* Eight rows of fp16 group scales [8][groups] -> fp32 [groups][8]: 8x8 transposes of 16-bit
- * words, eight groups at a time. */
-__attribute__((target("avx2,f16c"))) static void pack_scales(const uint16_t *s, int64_t groups, float *out) {
+/* Eight rows of fp16 group scales [8][groups] -> [groups][8]: 8x8 transposes of 16-bit words,
+ * eight groups at a time. */
+__attribute__((target("avx2"))) static void pack_scales(const uint16_t *s, int64_t groups, uint16_t *out) {
     int64_t g = 0;
     for (; g + 8 <= groups; g += 8) {
         __m128i a[8], t[8], u[8];
@@ -69,12 +71,12 @@ __attribute__((target("avx2,f16c"))) static void pack_scales(const uint16_t *s, 
             u[h] = _mm_unpacklo_epi32(t[h], t[h + 2]), u[h + 1] = _mm_unpackhi_epi32(t[h], t[h + 2]),
             u[h + 2] = _mm_unpacklo_epi32(t[h + 1], t[h + 3]), u[h + 3] = _mm_unpackhi_epi32(t[h + 1], t[h + 3]);
         for (int i = 0; i < 4; i++) {
-            _mm256_storeu_ps(out + (g + 2 * i) * 8, _mm256_cvtph_ps(_mm_unpacklo_epi64(u[i], u[i + 4])));
-            _mm256_storeu_ps(out + (g + 2 * i + 1) * 8, _mm256_cvtph_ps(_mm_unpackhi_epi64(u[i], u[i + 4])));
+            _mm_storeu_si128((__m128i *)(out + (g + 2 * i) * 8), _mm_unpacklo_epi64(u[i], u[i + 4]));
+            _mm_storeu_si128((__m128i *)(out + (g + 2 * i + 1) * 8), _mm_unpackhi_epi64(u[i], u[i + 4]));
         }
     }
     for (; g < groups; g++)
-        for (int r = 0; r < 8; r++) out[g * 8 + r] = _cvtsh_ss(s[r * groups + g]);
+        for (int r = 0; r < 8; r++) out[g * 8 + r] = s[r * groups + g];
 }
 
 #define BROADCAST4(p) _mm256_set1_epi32(*(const int32_t *)(const void *)(p))
@@ -82,11 +84,11 @@ __attribute__((target("avx2,f16c"))) static void pack_scales(const uint16_t *s, 
 /* NT tokens against one packed panel: out[t][0..8) = the eight rows' dots with token t. */
 #define PANEL_TILE(NT)                                                                              \
     __attribute__((target("avx2,fma,f16c"))) static void panel_tile##NT(                           \
-            const uint8_t *codes, const float *scales, int64_t nb, int64_t per_group, const tile_row *a) { \
+            const uint8_t *codes, const uint16_t *scales, int64_t nb, int64_t per_group, const tile_row *a) { \
         const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);                      \
         __m256 acc[NT];                                                                             \
         for (int t = 0; t < NT; t++) acc[t] = _mm256_setzero_ps();                                  \
-        const float *d = scales;                                                                    \
+        const uint16_t *d = scales;                                                                 \
         for (int64_t b = 0, left = per_group; b < nb; b++, codes += 128) {                          \
             __m256i sum16[NT];                                                                      \
             for (int t = 0; t < NT; t++) sum16[t] = _mm256_setzero_si256();                         \
@@ -99,7 +101,7 @@ __attribute__((target("avx2,f16c"))) static void pack_scales(const uint16_t *s, 
                                                                            _mm256_maddubs_epi16(hi, BROADCAST4(q + 16)))); \
                 }                                                                                   \
             }                                                                                       \
-            const __m256 dw = _mm256_loadu_ps(d);                                                   \
+            const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)d));                \
             for (int t = 0; t < NT; t++) {                                                          \
                 const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(sum16[t], ones),             \
                                                      _mm256_set1_epi32(-8 * a[t].sum[b]));          \
@@ -113,11 +115,11 @@ PANEL_TILE(1)
 PANEL_TILE(2)
 PANEL_TILE(3)
 PANEL_TILE(4)
-typedef void (*tile_fn)(const uint8_t *, const float *, int64_t, int64_t, const tile_row *);
+typedef void (*tile_fn)(const uint8_t *, const uint16_t *, int64_t, int64_t, const tile_row *);
 static const tile_fn panel_tiles[PANEL_TOKENS + 1] = {NULL, panel_tile1, panel_tile2, panel_tile3, panel_tile4};
 
 /* The calling thread's panel buffers, grown as needed and kept (the pool's threads live as long
- * as the process; a 2048-column panel is 8 KiB of codes and 2 KiB of scales). */
+ * as the process; a 2048-column panel is 8 KiB of codes and 1 KiB of scales). */
 static uint8_t *panel_buffer(int64_t bytes) {
     static __thread uint8_t *buf;
     static __thread int64_t have;
@@ -130,28 +132,43 @@ static uint8_t *panel_buffer(int64_t bytes) {
     return buf;
 }
 
+/* One panel (codes [nb][4][8][4], scales [groups][8]) against every activation row of A, the
+ * outputs at column r0, PANEL_TOKENS tokens a tile. */
+static void panel_tokens(const uint8_t *codes, const uint16_t *scales, int64_t cols, int64_t group, int64_t r0,
+                         const act_rows *A) {
+    const int64_t nb = cols / QK;
+    for (int64_t i = 0; i < A->n; i += PANEL_TOKENS) {
+        const int nt = A->n - i < PANEL_TOKENS ? (int)(A->n - i) : PANEL_TOKENS;
+        tile_row a[PANEL_TOKENS];
+        for (int j = 0; j < nt; j++) {
+            const int64_t row = A->row ? A->row[i + j] : i + j;
+            a[j] = (tile_row){A->q + row * cols, A->s + row * nb, A->sum + row * nb, A->y + (i + j) * A->y_stride + r0};
+        }
+        panel_tiles[nt](codes, scales, nb, group / QK, a);
+    }
+}
+
 /* Rows [r0, r1) of the int4 matrix (w [., cols / 2], s [., cols / group] fp16) against every
- * activation row of A, whole panels here; returns the first row left (fewer than PANEL remain,
- * or the buffer could not be had). */
+ * activation row of A, whole panels rearranged here; returns the first row left (fewer than PANEL
+ * remain, or the buffer could not be had). */
 static int64_t int4_panel_rows(const uint8_t *w, const uint16_t *s, int64_t cols, int64_t group, int64_t r0,
                                int64_t r1, const act_rows *A) {
-    const int64_t nb = cols / QK, groups = cols / group, code_bytes = nb * 128;
-    uint8_t *codes = panel_buffer(code_bytes + groups * PANEL * 4);
+    const int64_t groups = cols / group, code_bytes = cols / QK * 128;
+    uint8_t *codes = panel_buffer(code_bytes + groups * PANEL * 2);
     if (!codes) return r0;
-    float *scales = (float *)(codes + code_bytes);
+    uint16_t *scales = (uint16_t *)(codes + code_bytes);
     for (; r0 + PANEL <= r1; r0 += PANEL) {
-        pack_codes(w + r0 * (cols / 2), cols / 2, nb, codes);
+        pack_codes(w + r0 * (cols / 2), cols / 2, cols / QK, codes);
         pack_scales(s + r0 * groups, groups, scales);
-        for (int64_t i = 0; i < A->n; i += PANEL_TOKENS) {
-            const int nt = A->n - i < PANEL_TOKENS ? (int)(A->n - i) : PANEL_TOKENS;
-            tile_row a[PANEL_TOKENS];
-            for (int j = 0; j < nt; j++) {
-                const int64_t row = A->row ? A->row[i + j] : i + j;
-                a[j] = (tile_row){A->q + row * cols, A->s + row * nb, A->sum + row * nb, A->y + (i + j) * A->y_stride + r0};
-            }
-            panel_tiles[nt](codes, scales, nb, group / QK, a);
-        }
+        panel_tokens(codes, scales, cols, group, r0, A);
     }
     return r0;
+}
+
+/* The same for a matrix stored in panels already (moe.c's quant 5, kernels.to_panels: its first
+ * rows - rows % 8 as panels, in place of the rows they hold); r0 and r1 whole panels. */
+static void int4_stored_panel_rows(const uint8_t *w, const uint16_t *s, int64_t cols, int64_t group, int64_t r0,
+                                   int64_t r1, const act_rows *A) {
+    for (; r0 + PANEL <= r1; r0 += PANEL) panel_tokens(w + r0 * (cols / 2), s + r0 * (cols / group), cols, group, r0, A);
 }
 #endif

@@ -12,6 +12,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from moefit import kernels
 from moefit.kernels import rows as native
 from moefit.models.attention import causal_mask
 from moefit.pack.layout import DENSE_GROUP, dense_quantizable
@@ -279,7 +280,10 @@ class Weights:
     def _placed(self, name: str, t: torch.Tensor):
         if self.dense_quant != "off" and dense_quantizable(name, tuple(t.shape), self.dense_quant):
             codes, scale = quantize(t, self.dense_quant, DENSE_GROUP)
-            return QWeight(self._place(name, codes), self._place(name + ".scale", scale, keep=True), self.dense_quant)
+            quant = self.dense_quant
+            if quant == "int4" and kernels.int4_panels():         # stored as the kernel reads it (kernels/panels.h)
+                (codes, scale), quant = kernels.rows_to_panels(codes, scale), "int4p"
+            return QWeight(self._place(name, codes), self._place(name + ".scale", scale, keep=True), quant)
         return self._place(name, t)
 
     def get(self, name: str):

@@ -53,6 +53,8 @@ def dequantize(parts: dict[str, torch.Tensor], name: str, quant: str, dtype: tor
     rounded once to dtype: the host kernel keeps fp32 scales too, so an expert gives the same
     weights on either side (a bf16 scale alone would move them by up to 0.4 %)."""
     quant = matrix_quant(quant, name)
+    if quant == "int4p":                                        # stored in panels (kernels.rows_to_panels)
+        return dequantize(kernels.panels_to_rows(parts, name), name, "int4", dtype)
     w = parts[name]
     if quant in FLOAT_QUANTS:
         return w.to(dtype)
