@@ -116,8 +116,6 @@ static inline float conv_channel(float *window, const float *w, int64_t kernel, 
 /* The state's columns in vectors of VT (VW floats; AVX2's are its own 8-float registers: GCC
  * lowered 16-float vectors there through the stack, measured 1.15 ms a layer against 0.14 now, in cache);
  * NV: vectors a pass keeps in registers (three arrays of them) */
-#define LOADV(T, p) ({ T v_; memcpy(&v_, (p), sizeof(T)); v_; })
-#define STOREV(T, p, v) do { T w_ = (v); memcpy((p), &w_, sizeof(T)); } while (0)
 #if defined(__x86_64__)
 #define VT v16
 #define VW 16
