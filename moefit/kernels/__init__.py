@@ -158,8 +158,6 @@ def dequantize(parts: dict, name: str, quant: str, out: torch.Tensor | None = No
     lib = library()
     if lib is None or not hasattr(lib, "moe_dequant") or quant not in Q:
         return None
-    if quant == "int4p":                        # rows again (a prompt's GEMM way; its timing includes this)
-        parts, quant = panels_to_rows(parts, name), "int4"
     if lib.moe_dequant.argtypes is None:
         lib.moe_dequant.argtypes = [c_ptr, c_ptr, ctypes.c_int, c_i64, c_i64, c_i64, c_ptr]
         lib.moe_dequant.restype = ctypes.c_int

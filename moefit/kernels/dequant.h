@@ -10,6 +10,14 @@ typedef struct {
     float *out;
 } dequant_args;
 
+/* byte j of int4 row r: in rows, or (quant 5, rows past the last whole panel excepted) in a panel
+ * of panels.h, codes [blocks][4 quads][8 rows][4 bytes] */
+static inline uint8_t int4_byte(const dequant_args *D, int in_panel, int64_t r, int64_t j) {
+    const uint8_t *w = D->w;
+    if (!in_panel) return w[r * (D->C / 2) + j];
+    return w[r / PANEL * PANEL * (D->C / 2) + j / 16 * 128 + j % 16 / 4 * 32 + r % PANEL * 4 + j % 4];
+}
+
 /* one row of GGUF blocks (kquants.h's layouts) as fp32, in pack/kblocks.py's order of operations:
  * the block's scale products first (d sc, dmin m), then code times scale, minus the offset */
 static void dequant_q45k_row(const uint8_t *w, int64_t C, int fifth, float *o) {
@@ -79,27 +87,30 @@ static void dequant_task(void *ctx, int64_t task) {
             for (int64_t i = 0; i < D->C; i++) o[i] = (float)c[i] * s;
             continue;
         }
-        const int64_t group = D->quant == 9 ? QK : D->group;
-        const uint16_t *s = (const uint16_t *)D->scales + r * (D->C / group);
-        for (int64_t g = 0; g < D->C / group; g++) {
-            const float sc = half_to_float(s[g]);
+        const int64_t group = D->quant == 9 ? QK : D->group, groups = D->C / group;
+        const int in_panel = D->quant == 5 && r < D->R - D->R % PANEL;
+        for (int64_t g = 0; g < groups; g++) {
+            const uint16_t *s = D->scales;
+            const float sc = half_to_float(in_panel ? s[r / PANEL * PANEL * groups + g * PANEL + r % PANEL] : s[r * groups + g]);
             float *og = o + g * group;
             if (D->quant == 9) {
                 const int8_t *c = (const int8_t *)D->w + r * D->C + g * group;
                 for (int64_t i = 0; i < group; i++) og[i] = (float)c[i] * sc;
             } else {                                       /* int4: low nibble the even column, + 8 */
-                const uint8_t *c = (const uint8_t *)D->w + (r * D->C + g * group) / 2;
-                for (int64_t i = 0; i < group / 2; i++)
-                    og[2 * i] = (float)((c[i] & 15) - 8) * sc, og[2 * i + 1] = (float)((c[i] >> 4) - 8) * sc;
+                for (int64_t i = 0; i < group / 2; i++) {
+                    const uint8_t c = int4_byte(D, in_panel, r, g * group / 2 + i);
+                    og[2 * i] = (float)((c & 15) - 8) * sc, og[2 * i + 1] = (float)((c >> 4) - 8) * sc;
+                }
             }
         }
     }
 }
 
-/* out [R, C] fp32 = W of `quant` (8 int8, 9 Q8_0, 4 int4 with fp16 scales per `group` columns; the
+/* out [R, C] fp32 = W of `quant` (8 int8, 9 Q8_0, 4 int4 with fp16 scales per `group` columns, 5 the
+ * same in panels; the
  * GGUF blocks 10-14 with their scales inside), each weight as pack/quant.py's dequantize computes it. */
 int moe_dequant(const void *w, const void *scales, int quant, int64_t R, int64_t C, int64_t group, float *out) {
-    if ((quant != 4 && (quant < 8 || quant > 14)) || (quant == 4 && (group % 2 || C % group)) ||
+    if ((quant != 4 && quant != 5 && (quant < 8 || quant > 14)) || ((quant == 4 || quant == 5) && (group % 2 || C % group)) ||
         (quant == 9 && C % QK) || (quant >= 10 && quant <= 13 && C % QK_K) || (quant == 14 && C % QK))
         return -1;
     dequant_args D = {w, scales, quant, R, C, group, 64, out};

@@ -10,8 +10,8 @@
  * PANEL_TOKENS at a time, each weight vector used by that many.
  *
  * Measured on an AVX2-only EPYC (Zen 3), one thread, a 1536 x 2048 int4 matrix in cache, against
- * dot_q4_avx2 a row at a time: 1 token 1.5-1.8x faster (the packing is half of it), 16-128 tokens
- * 4-4.5x (bench/kernel_rows.c prints both).
+ * dot_q4_avx2 a row at a time: 1 token 1.4-2.4x faster (the packing is half of it), 4-64 tokens
+ * 3.3-4.7x (bench/kernel_rows.c prints both; bench/results/kernel_rows-round14-avx2.txt).
  *
  * The numbers: a block's products are exact integers (8 maddubs sums of at most 2 * 15 * 127 per
  * int16 lane), scaled by its fp32 scale times the activation block's, added in block order; a
