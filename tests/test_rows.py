@@ -1,6 +1,7 @@
 """The native row operations (kernels/rows.h) against torch in float64: RMSNorm of plain and
 strided rows, QK-norm + RoPE of a projection's heads (full and partial rotation), one position's
-grouped-query attention over a cache view of 1 to 5,000 keys, a softmax router's top-k; every
+grouped-query attention over a cache view of 1 to 5,000 keys (kernels/kv.h's, through
+moe_attend_one; every KV dtype in tests/test_kv_attention.py), a softmax router's top-k; every
 instruction set."""
 
 import pytest
@@ -103,7 +104,7 @@ def test_a_router_tie_goes_to_the_lower_expert():
 
 
 def test_attention_does_not_depend_on_the_thread_count():
-    q, k, v = torch.randn(32, 1, 128), torch.randn(4, 300, 128), torch.randn(4, 300, 128)
+    q, k, v = torch.randn(32, 1, 128), torch.randn(4, 1300, 128), torch.randn(4, 1300, 128)   # three key ranges
     outs = []
     for n in (1, 2):
         kernels.set_threads(n)
@@ -142,7 +143,7 @@ def test_a_decode_step_uses_them_and_torch_gives_the_same_logits(tmp_path, monke
     convert(tiny.build_checkpoint("qwen3_moe", tmp_path / "hf", head_dim=32), tmp_path / "pack", "int8", progress=False)
     prompt = list(range(3, 40))
     engine = Engine.open(tmp_path / "pack", ServeConfig(ctx=128, dense_quant="off"))
-    computed = {"rms_norm": 0, "head_rows": 0, "attend_one": 0, "softmax_topk": 0}
+    computed = {"rms_norm": 0, "head_rows": 0, "attend_stored": 0, "softmax_topk": 0}
     for name in computed:
         def counted(*a, _real=getattr(rows, name), _name=name):
             out = _real(*a)

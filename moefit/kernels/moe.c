@@ -394,5 +394,6 @@ int moe_linear(const float *x, int64_t T, int64_t C, int64_t R, int quant, int64
 }
 
 #include "dequant.h"
+#include "kv.h"
 #include "step.h"
 #include "delta.h"

@@ -20,6 +20,7 @@ SIGNATURES = {
     "moe_attention_step": [c_ptr, c_ptr, c_i64, c_ptr, c_ptr, c_i64, c_ptr, c_ptr, c_i64, c_ptr],
     "moe_attend_one": [c_ptr, c_ptr, c_ptr, c_i64, c_i64, c_i64, c_i64, c_i64, c_i64, c_i64, c_f, c_ptr],
     "moe_delta_step": [c_ptr, c_ptr, c_ptr, c_ptr, c_ptr],
+    "moe_attend_stored": [c_ptr, c_i64, c_i64, c_i64, c_ptr, c_ptr, c_f, c_ptr, c_ptr],
 }
 
 
@@ -89,6 +90,33 @@ def attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float |
     ok = fn(_p(q), _p(k), _p(v), h, kh, s, d, dv, k.stride(0), v.stride(0), d ** -0.5 if scale is None else scale,
             _p(out))
     return out if ok == 0 else None
+
+
+class _KvRows(ctypes.Structure):
+    _fields_ = [("codec", ctypes.c_int), ("x", c_ptr), ("s", c_ptr), ("capacity", c_i64), ("n", c_i64)]
+
+
+def _kv_rows(rows) -> _KvRows | None:
+    """kv.h's description of a StoredRows (runtime/kv_codecs.py), or None where the kernel cannot read it."""
+    x, s = rows.store["x"], rows.store.get("s")
+    if not x.is_cpu or not x.is_contiguous() or s is not None and not s.is_contiguous():
+        return None
+    n = rows.codec.d
+    return _KvRows(rows.codec.native, _p(x), _ptr(s), x.shape[1], n)
+
+
+def attend_stored(q: torch.Tensor, k, v, scale: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """q [K, R, D] (each kv head's query rows) against every stored row of k and v (StoredRows
+    in host memory, any codec) -> (out [K, R, Dv] fp32, log-sum-exp [K, R, 1])."""
+    fn = _fn("moe_attend_stored")
+    kr, vr = _kv_rows(k), _kv_rows(v)
+    if fn is None or kr is None or vr is None or k.count != v.count:
+        return None
+    q = q.to("cpu", torch.float32).contiguous()
+    kh, r, _ = q.shape
+    out, lse = torch.empty(kh, r, v.codec.d, dtype=F32), torch.empty(kh, r, 1, dtype=F32)
+    ok = fn(_p(q), kh, r, k.count, ctypes.byref(kr), ctypes.byref(vr), scale, _p(out), _p(lse))
+    return (out, lse) if ok == 0 else None
 
 
 def softmax_topk(x: torch.Tensor, w: torch.Tensor, k: int, renorm: bool) -> tuple[torch.Tensor, torch.Tensor] | None:

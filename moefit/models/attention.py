@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from moefit.kernels import rows as native
+from moefit.runtime.kv_codecs import StoredRows
 
 
 def causal_mask(start: int, t: int, window: int | None, device) -> torch.Tensor | None:
@@ -35,7 +36,7 @@ def attend_state(state, i: int, q: torch.Tensor, start: int, mask: torch.Tensor 
     (MLA keeps a latent and a rope key per token). `sinks` [H] (gpt-oss) are logits of a virtual
     key with a zero value in every head's softmax: they scale the output by sigmoid(lse - sink)."""
     t = q.shape[1]
-    parts = state.parts(i, start + t)
+    parts = state.parts(i, start + t, stored=keys is None)
     if keys is not None:
         parts = [(*keys(k, v), pos) for k, v, pos in parts]
     rk, rv = state.rotations(i)
@@ -44,12 +45,14 @@ def attend_state(state, i: int, q: torch.Tensor, start: int, mask: torch.Tensor 
     if state.own_window(i) and parts[0][2] is None:               # this layer's own window, not the shared mask
         mask = causal_mask(start, t, state.window(i), q.device)
     if sinks is not None:
-        pos = [p if p is not None else torch.arange(k.shape[1]) for k, _, p in parts]
+        pos = [p if p is not None else torch.arange(_length(k)) for k, _, p in parts]
         out, lse = attend_parts(q, [(k, v, p) for (k, v, _), p in zip(parts, pos)], torch.arange(start, start + t),
                                 state.window(i), scale, with_lse=True)
         out = out * torch.sigmoid(lse - sinks.float()[:, None, None]).to(out.dtype)
     elif len(parts) == 1 and parts[0][2] is None:
-        out = sdpa(q, parts[0][0], parts[0][1], mask, scale)
+        k, v, _ = parts[0]
+        whole = _stored_attention(q, k, v, scale) if mask is None else None
+        out = whole[0].to(q.dtype) if whole is not None else sdpa(q, *_decoded(k, v, q.dtype), mask, scale)
     else:
         q_pos = torch.arange(start, start + t)
         out = attend_parts(q, parts, q_pos, state.window(i), scale)
@@ -95,7 +98,7 @@ def attend_parts(q: torch.Tensor, parts, q_pos: torch.Tensor, window: int | None
     attention recurrence). q [H, T, D], parts [(k [K, S, D], v [K, S, Dv], positions [S])]
     -> [H, T, Dv] in q's dtype."""
     h, t, d = q.shape
-    kh = parts[0][0].shape[0]
+    kh = _heads(parts[0][0])
     g = h // kh
     out = lse = None
     for k, v, pos in parts:
@@ -106,10 +109,41 @@ def attend_parts(q: torch.Tensor, parts, q_pos: torch.Tensor, window: int | None
             allowed = pos[None, :] <= qp[:, None]
             if window is not None:
                 allowed &= (qp[:, None] - pos[None, :]) < window
-        o, m = _part_attention(qg, k, v, allowed, scale or d ** -0.5)
+        native = _stored_attention(q, k, v, scale) if allowed is None else None
+        if native is not None:
+            o, m = (x.reshape(kh, g * t, -1) for x in native)
+        else:
+            o, m = _part_attention(qg, *_decoded(k, v, q.dtype), allowed, scale or d ** -0.5)
         out, lse = _merge(out, lse, o.to(q.device), m.to(q.device))
     out = out.reshape(h, t, -1).to(q.dtype)
     return (out, lse.reshape(h, t, 1)) if with_lse else out
+
+
+def _stored_attention(q: torch.Tensor, k, v, scale: float | None):
+    """q [H, T, D] against every row of a part held as stored (StoredRows in host memory), by
+    kernels/kv.h without decoding it -> (out [H, T, Dv], log-sum-exp [H, T, 1]), fp32 on q's
+    device, or None where the kernel does not take it (decoded tensors, a card's memory)."""
+    if not isinstance(k, StoredRows):
+        return None
+    h, t, d = q.shape
+    kh = _heads(k)
+    res = native.attend_stored(q.reshape(kh, h // kh * t, d), k, v, d ** -0.5 if scale is None else scale)
+    if res is None:
+        return None
+    out, lse = res
+    return out.reshape(h, t, -1).to(q.device), lse.reshape(h, t, 1).to(q.device)
+
+
+def _decoded(k, v, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    return (k.decode(dtype), v.decode(dtype)) if isinstance(k, StoredRows) else (k, v)
+
+
+def _length(k) -> int:
+    return k.count if isinstance(k, StoredRows) else k.shape[1]
+
+
+def _heads(k) -> int:
+    return k.store["x"].shape[0] if isinstance(k, StoredRows) else k.shape[0]
 
 
 def _part_attention(q, k, v, allowed, scale: float):

@@ -9,7 +9,9 @@
             (q.k = qR.kR, and P.(VR) R^T = P.V), so rows are never rotated back.
 
 A store is a dict of tensors [K, C, ...] (K heads, C positions); `put` writes positions,
-`get` returns rows in the compute dtype (rotated for q4: see `rotation`).
+`get` returns rows in the compute dtype (rotated for q4: see `rotation`). A StoredRows names a
+store's first rows as they are: the host's native attention (kernels/kv.h) reads them so, by the
+codec's `native` number, and anything else decodes them.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from __future__ import annotations
 import math
 
 import torch
+
+from dataclasses import dataclass
 
 from moefit.families.state import Q4_GROUP
 
@@ -41,18 +45,21 @@ class FloatRows:
 
     def __init__(self, kv_dtype: str, d: int):
         self.dtype, self.d = FLOAT[kv_dtype], d
+        self.native = ("fp32", "fp16", "bf16").index(kv_dtype)          # kernels/kv.h's codec
 
     def empty(self, alloc, k: int, c: int) -> dict:
         return {"x": alloc((k, c, self.d), self.dtype)}
 
     def put(self, store: dict, index, x: torch.Tensor) -> None:
-        store["x"][:, index] = x
+        store["x"][:, index] = x.to(self.dtype)      # index_put (a ring's slots) does not convert
 
     def get(self, store: dict, index, dtype) -> torch.Tensor:
         return store["x"][:, index].to(dtype)
 
 
 class Int8Rows(FloatRows):
+    native = 3
+
     def __init__(self, d: int):
         self.d = d
 
@@ -69,6 +76,8 @@ class Int8Rows(FloatRows):
 
 
 class Q4Rows(FloatRows):
+    native = 4
+
     def __init__(self, d: int):
         if d % Q4_GROUP:
             raise ValueError(f"--kv-dtype q4 needs a head dim divisible by {Q4_GROUP} (this model's is {d})")
@@ -98,3 +107,19 @@ def codec(dtype: str, d: int):
     if dtype == "q4":
         return Q4Rows(d)
     return FloatRows(dtype, d)
+
+
+@dataclass(frozen=True)
+class StoredRows:
+    """Positions 0..count of a store [K, C, ...], not decoded: models/attention.py hands them to the
+    host's native attention as they are, or decodes them (`decode`) where that cannot take them."""
+    codec: FloatRows
+    store: dict
+    count: int
+
+    def decode(self, dtype: torch.dtype) -> torch.Tensor:
+        return self.codec.get(self.store, slice(0, self.count), dtype)
+
+    @property
+    def device(self) -> torch.device:
+        return self.store["x"].device

@@ -14,7 +14,8 @@ AttentionState keeps keys and values by absolute position:
 `parts(end)` returns what attention reads for keys 0..end: (k, v, positions), where
 positions None means "contiguous from 0" and otherwise names each row's position (rows
 that must not be attended are at INVALID). Rows are in the compute dtype, rotated for q4
-(`rotations`).
+(`rotations`); with `stored`, the whole context's part and the host part are StoredRows
+instead (kv_codecs.py: the host's native attention reads them without a decoded copy).
 
 Legend: K kv heads, C positions held, D head dim, T tokens written, R ring slots.
 """
@@ -25,7 +26,7 @@ import torch
 
 from moefit.errors import MoefitError
 from moefit.families.state import PROMPT_MARKS, AttentionKV, LatentKV, RecurrentState, split_kv_dtype
-from moefit.runtime.kv_codecs import FloatRows, codec
+from moefit.runtime.kv_codecs import FloatRows, StoredRows, codec
 from moefit.runtime.placement import DeviceMemory
 
 LINE = "sequence state"
@@ -86,20 +87,22 @@ class AttentionState:
             self.kc.put(self.host[0], slice(start, end), k.to("cpu", non_blocking=True))
             self.vc.put(self.host[1], slice(start, end), v.to("cpu", non_blocking=True))
 
-    def parts(self, end: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+    def parts(self, end: int, stored: bool = False) -> list[tuple]:
+        """What attention reads for keys 0..end (the module's docstring); `stored`: the whole
+        context's part and the host part as StoredRows, left for the reader to decode."""
         dt = self.compute_dtype
+
+        def rows(codec, store, count):
+            return StoredRows(codec, store, count) if stored else codec.get(store, slice(0, count), dt)
         if self.slot_pos is None:
-            return [(self.kc.get(self.k, slice(0, end), dt), self.vc.get(self.v, slice(0, end), dt), None)]
+            return [(rows(self.kc, self.k, end), rows(self.vc, self.v, end), None)]
         first = self._first_in_ring(end) if self.host is not None else 0
         pos = self.slot_pos.clone()
         pos[(pos < first) | (pos >= end)] = INVALID
-        ring = slice(0, self.capacity)
         dev = pos.to(self.k["x"].device)
-        parts = [(self.kc.get(self.k, ring, dt), self.vc.get(self.v, ring, dt), dev)]
+        parts = [(self.kc.get(self.k, slice(0, self.capacity), dt), self.vc.get(self.v, slice(0, self.capacity), dt), dev)]
         if first > 0:
-            host = slice(0, first)
-            parts.insert(0, (self.kc.get(self.host[0], host, dt), self.vc.get(self.host[1], host, dt),
-                             torch.arange(first)))
+            parts.insert(0, (rows(self.kc, self.host[0], first), rows(self.vc, self.host[1], first), torch.arange(first)))
         return parts
 
     def _first_in_ring(self, end: int) -> int:
@@ -256,8 +259,8 @@ class SequenceState:
         state = self.layers[layer]
         return state.plain_fp32() if isinstance(state, AttentionState) else None
 
-    def parts(self, layer: int, end: int):
-        return self.layers[layer].parts(end)
+    def parts(self, layer: int, end: int, stored: bool = False):
+        return self.layers[layer].parts(end, stored)
 
     def rotations(self, layer: int):
         return self.layers[layer].rotations

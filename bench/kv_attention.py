@@ -1,0 +1,125 @@
+"""One layer's decode attention over a long stored context on the host: kernels/kv.h reading the
+rows as stored, against the torch route it replaced (the rows decoded into fp32, then torch's
+SDPA / flash kernel), in one run. Not a test.
+
+    .venv/bin/python bench/kv_attention.py [--keys 4096,16384,32768] [--threads 2] [--out FILE]
+
+Shape: Qwen3-30B-A3B's attention (32 query heads, 4 KV heads of 128) and Qwen3.6-35B-A3B's
+full-attention layers (16 / 2 of 256); one token (8 query rows a KV head) and a verify window of
+4 (32 rows). Each KV dtype is timed as a whole cache (a decode step) and as KV streaming's host
+part (all but the last 2,048 positions on the host). Best of --repeat calls; GB/s counts the
+stored bytes read once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from moefit import kernels  # noqa: E402
+from moefit.families.state import AttentionKV  # noqa: E402
+from moefit.kernels import rows  # noqa: E402
+from moefit.memory.devices import open_device  # noqa: E402
+from moefit.models.attention import attend_state  # noqa: E402
+from moefit.runtime.placement import DeviceMemory  # noqa: E402
+from moefit.runtime.state import AttentionState  # noqa: E402
+
+SHAPES = {"qwen3-30b-a3b": (32, 4, 128), "qwen3.6-35b-a3b": (16, 2, 256)}
+KV_DTYPES = ("fp32", "bf16", "int8", "q4")
+RESIDENT = 2048
+
+
+class OneLayer:
+    def __init__(self, layer):
+        self.layer = layer
+
+    def parts(self, i, end, stored=False):
+        return self.layer.parts(end, stored)
+
+    def rotations(self, i):
+        return self.layer.rotations
+
+    def window(self, i):
+        return self.layer.window
+
+    def own_window(self, i):
+        return self.layer.own_window
+
+
+def best_ms(fn, repeat: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times) * 1e3
+
+
+def filled(heads: int, kv_heads: int, d: int, keys: int, kv_dtype: str, resident: int | None) -> AttentionState:
+    layer = AttentionState(AttentionKV(kv_heads, d, d), keys, kv_dtype, torch.float32,
+                           DeviceMemory(open_device("cpu")), 512, resident)
+    g = torch.Generator().manual_seed(0)
+    for start in range(0, keys, 512):
+        n = min(512, keys - start)
+        layer.write(start, torch.randn(kv_heads, n, d, generator=g), torch.randn(kv_heads, n, d, generator=g))
+    return layer
+
+
+def stored_bytes(layer: AttentionState, keys: int) -> int:
+    stores = layer.host if layer.host else (layer.k, layer.v)
+    return sum(t[:, :keys].nbytes for store in stores for t in store.values())
+
+
+def run(args) -> None:
+    torch.set_num_threads(args.threads)
+    kernels.set_threads(args.threads)
+    print(f"# {platform.processor() or platform.machine()}, {args.threads} threads, kernel isa {kernels.isa()}, "
+          f"torch {torch.__version__}")
+    print("shape              keys   tokens  kv     part    moefit ms   GB/s   torch ms  moefit/torch speed")
+    real = rows.attend_stored
+    for name, (heads, kv_heads, d) in SHAPES.items():
+        for keys in args.keys:
+            for kv_dtype in KV_DTYPES:
+                for resident in (None, RESIDENT):
+                    layer = filled(heads, kv_heads, d, keys, kv_dtype, resident)
+                    for tokens in (1, 4):
+                        if resident is None and tokens > 1:
+                            continue             # a whole cache's verify window is masked: torch's either way
+                        q = torch.randn(heads, tokens, d)
+                        mask = None if tokens == 1 else torch.ones(tokens, keys).tril(keys - tokens).bool()
+                        step = lambda: attend_state(OneLayer(layer), 0, q, keys - tokens, mask)  # noqa: E731
+                        rows.attend_stored = real
+                        ours = best_ms(step, args.repeat)
+                        rows.attend_stored = lambda *a: None
+                        theirs = best_ms(step, max(2, args.repeat // 3))
+                        rows.attend_stored = real
+                        host = keys - RESIDENT if resident else keys
+                        gbs = stored_bytes(layer, host) / ours / 1e6
+                        part = "host" if resident else "whole"
+                        print(f"{name:17} {keys:6} {tokens:6}   {kv_dtype:5} {part:6} {ours:10.2f} {gbs:6.1f} "
+                              f"{theirs:10.2f}  {theirs / ours:6.1f}x", flush=True)
+                    del layer
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--keys", default="4096,16384,32768", type=lambda s: [int(x) for x in s.split(",")])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeat", type=int, default=7)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    if args.out:
+        sys.stdout = open(args.out, "w", buffering=1)  # noqa: SIM115
+    run(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,272 @@
+/* Attention over KV rows as the sequence state stores them, on the host (included by moe.c after
+ * rows.h): each kv head's R query rows (its g query heads x T tokens) against its first S keys,
+ * decoded into L1 a block of keys at a time, never as a whole copy.
+ *
+ *   codec 0 fp32, 1 fp16, 2 bf16     the values
+ *   codec 3 int8                     codes, one fp32 scale a row
+ *   codec 4 q4                       two 4-bit codes a byte (the even value in the low nibble),
+ *                                    minus 8, one fp16 scale per 32 values (runtime/kv_codecs.py)
+ *
+ * Every row attends every key (no mask): what KV streaming's host part is to the forward that
+ * follows it, and a decode step's whole cache. A head's keys are cut into ranges of KV_SPAN over
+ * the pool (flash-decoding): each range leaves its unnormalised sums, its max score and its total,
+ * merged by their max at the end, so one kv head or a few still keep every thread busy. Returns the
+ * output and each row's log-sum-exp, by which models/attention.py merges this part with others.
+ *
+ * Before this, the host part was decoded by torch into the compute dtype, converted to fp32 and
+ * given to torch's flash kernel: four copies of the part a layer a token (measured 26-140 ms a
+ * layer at 8-32K int8 keys of 4 heads of 128, 0.2-0.3 GB/s of the stored rows). */
+
+typedef struct {
+    int codec;
+    const void *x, *s;          /* codes [K, C, row bytes]; scales int8 [K, C] fp32, q4 [K, C, n / 32] fp16 */
+    int64_t capacity, n;        /* C, the rows between two heads; n, the values in a row */
+} kv_rows;
+
+typedef struct {
+    const float *q;             /* [K, R, D] */
+    const kv_rows *k, *v;
+    int64_t R, S, splits, span; /* key ranges a head, keys a range */
+    float scale;
+    float *part;                /* [K splits][R][Dv + 2]: a range's sums, max score and total per row */
+} stored_args;
+
+#define KV_BLOCK 16             /* keys decoded at a time: exp16's lanes */
+#define KV_ROWS 64              /* query rows a pass over a range (more: another pass) */
+#define KV_SPAN 512             /* keys a task: ranges fixed by S alone, so the sums do not depend on
+                                   the thread count */
+
+
+/* lanes [a b c d] of four sums of 8: three pairwise folds, then the halves added */
+#define PAIRS(a, b) (__builtin_shufflevector(a, b, 0, 2, 8, 10, 4, 6, 12, 14) + \
+                     __builtin_shufflevector(a, b, 1, 3, 9, 11, 5, 7, 13, 15))
+
+static int row_bytes_of(const kv_rows *r) {
+    return r->codec == 0 ? 4 * r->n : r->codec <= 2 ? 2 * r->n : r->codec == 3 ? r->n : r->n / 2;
+}
+
+/* Eight stored values (q4: 32) as fp32 into o: per instruction set, since GCC builds the
+ * conversions of narrow integer vectors one lane at a time */
+#if defined(__x86_64__)
+#define KV_CONVERSIONS(ISA, TARGET)                                                                 \
+    TARGET static inline void halves_##ISA(const uint16_t *p, float *o) {                           \
+        _mm256_storeu_ps(o, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)));                  \
+    }                                                                                               \
+    TARGET static inline void bf16s_##ISA(const uint16_t *p, float *o) {                            \
+        const __m256i x = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));               \
+        _mm256_storeu_ps(o, _mm256_castsi256_ps(_mm256_slli_epi32(x, 16)));                         \
+    }                                                                                               \
+    TARGET static inline void int8s_##ISA(const int8_t *p, float s, float *o) {                     \
+        const __m256i x = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p));                \
+        _mm256_storeu_ps(o, _mm256_mul_ps(_mm256_cvtepi32_ps(x), _mm256_set1_ps(s)));               \
+    }                                                                                               \
+    TARGET static inline void q4s_##ISA(const uint8_t *p, float s, float *o) {                      \
+        const __m128i b = _mm_loadu_si128((const __m128i *)p), m = _mm_set1_epi8(15);               \
+        const __m128i lo = _mm_and_si128(b, m), hi = _mm_and_si128(_mm_srli_epi16(b, 4), m);        \
+        const __m128i in_order[2] = {_mm_unpacklo_epi8(lo, hi), _mm_unpackhi_epi8(lo, hi)};         \
+        for (int i = 0; i < 4; i++) {                                                               \
+            const __m128i c = i % 2 ? _mm_srli_si128(in_order[i / 2], 8) : in_order[i / 2];         \
+            const __m256 x = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(c));                           \
+            _mm256_storeu_ps(o + 8 * i, _mm256_mul_ps(_mm256_sub_ps(x, _mm256_set1_ps(8.0f)), _mm256_set1_ps(s))); \
+        }                                                                                           \
+    }
+KV_CONVERSIONS(avx512, __attribute__((target("avx512f,fma,f16c"))))
+KV_CONVERSIONS(avx2, __attribute__((target("avx2,fma,f16c"))))
+#endif
+static inline void halves_plain(const uint16_t *p, float *o) {
+    for (int i = 0; i < 8; i++) o[i] = half_to_float(p[i]);
+}
+static inline void bf16s_plain(const uint16_t *p, float *o) {
+    for (int i = 0; i < 8; i++) {
+        const uint32_t bits = (uint32_t)p[i] << 16;
+        memcpy(o + i, &bits, 4);
+    }
+}
+static inline void int8s_plain(const int8_t *p, float s, float *o) {
+    for (int i = 0; i < 8; i++) o[i] = (float)p[i] * s;
+}
+static inline void q4s_plain(const uint8_t *p, float s, float *o) {
+    for (int i = 0; i < 16; i++) o[2 * i] = (float)((p[i] & 15) - 8) * s, o[2 * i + 1] = (float)((p[i] >> 4) - 8) * s;
+}
+
+#define KV_BODIES(ISA, TARGET)                                                                      \
+    /* n rows of head h from position s0 as fp32 [n][r->n] in buf; fp32 rows are read in place */  \
+    TARGET static const float *decode_##ISA(const kv_rows *r, int64_t h, int64_t s0, int64_t n, float *buf) { \
+        const int64_t row = h * r->capacity + s0, w = r->n;                                         \
+        const uint8_t *x = (const uint8_t *)r->x + row * row_bytes_of(r);                           \
+        if (r->codec == 0) return (const float *)x;                                                 \
+        for (int64_t j = 0; j < n; j++) {                                                           \
+            const uint8_t *xj = x + j * row_bytes_of(r);                                            \
+            float *o = buf + j * w;                                                                 \
+            if (r->codec == 1)                                                                      \
+                for (int64_t i = 0; i < w; i += 8) halves_##ISA((const uint16_t *)xj + i, o + i);    \
+            else if (r->codec == 2)                                                                 \
+                for (int64_t i = 0; i < w; i += 8) bf16s_##ISA((const uint16_t *)xj + i, o + i);     \
+            else if (r->codec == 3)                                                                 \
+                for (int64_t i = 0; i < w; i += 8) int8s_##ISA((const int8_t *)xj + i, ((const float *)r->s)[row + j], o + i); \
+            else                                                                                    \
+                for (int64_t g = 0; g < w / 32; g++)                                                \
+                    q4s_##ISA(xj + 16 * g, half_to_float(((const uint16_t *)r->s)[(row + j) * (w / 32) + g]), o + 32 * g); \
+        }                                                                                           \
+        return buf;                                                                                 \
+    }                                                                                               \
+    /* p[r][s] = scale q_r . k_s for the block's n keys (rows D apart), -inf past them: two rows    \
+     * and four keys at a time in eight accumulators */                                             \
+    TARGET static void block_scores_##ISA(const float *q, int64_t R, int64_t D, const float *k, int64_t n, \
+                                          float scale, float *p) {                                  \
+        for (int64_t r = 0; r < R; r += 2) {                                                        \
+            const float *q0 = q + r * D, *q1 = r + 1 < R ? q0 + D : q0;                             \
+            int64_t s = 0;                                                                          \
+            for (; s + 4 <= n; s += 4) {                                                            \
+                const float *k0 = k + s * D;                                                        \
+                v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};  \
+                for (int64_t c = 0; c < D; c += 8) {                                                \
+                    const v8 x = LOADV(v8, q0 + c), y = LOADV(v8, q1 + c);                          \
+                    const v8 c0 = LOADV(v8, k0 + c), c1 = LOADV(v8, k0 + D + c);                    \
+                    const v8 c2 = LOADV(v8, k0 + 2 * D + c), c3 = LOADV(v8, k0 + 3 * D + c);        \
+                    a0 += x * c0, a1 += x * c1, a2 += x * c2, a3 += x * c3;                         \
+                    b0 += y * c0, b1 += y * c1, b2 += y * c2, b3 += y * c3;                         \
+                }                                                                                   \
+                const v8 fa = PAIRS(PAIRS(a0, a1), PAIRS(a2, a3)), fb = PAIRS(PAIRS(b0, b1), PAIRS(b2, b3)); \
+                STOREV(v4, p + r * KV_BLOCK + s, (__builtin_shufflevector(fa, fa, 0, 1, 2, 3) +    \
+                                                  __builtin_shufflevector(fa, fa, 4, 5, 6, 7)) * scale); \
+                if (r + 1 < R)                                                                      \
+                    STOREV(v4, p + (r + 1) * KV_BLOCK + s, (__builtin_shufflevector(fb, fb, 0, 1, 2, 3) + \
+                                                            __builtin_shufflevector(fb, fb, 4, 5, 6, 7)) * scale); \
+            }                                                                                       \
+            for (; s < KV_BLOCK; s++)                                                               \
+                for (int64_t j = r; j < r + 2 && j < R; j++) {                                      \
+                    v8 a = {0};                                                                     \
+                    for (int64_t c = 0; s < n && c < D; c += 8) a += LOADV(v8, q + j * D + c) * LOADV(v8, k + s * D + c); \
+                    const v4 h = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7); \
+                    p[j * KV_BLOCK + s] = s < n ? ((h[0] + h[2]) + (h[1] + h[3])) * scale : -INFINITY; \
+                }                                                                                   \
+        }                                                                                           \
+    }                                                                                               \
+    /* rows o0, o1 of acc, columns [c, c + 8w) (w constant where inlined) */                       \
+    TARGET static inline __attribute__((always_inline)) void values_tile_##ISA(                      \
+        const float *p0, const float *p1, float k0, float k1, const float *v, int64_t n, int64_t Dv, \
+        float *o0, float *o1, const int w) {                                                        \
+        v8 a[4], b[4];                                                                              \
+        for (int i = 0; i < w; i++) a[i] = LOADV(v8, o0 + 8 * i) * k0, b[i] = LOADV(v8, o1 + 8 * i) * k1; \
+        for (int64_t s = 0; s < n; s++)                                                             \
+            for (int i = 0; i < w; i++) {                                                           \
+                const v8 x = LOADV(v8, v + s * Dv + 8 * i);                                         \
+                a[i] += p0[s] * x, b[i] += p1[s] * x;                                               \
+            }                                                                                       \
+        for (int i = 0; i < w; i++) STOREV(v8, o1 + 8 * i, b[i]);                                   \
+        for (int i = 0; i < w; i++) STOREV(v8, o0 + 8 * i, a[i]);                                   \
+    }                                                                                               \
+    /* acc_r = acc_r keep_r + sum over the block's n keys of p[r][s] v_s: two rows and 32 columns  \
+     * at a time in eight registers (eight chains of FMAs: four left the FMA units half idle) */     \
+    TARGET static void block_values_##ISA(const float *p, const float *keep, int64_t R, const float *v, \
+                                          int64_t n, int64_t Dv, float *acc, int64_t acc_stride) {  \
+        for (int64_t r = 0; r < R; r += 2) {                                                        \
+            const int64_t r1 = r + 1 < R ? r + 1 : r;                                               \
+            const float *p0 = p + r * KV_BLOCK, *p1 = p + r1 * KV_BLOCK;                            \
+            float *o0 = acc + r * acc_stride, *o1 = acc + r1 * acc_stride;                          \
+            int64_t c = 0;                                                                          \
+            for (; c + 32 <= Dv; c += 32)                                                           \
+                values_tile_##ISA(p0, p1, keep[r], keep[r1], v + c, n, Dv, o0 + c, o1 + c, 4);       \
+            if (Dv - c == 24) values_tile_##ISA(p0, p1, keep[r], keep[r1], v + c, n, Dv, o0 + c, o1 + c, 3); \
+            if (Dv - c == 16) values_tile_##ISA(p0, p1, keep[r], keep[r1], v + c, n, Dv, o0 + c, o1 + c, 2); \
+            if (Dv - c == 8) values_tile_##ISA(p0, p1, keep[r], keep[r1], v + c, n, Dv, o0 + c, o1 + c, 1); \
+        }                                                                                           \
+    }                                                                                               \
+    /* rows r0..r0+R of one head over keys [a, b): each row's sums into acc, then its max, total */ \
+    TARGET static void stored_rows_##ISA(const stored_args *A, int64_t h, int64_t r0, int64_t R, int64_t a, \
+                                         int64_t b, float *kbuf, float *vbuf, float *out) {         \
+        const int64_t D = A->k->n, Dv = A->v->n, stride = Dv + 2;                                   \
+        const float *q = A->q + (h * A->R + r0) * D;                                                \
+        float p[KV_ROWS * KV_BLOCK], keep[KV_ROWS];                                                 \
+        for (int64_t r = 0; r < R; r++) {                                                           \
+            memset(out + r * stride, 0, sizeof(float) * Dv);                                        \
+            out[r * stride + Dv] = -INFINITY, out[r * stride + Dv + 1] = 0.0f;                      \
+        }                                                                                           \
+        for (int64_t s0 = a; s0 < b; s0 += KV_BLOCK) {                                              \
+            const int64_t n = b - s0 < KV_BLOCK ? b - s0 : KV_BLOCK;                                \
+            block_scores_##ISA(q, R, D, decode_##ISA(A->k, h, s0, n, kbuf), n, A->scale, p);        \
+            for (int64_t r = 0; r < R; r++) {                                                       \
+                float *pr = p + r * KV_BLOCK, *m = out + r * stride + Dv, top = *m, sum = 0.0f;     \
+                for (int64_t s = 0; s < n; s++) top = pr[s] > top ? pr[s] : top;                    \
+                for (int64_t s = 0; s < KV_BLOCK; s++) pr[s] -= top;                                \
+                exp16_##ISA(pr);                                                                    \
+                for (int64_t s = 0; s < KV_BLOCK; s++) pr[s] = s < n ? pr[s] : 0.0f, sum += pr[s];  \
+                keep[r] = expf(*m - top), m[1] = m[1] * keep[r] + sum, m[0] = top;                  \
+            }                                                                                       \
+            block_values_##ISA(p, keep, R, decode_##ISA(A->v, h, s0, n, vbuf), n, Dv, out, stride); \
+        }                                                                                           \
+    }                                                                                               \
+    TARGET static void stored_task_##ISA(void *ctx, int64_t task) {                                 \
+        const stored_args *A = ctx;                                                                 \
+        const int64_t h = task / A->splits, a = task % A->splits * A->span;                         \
+        const int64_t b = a + A->span < A->S ? a + A->span : A->S, stride = A->v->n + 2;            \
+        float *kbuf = malloc(sizeof(float) * KV_BLOCK * (A->k->n + A->v->n)), *vbuf = kbuf + KV_BLOCK * A->k->n; \
+        for (int64_t r0 = 0; r0 < A->R; r0 += KV_ROWS)                                     \
+            stored_rows_##ISA(A, h, r0, A->R - r0 < KV_ROWS ? A->R - r0 : KV_ROWS, a, b, kbuf, vbuf, \
+                              A->part + (task * A->R + r0) * stride);                               \
+        free(kbuf);                                                                                 \
+    }
+
+#if defined(__x86_64__)
+KV_BODIES(avx512, __attribute__((target("avx512f,fma,f16c"))))
+KV_BODIES(avx2, __attribute__((target("avx2,fma,f16c"))))
+#endif
+KV_BODIES(plain, PLAIN)
+
+/* every range's rows of head h merged: out [R][Dv] = the sums over the total, lse = max + log total */
+static void merge_ranges(const stored_args *A, int64_t h, float *out, float *lse) {
+    const int64_t R = A->R, Dv = A->v->n, stride = Dv + 2;
+    for (int64_t r = 0; r < R; r++) {
+        float top = -INFINITY, total = 0.0f, *o = out + (h * R + r) * Dv;
+        for (int64_t j = 0; j < A->splits; j++) {
+            const float m = A->part[((h * A->splits + j) * R + r) * stride + Dv];
+            top = m > top ? m : top;
+        }
+        memset(o, 0, sizeof(float) * Dv);
+        for (int64_t j = 0; j < A->splits; j++) {
+            const float *part = A->part + ((h * A->splits + j) * R + r) * stride;
+            const float w = expf(part[Dv] - top);
+            total += part[Dv + 1] * w;
+            for (int64_t c = 0; c < Dv; c++) o[c] += part[c] * w;
+        }
+        for (int64_t c = 0; c < Dv; c++) o[c] /= total;
+        lse[h * R + r] = top + logf(total);
+    }
+}
+
+/* q [K, R, D] against the first S stored rows of each of the K heads of k (D values a row) and v
+ * (Dv) -> out [K, R, Dv], lse [K, R] (natural log of each row's softmax denominator, scores times
+ * scale). Returns -1 for dims not a multiple of 8 (q4: of 32), an unknown codec or no keys. */
+int moe_attend_stored(const float *q, int64_t K, int64_t R, int64_t S, const kv_rows *k, const kv_rows *v,
+                      float scale, float *out, float *lse) {
+    for (const kv_rows *r = k; r; r = r == k ? v : NULL)
+        if (r->codec < 0 || r->codec > 4 || r->n % (r->codec == 4 ? 32 : 8) || r->n < 8 || S > r->capacity)
+            return -1;
+    if (S < 1 || K < 1 || R < 1) return -1;
+    choose_rows_isa();
+    const int64_t splits = (S + KV_SPAN - 1) / KV_SPAN;
+    stored_args A = {q, k, v, R, S, splits, KV_SPAN, scale, malloc(sizeof(float) * K * splits * R * (v->n + 2))};
+    task_fn task = stored_task_plain;
+#if defined(__x86_64__)
+    if (!strncmp(isa, "avx512", 6)) task = stored_task_avx512;
+    else if (strcmp(isa, "portable")) task = stored_task_avx2;
+#endif
+    parallel(task, &A, K * splits);
+    for (int64_t h = 0; h < K; h++) merge_ranges(&A, h, out, lse);
+    free(A.part);
+    return 0;
+}
+
+/* q [H, D] (one position) against fp32 rows k [K, ., D], v [K, ., Dv] (head h's at k + h * k_head,
+ * v + h * v_head floats; query heads h*g .. h*g+g-1 read kv head h) -> out [H, Dv]: the decode
+ * step's attention over a plain cache (step.h). Returns -1 for strides that are not whole rows. */
+int moe_attend_one(const float *q, const float *k, const float *v, int64_t H, int64_t K, int64_t S, int64_t D,
+                   int64_t Dv, int64_t k_head, int64_t v_head, float scale, float *out) {
+    if (H % K || k_head % D || v_head % Dv) return -1;
+    const kv_rows kr = {0, k, NULL, k_head / D, D}, vr = {0, v, NULL, v_head / Dv, Dv};
+    float *lse = malloc(sizeof(float) * H);
+    const int rc = moe_attend_stored(q, K, H / K, S, &kr, &vr, scale, out, lse);
+    free(lse);
+    return rc;
+}

@@ -1,0 +1,141 @@
+"""Attention over KV rows as they are stored (kernels/kv.h): every KV dtype against float64
+softmax over the same decoded rows, output and log-sum-exp; key ranges and query-row passes
+merged exactly; the same sums whatever the thread count; attend_state reads a plain cache and
+KV streaming's host part through it, with the same numbers as decoding them for torch; every
+instruction set."""
+
+import pytest
+import torch
+
+from moefit import kernels
+from moefit.families.state import AttentionKV
+from moefit.kernels import rows
+from moefit.memory.devices import open_device
+from moefit.models.attention import attend_state
+from moefit.runtime.kv_codecs import StoredRows, codec
+from moefit.runtime.placement import DeviceMemory
+from moefit.runtime.state import AttentionState
+
+pytestmark = pytest.mark.skipif(kernels.library() is None, reason="the native kernel is not built")
+KV_DTYPES = ["fp32", "fp16", "bf16", "int8", "q4"]
+
+
+def stored(kv_dtype: str, heads: int, keys: int, d: int, capacity: int, g: torch.Generator) -> StoredRows:
+    c = codec(kv_dtype, d)
+    store = c.empty(lambda shape, dtype: torch.zeros(shape, dtype=dtype), heads, capacity)
+    c.put(store, slice(0, keys), torch.randn(heads, keys, d, generator=g) * 2)
+    return StoredRows(c, store, keys)
+
+
+def reference(q: torch.Tensor, k: StoredRows, v: StoredRows, scale: float):
+    scores = q.double() @ k.decode(torch.float64).transpose(1, 2) * scale
+    return torch.softmax(scores, -1) @ v.decode(torch.float64), torch.logsumexp(scores, -1, keepdim=True)
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+@pytest.mark.parametrize("kv_heads,q_rows,keys,d,dv", [
+    (4, 8, 1, 128, 128),          # a first decode step
+    (2, 5, 37, 64, 64),           # a partial block of keys, an odd number of rows
+    (1, 17, 1500, 128, 96),       # three key ranges (512 each), the last partial; dv != d
+    (1, 70, 600, 64, 64),         # two passes of query rows (64 a pass)
+])
+def test_every_kv_dtype_attends_like_softmax_over_its_decoded_rows(kv_dtype, kv_heads, q_rows, keys, d, dv):
+    g = torch.Generator().manual_seed(keys + q_rows)
+    k = stored(kv_dtype, kv_heads, keys, d, keys + 9, g)              # the store holds more rows
+    v = stored(kv_dtype, kv_heads, keys, dv, keys + 9, g)
+    q = torch.randn(kv_heads, q_rows, d, generator=g)
+    out, lse = rows.attend_stored(q, k, v, 0.7 / d ** 0.5)
+    want, want_lse = reference(q, k, v, 0.7 / d ** 0.5)
+    assert out.shape == (kv_heads, q_rows, dv) and lse.shape == (kv_heads, q_rows, 1)
+    assert float((out.double() - want).abs().max() / want.abs().max()) < 1e-5
+    assert float((lse.double() - want_lse).abs().max()) < 1e-5
+
+
+def test_stores_it_cannot_read_are_declined():
+    g = torch.Generator().manual_seed(1)
+    k = stored("int8", 2, 10, 64, 10, g)
+    odd = stored("fp32", 2, 10, 20, 10, g)                           # 20 values a row: not a multiple of 8
+    assert rows.attend_stored(torch.randn(2, 4, 20), odd, odd, 1.0) is None
+    assert rows.attend_stored(torch.randn(2, 4, 64), k, StoredRows(k.codec, k.store, 9), 1.0) is None
+
+
+def test_the_sums_do_not_depend_on_the_thread_count():
+    g = torch.Generator().manual_seed(2)
+    k, v = stored("int8", 1, 1300, 128, 1300, g), stored("int8", 1, 1300, 128, 1300, g)
+    q = torch.randn(1, 16, 128, generator=g)
+    outs = []
+    for n in (1, 2, 3):
+        kernels.set_threads(n)
+        outs.append(rows.attend_stored(q, k, v, 0.1))
+    kernels.set_threads(kernels.default_threads())
+    assert all(torch.equal(o[0], outs[0][0]) and torch.equal(o[1], outs[0][1]) for o in outs)
+
+
+class OneLayer:
+    """What attend_state asks of a SequenceState, for one AttentionState."""
+
+    def __init__(self, layer: AttentionState):
+        self.layer = layer
+
+    def parts(self, i, end, stored=False):
+        return self.layer.parts(end, stored)
+
+    def rotations(self, i):
+        return self.layer.rotations
+
+    def window(self, i):
+        return self.layer.window
+
+    def own_window(self, i):
+        return self.layer.own_window
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES + ["k8v4"])
+@pytest.mark.parametrize("resident", [None, 64])
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_attend_state_reads_stored_rows_natively_with_the_numbers_torch_gets(kv_dtype, resident, tokens, monkeypatch):
+    """A plain cache (decode steps) and KV streaming's host part (any forward after the ring's
+    window) go to the kernel as stored; with the kernel declined, torch decodes them: the same
+    output to fp32 rounding."""
+    g = torch.Generator().manual_seed(3)
+    mem = DeviceMemory(open_device("cpu"))
+    layer = AttentionState(AttentionKV(2, 64, 64), 700, kv_dtype, torch.float32, mem, 32, resident)
+    for start in range(0, 600, 30):                                            # prefill chunks of 30
+        layer.write(start, torch.randn(2, 30, 64, generator=g), torch.randn(2, 30, 64, generator=g))
+    start = 600 - tokens
+    q = torch.randn(8, tokens, 64, generator=g)
+    mask = None if tokens == 1 else torch.ones(tokens, 600).tril(600 - tokens).bool()
+    calls = []
+    real = rows.attend_stored
+    monkeypatch.setattr(rows, "attend_stored", lambda *a: calls.append(a[1].count) or real(*a))
+    native = attend_state(OneLayer(layer), 0, q, start, mask)
+    monkeypatch.setattr(rows, "attend_stored", lambda *a: None)
+    decoded = attend_state(OneLayer(layer), 0, q, start, mask)
+    assert calls == ([600] if tokens == 1 else []) if resident is None else calls == [600 - 64]
+    assert float((native - decoded).abs().max() / decoded.abs().max()) < 1e-5
+
+
+def test_a_ring_keeps_rows_of_a_narrower_dtype():
+    """Writing a ring's slots is an index_put, which does not convert: fp32 rows into an fp16 ring
+    failed before the codec converted them."""
+    layer = AttentionState(AttentionKV(2, 64, 64), 200, "fp16", torch.float32, DeviceMemory(open_device("cpu")), 16, 32)
+    k = torch.randn(2, 48, 64)
+    for start in (0, 16, 32):
+        layer.write(start, k[:, start:start + 16], k[:, start:start + 16])
+    ring_k, _, pos = layer.parts(48)[-1]
+    held = pos < 48
+    assert torch.equal(ring_k[:, held], k[:, pos[held]].half().float())
+
+
+def check_every_dtype() -> str:
+    """The kernel tests above in one process (the narrower instruction sets run it)."""
+    for kv_dtype in KV_DTYPES:
+        test_every_kv_dtype_attends_like_softmax_over_its_decoded_rows(kv_dtype, 1, 17, 1500, 128, 96)
+        test_every_kv_dtype_attends_like_softmax_over_its_decoded_rows(kv_dtype, 2, 5, 37, 64, 64)
+    return kernels.isa()
+
+
+@pytest.mark.parametrize("isa", ["portable", "avx2"])
+def test_the_narrower_instruction_sets_compute_the_same(isa):
+    from narrow_isa import check_under
+    check_under(isa, "test_kv_attention", "check_every_dtype")
