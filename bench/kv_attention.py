@@ -106,7 +106,6 @@ def run(args) -> None:
                         part = "host" if resident else "whole"
                         print(f"{name:17} {keys:6} {tokens:6}   {kv_dtype:5} {part:6} {ours:10.2f} {gbs:6.1f} "
                               f"{theirs:10.2f}  {theirs / ours:6.1f}x", flush=True)
-                    del layer
 
 
 def main() -> None:
