@@ -6,9 +6,11 @@ SDPA / flash kernel), in one run. Not a test.
 
 Shape: Qwen3-30B-A3B's attention (32 query heads, 4 KV heads of 128) and Qwen3.6-35B-A3B's
 full-attention layers (16 / 2 of 256); one token (8 query rows a KV head) and a verify window of
-4 (32 rows). Each KV dtype is timed as a whole cache (a decode step) and as KV streaming's host
-part (all but the last 2,048 positions on the host). Best of --repeat calls; GB/s counts the
-stored bytes read once.
+4 (32 rows). Each KV dtype is timed as a whole cache (a decode step: models/attention.attend_state)
+and as KV streaming's host part alone (all but the last 2,048 positions, what the host computes
+while the card attends its ring: attention.attend_parts on that part). The torch route is timed
+with the native kernels declined (attend_stored and attend_one return None). Best of --repeat
+calls; GB/s counts the stored bytes read once.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from moefit import kernels  # noqa: E402
 from moefit.families.state import AttentionKV  # noqa: E402
 from moefit.kernels import rows  # noqa: E402
 from moefit.memory.devices import open_device  # noqa: E402
-from moefit.models.attention import attend_state  # noqa: E402
+from moefit.models.attention import attend_parts, attend_state  # noqa: E402
 from moefit.runtime.placement import DeviceMemory  # noqa: E402
 from moefit.runtime.state import AttentionState  # noqa: E402
 
@@ -73,6 +75,18 @@ def filled(heads: int, kv_heads: int, d: int, keys: int, kv_dtype: str, resident
     return layer
 
 
+def attention(layer: AttentionState, heads: int, d: int, keys: int, tokens: int, resident: int | None):
+    """The call timed: a decode step (or verify window) over the whole cache, or the host part alone."""
+    q = torch.randn(heads, tokens, d)
+    start = keys - tokens
+    if resident is None:
+        mask = None if tokens == 1 else torch.ones(tokens, keys).tril(start).bool()
+        return lambda: attend_state(OneLayer(layer), 0, q, start, mask)
+    host = layer.parts(keys, stored=True)[0]
+    assert host[2] is not None and int(host[2].max()) < start          # the host part: every row attended
+    return lambda: attend_parts(q, [host], torch.arange(start, keys), None)
+
+
 def stored_bytes(layer: AttentionState, keys: int) -> int:
     stores = layer.host if layer.host else (layer.k, layer.v)
     return sum(t[:, :keys].nbytes for store in stores for t in store.values())
@@ -84,7 +98,7 @@ def run(args) -> None:
     print(f"# {platform.processor() or platform.machine()}, {args.threads} threads, kernel isa {kernels.isa()}, "
           f"torch {torch.__version__}")
     print("shape              keys   tokens  kv     part    moefit ms   GB/s   torch ms  moefit/torch speed")
-    real = rows.attend_stored
+    real, real_one = rows.attend_stored, rows.attend_one
     for name, (heads, kv_heads, d) in SHAPES.items():
         for keys in args.keys:
             for kv_dtype in KV_DTYPES:
@@ -93,14 +107,12 @@ def run(args) -> None:
                     for tokens in (1, 4):
                         if resident is None and tokens > 1:
                             continue             # a whole cache's verify window is masked: torch's either way
-                        q = torch.randn(heads, tokens, d)
-                        mask = None if tokens == 1 else torch.ones(tokens, keys).tril(keys - tokens).bool()
-                        step = lambda: attend_state(OneLayer(layer), 0, q, keys - tokens, mask)  # noqa: E731
-                        rows.attend_stored = real
+                        step = attention(layer, heads, d, keys, tokens, resident)
+                        rows.attend_stored, rows.attend_one = real, real_one
                         ours = best_ms(step, args.repeat)
-                        rows.attend_stored = lambda *a: None
+                        rows.attend_stored = rows.attend_one = lambda *a: None
                         theirs = best_ms(step, max(2, args.repeat // 3))
-                        rows.attend_stored = real
+                        rows.attend_stored, rows.attend_one = real, real_one
                         host = keys - RESIDENT if resident else keys
                         gbs = stored_bytes(layer, host) / ours / 1e6
                         part = "host" if resident else "whole"

@@ -31,6 +31,9 @@ typedef struct {
     float *part;                /* [K splits][R][Dv + 2]: a range's sums, max score and total per row */
 } stored_args;
 
+typedef int32_t v8i __attribute__((vector_size(32)));
+typedef int32_t v4i __attribute__((vector_size(16)));
+
 #define KV_BLOCK 16             /* keys decoded at a time: exp16's lanes */
 #define KV_ROWS 64              /* query rows a pass over a range (more: another pass) */
 #define KV_SPAN 512             /* keys a task: ranges fixed by S alone, so the sums do not depend on
@@ -56,18 +59,18 @@ static int row_bytes_of(const kv_rows *r) {
         const __m256i x = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));               \
         _mm256_storeu_ps(o, _mm256_castsi256_ps(_mm256_slli_epi32(x, 16)));                         \
     }                                                                                               \
-    TARGET static inline void int8s_##ISA(const int8_t *p, float s, float *o) {                     \
-        const __m256i x = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p));                \
-        _mm256_storeu_ps(o, _mm256_mul_ps(_mm256_cvtepi32_ps(x), _mm256_set1_ps(s)));               \
+    TARGET static inline void int8s_##ISA(const int8_t *p, float *o) {                              \
+        _mm256_storeu_ps(o, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)))); \
     }                                                                                               \
-    TARGET static inline void q4s_##ISA(const uint8_t *p, float s, float *o) {                      \
+    TARGET static inline void q4s_##ISA(const uint8_t *p, uint16_t half, float *o) {                \
+        const float s = _cvtsh_ss(half);                                                            \
         const __m128i b = _mm_loadu_si128((const __m128i *)p), m = _mm_set1_epi8(15);               \
         const __m128i lo = _mm_and_si128(b, m), hi = _mm_and_si128(_mm_srli_epi16(b, 4), m);        \
         const __m128i in_order[2] = {_mm_unpacklo_epi8(lo, hi), _mm_unpackhi_epi8(lo, hi)};         \
         for (int i = 0; i < 4; i++) {                                                               \
             const __m128i c = i % 2 ? _mm_srli_si128(in_order[i / 2], 8) : in_order[i / 2];         \
             const __m256 x = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(c));                           \
-            _mm256_storeu_ps(o + 8 * i, _mm256_mul_ps(_mm256_sub_ps(x, _mm256_set1_ps(8.0f)), _mm256_set1_ps(s))); \
+            _mm256_storeu_ps(o + 8 * i, _mm256_fmsub_ps(x, _mm256_set1_ps(s), _mm256_set1_ps(8.0f * s))); \
         }                                                                                           \
     }
 KV_CONVERSIONS(avx512, __attribute__((target("avx512f,fma,f16c"))))
@@ -82,15 +85,26 @@ static inline void bf16s_plain(const uint16_t *p, float *o) {
         memcpy(o + i, &bits, 4);
     }
 }
-static inline void int8s_plain(const int8_t *p, float s, float *o) {
-    for (int i = 0; i < 8; i++) o[i] = (float)p[i] * s;
+static inline void int8s_plain(const int8_t *p, float *o) {
+    for (int i = 0; i < 8; i++) o[i] = (float)p[i];
 }
-static inline void q4s_plain(const uint8_t *p, float s, float *o) {
+static inline void q4s_plain(const uint8_t *p, uint16_t half, float *o) {
+    const float s = half_to_float(half);
     for (int i = 0; i < 16; i++) o[2 * i] = (float)((p[i] & 15) - 8) * s, o[2 * i + 1] = (float)((p[i] >> 4) - 8) * s;
 }
 
+/* lane-wise max of two float vectors (VI: integer lanes of their width) */
+#define VMAX(a, b, VI) ((__typeof__(a))(((VI)(a) & ((a) > (b))) | ((VI)(b) & ~((a) > (b)))))
+
+/* the row scales of an int8 store's rows s0 .. s0+n of head h, 1 past them (and for other codecs) */
+static inline void row_scales(const kv_rows *r, int64_t h, int64_t s0, int64_t n, float *out) {
+    for (int64_t s = 0; s < KV_BLOCK; s++)
+        out[s] = r->codec == 3 && s < n ? ((const float *)r->s)[h * r->capacity + s0 + s] : 1.0f;
+}
+
 #define KV_BODIES(ISA, TARGET)                                                                      \
-    /* n rows of head h from position s0 as fp32 [n][r->n] in buf; fp32 rows are read in place */  \
+    /* n rows of head h from position s0 as fp32 [n][r->n] in buf (int8: the codes; their row      \
+     * scales are applied to the block's scores and weights, row_scales); fp32 rows read in place */ \
     TARGET static const float *decode_##ISA(const kv_rows *r, int64_t h, int64_t s0, int64_t n, float *buf) { \
         const int64_t row = h * r->capacity + s0, w = r->n;                                         \
         const uint8_t *x = (const uint8_t *)r->x + row * row_bytes_of(r);                           \
@@ -103,10 +117,10 @@ static inline void q4s_plain(const uint8_t *p, float s, float *o) {
             else if (r->codec == 2)                                                                 \
                 for (int64_t i = 0; i < w; i += 8) bf16s_##ISA((const uint16_t *)xj + i, o + i);     \
             else if (r->codec == 3)                                                                 \
-                for (int64_t i = 0; i < w; i += 8) int8s_##ISA((const int8_t *)xj + i, ((const float *)r->s)[row + j], o + i); \
+                for (int64_t i = 0; i < w; i += 8) int8s_##ISA((const int8_t *)xj + i, o + i);      \
             else                                                                                    \
                 for (int64_t g = 0; g < w / 32; g++)                                                \
-                    q4s_##ISA(xj + 16 * g, half_to_float(((const uint16_t *)r->s)[(row + j) * (w / 32) + g]), o + 32 * g); \
+                    q4s_##ISA(xj + 16 * g, ((const uint16_t *)r->s)[(row + j) * (w / 32) + g], o + 32 * g); \
         }                                                                                           \
         return buf;                                                                                 \
     }                                                                                               \
@@ -173,6 +187,25 @@ static inline void q4s_plain(const uint8_t *p, float s, float *o) {
             if (Dv - c == 8) values_tile_##ISA(p0, p1, keep[r], keep[r1], v + c, n, Dv, o0 + c, o1 + c, 1); \
         }                                                                                           \
     }                                                                                               \
+    /* one row's block of scores p (times its keys' scales ks) into softmax numerators against the   \
+     * row's running max m[0] and total m[1]; keep: what the sums so far are scaled by; p then       \
+     * weighs the values (times their scales vs). Lanes past n are -inf and come out 0. */           \
+    TARGET static inline void softmax_block_##ISA(float *p, const float *ks, const float *vs, int64_t n, \
+                                                  float *m, float *keep) {                          \
+        const v16 x = LOAD16(p) * LOAD16(ks);                                                       \
+        const v8 h8 = VMAX(FOLD(x, x, 0, 1, 2, 3, 4, 5, 6, 7), FOLD(x, x, 8, 9, 10, 11, 12, 13, 14, 15), v8i); \
+        const v4 h4 = VMAX(FOLD(h8, h8, 0, 1, 2, 3), FOLD(h8, h8, 4, 5, 6, 7), v4i);               \
+        float top = h4[0] > h4[1] ? h4[0] : h4[1], top2 = h4[2] > h4[3] ? h4[2] : h4[3];            \
+        top = top2 > top ? top2 : top, top = m[0] > top ? m[0] : top;                               \
+        STORE16(p, x - top);                                                                        \
+        exp16_##ISA(p);                                                                             \
+        for (int64_t s = n; s < KV_BLOCK; s++) p[s] = 0.0f;                                         \
+        const v16 e = LOAD16(p);                                                                    \
+        const v8 s8 = FOLD(e, e, 0, 1, 2, 3, 4, 5, 6, 7) + FOLD(e, e, 8, 9, 10, 11, 12, 13, 14, 15); \
+        const v4 s4 = FOLD(s8, s8, 0, 1, 2, 3) + FOLD(s8, s8, 4, 5, 6, 7);                          \
+        *keep = expf(m[0] - top), m[1] = m[1] * *keep + ((s4[0] + s4[2]) + (s4[1] + s4[3])), m[0] = top; \
+        STORE16(p, e * LOAD16(vs));                                                                 \
+    }                                                                                               \
     /* rows r0..r0+R of one head over keys [a, b): each row's sums into acc, then its max, total */ \
     TARGET static void stored_rows_##ISA(const stored_args *A, int64_t h, int64_t r0, int64_t R, int64_t a, \
                                          int64_t b, float *kbuf, float *vbuf, float *out) {         \
@@ -186,14 +219,10 @@ static inline void q4s_plain(const uint8_t *p, float s, float *o) {
         for (int64_t s0 = a; s0 < b; s0 += KV_BLOCK) {                                              \
             const int64_t n = b - s0 < KV_BLOCK ? b - s0 : KV_BLOCK;                                \
             block_scores_##ISA(q, R, D, decode_##ISA(A->k, h, s0, n, kbuf), n, A->scale, p);        \
-            for (int64_t r = 0; r < R; r++) {                                                       \
-                float *pr = p + r * KV_BLOCK, *m = out + r * stride + Dv, top = *m, sum = 0.0f;     \
-                for (int64_t s = 0; s < n; s++) top = pr[s] > top ? pr[s] : top;                    \
-                for (int64_t s = 0; s < KV_BLOCK; s++) pr[s] -= top;                                \
-                exp16_##ISA(pr);                                                                    \
-                for (int64_t s = 0; s < KV_BLOCK; s++) pr[s] = s < n ? pr[s] : 0.0f, sum += pr[s];  \
-                keep[r] = expf(*m - top), m[1] = m[1] * keep[r] + sum, m[0] = top;                  \
-            }                                                                                       \
+            float ks[KV_BLOCK], vs[KV_BLOCK];                                                       \
+            row_scales(A->k, h, s0, n, ks);                                                         \
+            row_scales(A->v, h, s0, n, vs);                                                         \
+            for (int64_t r = 0; r < R; r++) softmax_block_##ISA(p + r * KV_BLOCK, ks, vs, n, out + r * stride + Dv, keep + r); \
             block_values_##ISA(p, keep, R, decode_##ISA(A->v, h, s0, n, vbuf), n, Dv, out, stride); \
         }                                                                                           \
     }                                                                                               \
