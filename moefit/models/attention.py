@@ -30,8 +30,10 @@ def causal_mask(start: int, t: int, window: int | None, device) -> torch.Tensor 
 def attend_state(state, i: int, q: torch.Tensor, start: int, mask: torch.Tensor | None,
                  scale: float | None = None, keys=None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [H, T, D] (positions start..start+T) against layer i's keys 0..start+T as the
-    sequence state holds them (runtime/state.py) -> [T, H*Dv]. One contiguous part is plain
-    SDPA with `mask`; a ring, or a ring and its host part, are merged by log-sum-exp. `scale`
+    sequence state holds them (runtime/state.py) -> [T, H*Dv]. One contiguous part is a decode
+    step read as stored (kernels/kv.h), a short forward's keys before it so too and its own rows
+    by torch (_prefix_and_own), else SDPA with `mask`; a ring, or a ring and its host part, are
+    merged by log-sum-exp. `scale`
     overrides 1/sqrt(D); `keys(k, v) -> (k, v)` builds the attended rows from the stored ones
     (MLA keeps a latent and a rope key per token). `sinks` [H] (gpt-oss) are logits of a virtual
     key with a zero value in every head's softmax: they scale the output by sigmoid(lse - sink)."""
@@ -44,6 +46,8 @@ def attend_state(state, i: int, q: torch.Tensor, start: int, mask: torch.Tensor 
         q = q @ rk.to(device=q.device, dtype=q.dtype)
     if state.own_window(i) and parts[0][2] is None:               # this layer's own window, not the shared mask
         mask = causal_mask(start, t, state.window(i), q.device)
+    if _splits(parts, start, t, state.window(i)):
+        parts = _prefix_and_own(parts[0], start, t, q.dtype)
     if sinks is not None:
         pos = [p if p is not None else torch.arange(_length(k)) for k, _, p in parts]
         out, lse = attend_parts(q, [(k, v, p) for (k, v, _), p in zip(parts, pos)], torch.arange(start, start + t),
@@ -117,6 +121,27 @@ def attend_parts(q: torch.Tensor, parts, q_pos: torch.Tensor, window: int | None
         out, lse = _merge(out, lse, o.to(q.device), m.to(q.device))
     out = out.reshape(h, t, -1).to(q.dtype)
     return (out, lse.reshape(h, t, 1)) if with_lse else out
+
+
+SPLIT_TOKENS = 16       # a forward of at most this many tokens reads the keys before it as stored
+
+
+def _splits(parts, start: int, t: int, window: int | None) -> bool:
+    """Whether a short forward's (a verify window's, a draft's) whole-context part is better
+    attended as two (_prefix_and_own): stored host rows, plain causal attention, keys before it."""
+    k = parts[0][0]
+    return (len(parts) == 1 and parts[0][2] is None and isinstance(k, StoredRows) and k.device.type == "cpu"
+            and window is None and 1 < t <= SPLIT_TOKENS and start > 0)
+
+
+def _prefix_and_own(part, start: int, t: int, dtype: torch.dtype) -> list:
+    """The whole context's part of a forward at start..start+t as two parts: the keys before it,
+    which every query attends (read as stored by the native kernel, no mask), and its own t rows,
+    decoded and causally masked by attend_parts; merged by log-sum-exp. Decoding the whole part
+    for torch instead cost a verify window what a decode step cost before kernels/kv.h."""
+    k, v, _ = part
+    return [(k.first(start), v.first(start), torch.arange(start)),
+            (k.decode(dtype, start), v.decode(dtype, start), torch.arange(start, start + t))]
 
 
 def _stored_attention(q: torch.Tensor, k, v, scale: float | None):

@@ -117,8 +117,12 @@ class StoredRows:
     store: dict
     count: int
 
-    def decode(self, dtype: torch.dtype) -> torch.Tensor:
-        return self.codec.get(self.store, slice(0, self.count), dtype)
+    def decode(self, dtype: torch.dtype, start: int = 0) -> torch.Tensor:
+        """Positions start..count in dtype."""
+        return self.codec.get(self.store, slice(start, self.count), dtype)
+
+    def first(self, count: int) -> "StoredRows":
+        return StoredRows(self.codec, self.store, count)
 
     @property
     def device(self) -> torch.device:
