@@ -111,7 +111,10 @@ def test_attend_state_reads_stored_rows_natively_with_the_numbers_torch_gets(kv_
     native = attend_state(OneLayer(layer), 0, q, start, mask)
     monkeypatch.setattr(rows, "attend_stored", lambda *a: None)
     decoded = attend_state(OneLayer(layer), 0, q, start, mask)
-    assert calls == ([600 - 64] if resident else [600] if tokens == 1 else [600 - tokens])   # a window: the keys before it
+    if tokens > 1 and kv_dtype == "fp32":
+        assert calls == []                                     # torch's flash kernel on the rows themselves
+    else:
+        assert calls == ([600 - 64] if resident else [600] if tokens == 1 else [600 - tokens])  # a window: the keys before it
     assert float((native - decoded).abs().max() / decoded.abs().max()) < 1e-5
 
 

@@ -129,9 +129,15 @@ SPLIT_TOKENS = 16       # a forward of at most this many tokens reads the keys b
 def _splits(parts, start: int, t: int, window: int | None) -> bool:
     """Whether a short forward's (a verify window's, a draft's) whole-context part is better
     attended as two (_prefix_and_own): stored host rows, plain causal attention, keys before it."""
-    k = parts[0][0]
-    return (len(parts) == 1 and parts[0][2] is None and isinstance(k, StoredRows) and k.device.type == "cpu"
-            and window is None and 1 < t <= SPLIT_TOKENS and start > 0)
+    return (len(parts) == 1 and parts[0][2] is None and _reads_natively(parts[0][0], t) and
+            parts[0][0].device.type == "cpu" and window is None and 1 < t <= SPLIT_TOKENS and start > 0)
+
+
+def _reads_natively(k, t: int) -> bool:
+    """Whether kv.h takes these rows for t query positions: stored rows, but for fp32 ones past one
+    position (torch's flash kernel multiplies several positions' rows faster, and an fp32 part's
+    "decoded" rows are a view: bench/results/kv_attention-round15-avx2.txt, 0.6-1.0x at 4)."""
+    return isinstance(k, StoredRows) and (t == 1 or k.codec.native != 0)
 
 
 def _prefix_and_own(part, start: int, t: int, dtype: torch.dtype) -> list:
@@ -148,9 +154,9 @@ def _stored_attention(q: torch.Tensor, k, v, scale: float | None):
     """q [H, T, D] against every row of a part held as stored (StoredRows in host memory), by
     kernels/kv.h without decoding it -> (out [H, T, Dv], log-sum-exp [H, T, 1]), fp32 on q's
     device, or None where the kernel does not take it (decoded tensors, a card's memory)."""
-    if not isinstance(k, StoredRows):
-        return None
     h, t, d = q.shape
+    if not _reads_natively(k, t):
+        return None
     kh = _heads(k)
     res = native.attend_stored(q.reshape(kh, h // kh * t, d), k, v, d ** -0.5 if scale is None else scale)
     if res is None:
