@@ -50,7 +50,7 @@ class AttentionState:
         self.slot_pos = torch.full((held,), INVALID, dtype=torch.long) if held < ctx else None
         plain = all(type(c) is FloatRows and c.dtype == torch.float32 for c in (self.kc, self.vc))
         self._plain = plain and self.slot_pos is None and self.window is None and self.k["x"].is_cpu
-        self.host = None
+        self.host, self._copied = None, None
         if self.slot_pos is not None and decl.streams:
             pin = mem.torch_device.type == "cuda"
             host_alloc = lambda shape, dtype: torch.empty(shape, dtype=dtype, pin_memory=pin)  # noqa: E731
@@ -84,8 +84,21 @@ class AttentionState:
         self.vc.put(self.v, slots.to(self.v["x"].device), v)
         self.slot_pos[slots] = pos
         if self.host is not None:
-            self.kc.put(self.host[0], slice(start, end), k.to("cpu", non_blocking=True))
-            self.vc.put(self.host[1], slice(start, end), v.to("cpu", non_blocking=True))
+            self._write_through(slice(start, end), k, v)
+
+    def _write_through(self, index: slice, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Positions `index` to the host store too: coded where the rows are (a card: its codes
+        cross PCIe, not the rows), copied into the pinned store without waiting; parts() waits for
+        the copy before the host reads it. (Reading a tensor sent to the host with non_blocking
+        before its copy is done reads whatever the memory held: the earlier way coded it so.)"""
+        for c, store, x in ((self.kc, self.host[0], k), (self.vc, self.host[1], v)):
+            coded = c.empty(lambda shape, dtype: torch.empty(shape, dtype=dtype, device=x.device), x.shape[0], x.shape[1])
+            c.put(coded, slice(0, x.shape[1]), x)
+            for name, t in coded.items():
+                store[name][:, index].copy_(t, non_blocking=True)
+        if k.is_cuda:
+            self._copied = torch.cuda.Event()
+            self._copied.record()
 
     def parts(self, end: int, stored: bool = False) -> list[tuple]:
         """What attention reads for keys 0..end (the module's docstring); `stored`: the whole
@@ -97,6 +110,9 @@ class AttentionState:
         if self.slot_pos is None:
             return [(rows(self.kc, self.k, end), rows(self.vc, self.v, end), None)]
         first = self._first_in_ring(end) if self.host is not None else 0
+        if first > 0 and self._copied is not None:
+            self._copied.synchronize()                          # the write-through has landed
+            self._copied = None
         pos = self.slot_pos.clone()
         pos[(pos < first) | (pos >= end)] = INVALID
         dev = pos.to(self.k["x"].device)
