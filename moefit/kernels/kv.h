@@ -14,8 +14,9 @@
  * output and each row's log-sum-exp, by which models/attention.py merges this part with others.
  *
  * Before this, the host part was decoded by torch into the compute dtype, converted to fp32 and
- * given to torch's flash kernel: four copies of the part a layer a token (measured 26-140 ms a
- * layer at 8-32K int8 keys of 4 heads of 128, 0.2-0.3 GB/s of the stored rows). */
+ * given to torch's flash kernel: four copies of the part a layer a token (measured 26-157 ms a
+ * layer at 8-32K int8 keys of 4 heads of 128, 0.2-0.3 GB/s of the stored rows; now 4-14 ms,
+ * bench/kv_attention.py). */
 
 typedef struct {
     int codec;
@@ -38,7 +39,6 @@ typedef int32_t v4i __attribute__((vector_size(16)));
 #define KV_ROWS 64              /* query rows a pass over a range (more: another pass) */
 #define KV_SPAN 512             /* keys a task: ranges fixed by S alone, so the sums do not depend on
                                    the thread count */
-
 
 /* lanes [a b c d] of four sums of 8: three pairwise folds, then the halves added */
 #define PAIRS(a, b) (__builtin_shufflevector(a, b, 0, 2, 8, 10, 4, 6, 12, 14) + \
@@ -231,7 +231,7 @@ static inline void row_scales(const kv_rows *r, int64_t h, int64_t s0, int64_t n
         const int64_t h = task / A->splits, a = task % A->splits * A->span;                         \
         const int64_t b = a + A->span < A->S ? a + A->span : A->S, stride = A->v->n + 2;            \
         float *kbuf = malloc(sizeof(float) * KV_BLOCK * (A->k->n + A->v->n)), *vbuf = kbuf + KV_BLOCK * A->k->n; \
-        for (int64_t r0 = 0; r0 < A->R; r0 += KV_ROWS)                                     \
+        for (int64_t r0 = 0; r0 < A->R; r0 += KV_ROWS)                                             \
             stored_rows_##ISA(A, h, r0, A->R - r0 < KV_ROWS ? A->R - r0 : KV_ROWS, a, b, kbuf, vbuf, \
                               A->part + (task * A->R + r0) * stride);                               \
         free(kbuf);                                                                                 \

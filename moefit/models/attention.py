@@ -1,6 +1,6 @@
 """Attention over the sequence state, every family's: the causal mask, one contiguous part by
-SDPA (a decode step natively on the host), a ring or a ring and its host part merged by
-log-sum-exp. models/layers.py holds the rest of what families share.
+SDPA (host rows read as stored by kernels/kv.h where it takes them), a ring or a ring and its
+host part merged by log-sum-exp. models/layers.py holds the rest of what families share.
 
 Legend: T tokens in this forward, S keys attended (start + T), H query heads,
 K key/value heads, D head dim.
@@ -33,10 +33,10 @@ def attend_state(state, i: int, q: torch.Tensor, start: int, mask: torch.Tensor 
     sequence state holds them (runtime/state.py) -> [T, H*Dv]. One contiguous part is a decode
     step read as stored (kernels/kv.h), a short forward's keys before it so too and its own rows
     by torch (_prefix_and_own), else SDPA with `mask`; a ring, or a ring and its host part, are
-    merged by log-sum-exp. `scale`
-    overrides 1/sqrt(D); `keys(k, v) -> (k, v)` builds the attended rows from the stored ones
-    (MLA keeps a latent and a rope key per token). `sinks` [H] (gpt-oss) are logits of a virtual
-    key with a zero value in every head's softmax: they scale the output by sigmoid(lse - sink)."""
+    merged by log-sum-exp. `scale` overrides 1/sqrt(D); `keys(k, v) -> (k, v)` builds the
+    attended rows from the stored ones (MLA keeps a latent and a rope key per token). `sinks` [H]
+    (gpt-oss) are logits of a virtual key with a zero value in every head's softmax: they scale
+    the output by sigmoid(lse - sink)."""
     t = q.shape[1]
     parts = state.parts(i, start + t, stored=keys is None)
     if keys is not None:
