@@ -45,6 +45,7 @@ def test_shapes_it_does_not_take_are_left_to_torch():
     assert rows.rms_norm(torch.randn(2, 64).double(), None, 1e-6) is None
     assert rows.rms_norm(torch.randn(64, 2).T, None, 1e-6) is None          # columns strided
     assert rows.attend_one(torch.randn(8, 2, 64), torch.randn(2, 9, 64), torch.randn(2, 9, 64), None) is None
+    assert rows.attend_one(torch.randn(128, 1, 64), torch.randn(1, 9, 64), torch.randn(1, 9, 64), None) is None  # MLA's 128 a head
 
 
 @pytest.mark.parametrize("rot", [128, 64])

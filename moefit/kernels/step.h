@@ -26,7 +26,7 @@ typedef struct {
 int moe_attention_step(const attention_step *A, const float *x, int64_t pos, const float *cos, const float *sin,
                        int64_t rot, float *k_cache, float *v_cache, int64_t capacity, float *out) {
     const int64_t q_width = A->H * A->D * (A->gated ? 2 : 1), width = q_width + A->K * A->D + A->K * A->Dv;
-    if (A->D % 16 || A->Dv % 16 || rot % 2 || rot > A->D || pos >= capacity || A->H % A->K ||
+    if (A->D % 16 || A->Dv % 16 || rot % 2 || rot > A->D || pos >= capacity || A->H % A->K || A->H / A->K > 16 ||
         (A->gated && A->Dv != A->D))
         return -1;
     float *qkv = malloc(sizeof(float) * width), *q = malloc(sizeof(float) * A->H * A->D);
