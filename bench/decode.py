@@ -133,13 +133,19 @@ def time_llama(gguf: str, prompt: list[int], new: int, threads: int) -> dict:
         t0 = time.perf_counter()
         llm.eval(prompt)
         prefill = time.perf_counter() - t0
-        t0, n = time.perf_counter(), 0
-        for _token in llm.generate([], temp=SPREAD["temperature"], top_k=0, top_p=1.0, min_p=0.0, reset=False):
-            n += 1
-            if n == new - 1:
-                break
-        best = _best(best, {"prefill_tok_s": len(prompt) / prefill, "decode_tok_s": n / (time.perf_counter() - t0)})
+        best = _best(best, {"prefill_tok_s": len(prompt) / prefill, "decode_tok_s": llama_decode_rate(llm, new)})
     return best
+
+
+def llama_decode_rate(llm, new: int) -> float:
+    """Tokens a second of llama.cpp generating new - 1 tokens at the spread temperature after what
+    it has evaluated."""
+    t0, n = time.perf_counter(), 0
+    for _token in llm.generate([], temp=SPREAD["temperature"], top_k=0, top_p=1.0, min_p=0.0, reset=False):
+        n += 1
+        if n == new - 1:
+            break
+    return n / (time.perf_counter() - t0)
 
 
 def main() -> None:

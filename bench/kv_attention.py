@@ -20,6 +20,7 @@ import platform
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -31,28 +32,11 @@ from moefit.kernels import rows  # noqa: E402
 from moefit.memory.devices import open_device  # noqa: E402
 from moefit.models.attention import attend_parts, attend_state  # noqa: E402
 from moefit.runtime.placement import DeviceMemory  # noqa: E402
-from moefit.runtime.state import AttentionState  # noqa: E402
+from moefit.runtime.state import AttentionState, SequenceState  # noqa: E402
 
 SHAPES = {"qwen3-30b-a3b": (32, 4, 128), "qwen3.6-35b-a3b": (16, 2, 256)}
 KV_DTYPES = ("fp32", "bf16", "int8", "q4")
 RESIDENT = 2048
-
-
-class OneLayer:
-    def __init__(self, layer):
-        self.layer = layer
-
-    def parts(self, i, end, stored=False):
-        return self.layer.parts(end, stored)
-
-    def rotations(self, i):
-        return self.layer.rotations
-
-    def window(self, i):
-        return self.layer.window
-
-    def own_window(self, i):
-        return self.layer.own_window
 
 
 def best_ms(fn, repeat: int) -> float:
@@ -65,24 +49,25 @@ def best_ms(fn, repeat: int) -> float:
     return min(times) * 1e3
 
 
-def filled(heads: int, kv_heads: int, d: int, keys: int, kv_dtype: str, resident: int | None) -> AttentionState:
-    layer = AttentionState(AttentionKV(kv_heads, d, d), keys, kv_dtype, torch.float32,
-                           DeviceMemory(open_device("cpu")), 512, resident)
+def filled(kv_heads: int, d: int, keys: int, kv_dtype: str, resident: int | None) -> SequenceState:
+    """One attention layer's state, its `keys` positions written in prompt chunks of 512."""
+    state = SequenceState(SimpleNamespace(sliding_window=None), keys, kv_dtype, torch.float32,
+                          DeviceMemory(open_device("cpu")), 512, resident, decls=[AttentionKV(kv_heads, d, d)])
     g = torch.Generator().manual_seed(0)
     for start in range(0, keys, 512):
         n = min(512, keys - start)
-        layer.write(start, torch.randn(kv_heads, n, d, generator=g), torch.randn(kv_heads, n, d, generator=g))
-    return layer
+        state.write(0, start, torch.randn(kv_heads, n, d, generator=g), torch.randn(kv_heads, n, d, generator=g))
+    return state
 
 
-def attention(layer: AttentionState, heads: int, d: int, keys: int, tokens: int, resident: int | None):
+def attention(state: SequenceState, heads: int, d: int, keys: int, tokens: int, resident: int | None):
     """The call timed: a decode step (or verify window) over the whole cache, or the host part alone."""
     q = torch.randn(heads, tokens, d)
     start = keys - tokens
     if resident is None:
         mask = None if tokens == 1 else torch.ones(tokens, keys).tril(start).bool()
-        return lambda: attend_state(OneLayer(layer), 0, q, start, mask)
-    host = layer.parts(keys, stored=True)[0]
+        return lambda: attend_state(state, 0, q, start, mask)
+    host = state.parts(0, keys, stored=True)[0]
     assert host[2] is not None and int(host[2].max()) < start          # the host part: every row attended
     return lambda: attend_parts(q, [host], torch.arange(start, keys), None)
 
@@ -102,17 +87,17 @@ def run(args) -> None:
     for name, (heads, kv_heads, d) in SHAPES.items():
         for keys in args.keys:
             for kv_dtype in KV_DTYPES:
-                for resident in (None, RESIDENT):
-                    layer = filled(heads, kv_heads, d, keys, kv_dtype, resident)
+                for resident in (None, RESIDENT) if keys > RESIDENT else (None,):
+                    state = filled(kv_heads, d, keys, kv_dtype, resident)
                     for tokens in (1, 4):
-                        step = attention(layer, heads, d, keys, tokens, resident)
+                        step = attention(state, heads, d, keys, tokens, resident)
                         rows.attend_stored, rows.attend_one = real, real_one
                         ours = best_ms(step, args.repeat)
                         rows.attend_stored = rows.attend_one = lambda *a: None
                         theirs = best_ms(step, max(2, args.repeat // 3))
                         rows.attend_stored, rows.attend_one = real, real_one
                         host = keys - RESIDENT if resident else keys
-                        gbs = stored_bytes(layer, host) / ours / 1e6
+                        gbs = stored_bytes(state.layers[0], host) / ours / 1e6
                         part = "host" if resident else "whole"
                         print(f"{name:17} {keys:6} {tokens:6}   {kv_dtype:5} {part:6} {ours:10.2f} {gbs:6.1f} "
                               f"{theirs:10.2f}  {theirs / ours:6.1f}x", flush=True)

@@ -30,8 +30,11 @@ from moefit.kernels import rows  # noqa: E402
 from moefit.runtime.engine import Engine  # noqa: E402
 from moefit.runtime.sampler import SamplingParams  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode import llama_decode_rate  # noqa: E402
+
 LLAMA_KV = {"int8": (8, True), "q4": (2, True), "fp16": (1, True), "fp32": (0, False)}   # ggml type, flash
-SPREAD = dict(temperature=2.0, top_k=0, top_p=1.0, seed=7)
+SPREAD = dict(temperature=2.0, top_k=0, top_p=1.0, seed=7)        # llama.cpp's: decode.py's, the same temperature
 
 
 def time_moefit(pack: Path, prompt: list[int], new: int, threads: int, kv_dtype: str) -> dict:
@@ -53,12 +56,7 @@ def time_llama(gguf: str, prompt: list[int], new: int, threads: int, kv_dtype: s
     t0 = time.perf_counter()
     llm.eval(prompt)
     prefill = time.perf_counter() - t0
-    t0, n = time.perf_counter(), 0
-    for _token in llm.generate([], temp=SPREAD["temperature"], top_k=0, top_p=1.0, min_p=0.0, reset=False):
-        n += 1
-        if n == new - 1:
-            break
-    return {"prefill_tok_s": len(prompt) / prefill, "decode_tok_s": n / (time.perf_counter() - t0)}
+    return {"prefill_tok_s": len(prompt) / prefill, "decode_tok_s": llama_decode_rate(llm, new)}
 
 
 def main() -> None:

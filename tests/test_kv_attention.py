@@ -4,6 +4,8 @@ merged exactly; the same sums whatever the thread count; attend_state reads a pl
 KV streaming's host part through it, with the same numbers as decoding them for torch; every
 instruction set."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -14,7 +16,7 @@ from moefit.memory.devices import open_device
 from moefit.models.attention import attend_state
 from moefit.runtime.kv_codecs import StoredRows, codec
 from moefit.runtime.placement import DeviceMemory
-from moefit.runtime.state import AttentionState
+from moefit.runtime.state import AttentionState, SequenceState
 
 pytestmark = pytest.mark.skipif(kernels.library() is None, reason="the native kernel is not built")
 KV_DTYPES = ["fp32", "fp16", "bf16", "int8", "q4"]
@@ -71,25 +73,6 @@ def test_the_sums_do_not_depend_on_the_thread_count():
     assert all(torch.equal(o[0], outs[0][0]) and torch.equal(o[1], outs[0][1]) for o in outs)
 
 
-class OneLayer:
-    """What attend_state asks of a SequenceState, for one AttentionState."""
-
-    def __init__(self, layer: AttentionState):
-        self.layer = layer
-
-    def parts(self, i, end, stored=False):
-        return self.layer.parts(end, stored)
-
-    def rotations(self, i):
-        return self.layer.rotations
-
-    def window(self, i):
-        return self.layer.window
-
-    def own_window(self, i):
-        return self.layer.own_window
-
-
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES + ["k8v4"])
 @pytest.mark.parametrize("resident", [None, 64])
 @pytest.mark.parametrize("tokens", [1, 3])
@@ -98,19 +81,19 @@ def test_attend_state_reads_stored_rows_natively_with_the_numbers_torch_gets(kv_
     (any forward after the ring's window) go to the kernel as stored; with the kernel declined,
     torch decodes them: the same output to fp32 rounding."""
     g = torch.Generator().manual_seed(3)
-    mem = DeviceMemory(open_device("cpu"))
-    layer = AttentionState(AttentionKV(2, 64, 64), 700, kv_dtype, torch.float32, mem, 32, resident)
+    state = SequenceState(SimpleNamespace(sliding_window=None), 700, kv_dtype, torch.float32,
+                          DeviceMemory(open_device("cpu")), 32, resident, decls=[AttentionKV(2, 64, 64)])
     for start in range(0, 600, 30):                                            # prefill chunks of 30
-        layer.write(start, torch.randn(2, 30, 64, generator=g), torch.randn(2, 30, 64, generator=g))
+        state.write(0, start, torch.randn(2, 30, 64, generator=g), torch.randn(2, 30, 64, generator=g))
     start = 600 - tokens
     q = torch.randn(8, tokens, 64, generator=g)
     mask = None if tokens == 1 else torch.ones(tokens, 600).tril(600 - tokens).bool()
     calls = []
     real = rows.attend_stored
     monkeypatch.setattr(rows, "attend_stored", lambda *a: calls.append(a[1].count) or real(*a))
-    native = attend_state(OneLayer(layer), 0, q, start, mask)
+    native = attend_state(state, 0, q, start, mask)
     monkeypatch.setattr(rows, "attend_stored", lambda *a: None)
-    decoded = attend_state(OneLayer(layer), 0, q, start, mask)
+    decoded = attend_state(state, 0, q, start, mask)
     if tokens > 1 and kv_dtype == "fp32":
         assert calls == []                                     # torch's flash kernel on the rows themselves
     else:
