@@ -17,10 +17,9 @@ codec's `native` number, and anything else decodes them.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
-
-from dataclasses import dataclass
 
 from moefit.families.state import Q4_GROUP
 
