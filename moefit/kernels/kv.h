@@ -27,7 +27,7 @@ typedef struct {
 typedef struct {
     const float *q;             /* [K, R, D] */
     const kv_rows *k, *v;
-    int64_t R, S, splits, span; /* key ranges a head, keys a range */
+    int64_t R, S, splits;       /* key ranges of KV_SPAN a head */
     float scale;
     float *part;                /* [K splits][R][Dv + 2]: a range's sums, max score and total per row */
 } stored_args;
@@ -228,8 +228,8 @@ static inline void row_scales(const kv_rows *r, int64_t h, int64_t s0, int64_t n
     }                                                                                               \
     TARGET static void stored_task_##ISA(void *ctx, int64_t task) {                                 \
         const stored_args *A = ctx;                                                                 \
-        const int64_t h = task / A->splits, a = task % A->splits * A->span;                         \
-        const int64_t b = a + A->span < A->S ? a + A->span : A->S, stride = A->v->n + 2;            \
+        const int64_t h = task / A->splits, a = task % A->splits * KV_SPAN;                         \
+        const int64_t b = a + KV_SPAN < A->S ? a + KV_SPAN : A->S, stride = A->v->n + 2;            \
         float *kbuf = malloc(sizeof(float) * KV_BLOCK * (A->k->n + A->v->n)), *vbuf = kbuf + KV_BLOCK * A->k->n; \
         for (int64_t r0 = 0; r0 < A->R; r0 += KV_ROWS)                                             \
             stored_rows_##ISA(A, h, r0, A->R - r0 < KV_ROWS ? A->R - r0 : KV_ROWS, a, b, kbuf, vbuf, \
@@ -275,7 +275,7 @@ int moe_attend_stored(const float *q, int64_t K, int64_t R, int64_t S, const kv_
     if (S < 1 || K < 1 || R < 1) return -1;
     choose_rows_isa();
     const int64_t splits = (S + KV_SPAN - 1) / KV_SPAN;
-    stored_args A = {q, k, v, R, S, splits, KV_SPAN, scale, malloc(sizeof(float) * K * splits * R * (v->n + 2))};
+    stored_args A = {q, k, v, R, S, splits, scale, malloc(sizeof(float) * K * splits * R * (v->n + 2))};
     task_fn task = stored_task_plain;
 #if defined(__x86_64__)
     if (!strncmp(isa, "avx512", 6)) task = stored_task_avx512;
