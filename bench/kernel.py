@@ -7,6 +7,8 @@ shape, over many distinct experts so that weights come from memory, not the cach
 GGUF block types (q4_k, q5_k, q6_k, iq4_xs, mxfp4, or gate_up/down pairs as a Q4_K_M file mixes
 them) are random blocks with small fp16 scales (tests/gguf_writer.py's). With --tokens > 1 every
 expert takes all T tokens (a prefill chunk): the figure is then weight rows times tokens a second.
+int4p: int4 experts held in AVX2's panel order (experts/host_panels.py), timed beside int4 in rows
+(the pack's order, rearranged per call) on the same random weights; only where the body takes them.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ def matrix(quant: str, rows: int, cols: int, g: torch.Generator) -> list[torch.T
 
 
 def experts(n: int, hidden: int, inter: int, quant: str) -> list[dict]:
+    if quant == "int4p":
+        return [in_panels(p) for p in experts(n, hidden, inter, "int4")]
     g = torch.Generator().manual_seed(0)
     gate_up, down = matrix_quants(quant)
     out = []
@@ -44,6 +48,13 @@ def experts(n: int, hidden: int, inter: int, quant: str) -> list[dict]:
         p = dict(zip(["gate_up", "gate_up.scale"], matrix(gate_up, 2 * inter, hidden, g)))
         p.update(zip(["down", "down.scale"], matrix(down, hidden, inter, g)))
         out.append(p)
+    return out
+
+
+def in_panels(p: dict) -> dict:
+    out = {}
+    for m in ("gate_up", "down"):
+        out[m], out[m + ".scale"] = kernels.rows_to_panels(p[m], p[m + ".scale"])
     return out
 
 
@@ -59,12 +70,16 @@ def main() -> None:
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=1)
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    ap.add_argument("--quants", nargs="+", default=["int8", "int4"])
+    ap.add_argument("--quants", nargs="+", default=["int8", "int4", "int4p"])
     args = ap.parse_args()
     print(f"isa {kernels.isa()}; hidden {args.hidden}, expert {args.inter}, top-{args.top_k}, "
           f"{args.tokens} token(s), {args.experts} distinct experts")
     for quant in args.quants:
+        if quant == "int4p" and not kernels.int4_panels():
+            print("int4p: this CPU's int4 body reads rows (no panels)")
+            continue
         ex = experts(args.experts, args.hidden, args.inter, quant)
+        panels = [quant == "int4p"] * args.top_k
         total = sum(nbytes(p) for p in ex)
         x = torch.randn(args.tokens, args.hidden)
         rows = [torch.arange(args.tokens)] * args.top_k
@@ -76,7 +91,7 @@ def main() -> None:
             for _ in range(3):                               # a warm-up pass, the best of the others
                 t0 = time.perf_counter()
                 for c in range(calls):
-                    kernels.moe_layer(x, quant, ex[c * args.top_k:(c + 1) * args.top_k], rows, w)
+                    kernels.moe_layer(x, quant.rstrip("p"), ex[c * args.top_k:(c + 1) * args.top_k], rows, w, panels)
                 dt = time.perf_counter() - t0
                 best = min(best, dt) if _ else best
             per_token = f", {best / calls / args.tokens * 1e6:.0f} us a token" if args.tokens > 1 else ""

@@ -211,6 +211,8 @@ def check_int4_panels() -> str:
             assert torch.equal(kernels.qlinear(x[:tokens], parts, "w", "int4"), alone[:tokens]), (group, tokens)
         assert (alone - want).norm() / want.norm() < 1e-5, group            # ~1e-7 here; a fault ~1e-3
         stored = dict(zip(["w", "w.scale"], kernels.rows_to_panels(parts["w"], parts["w.scale"])))
+        in_torch = kernels._reorder(parts["w"], parts["w.scale"], to_panels=True)     # natively made: the same bytes
+        assert torch.equal(stored["w"], in_torch[0]) and torch.equal(stored["w.scale"], in_torch[1])
         if kernels.int4_panels():                  # stored in panels: the same tiles, the same bits
             assert torch.equal(kernels.qlinear(x, stored, "w", "int4p"), alone), group
             assert torch.equal(kernels.qlinear(x[:1], stored, "w", "int4p"), alone[:1]), group

@@ -238,11 +238,11 @@ def test_the_host_kernels_never_get_a_device_slot(packs):
     from moefit.runtime.engine import Engine
     engine = Engine.open(packs("qwen3_moe", "int4"), ServeConfig(ctx=64))
     runner, layer = engine.runner, engine.pack.model.moe_layers[0]
-    host = {e: runner._host(layer, e) for e in range(engine.pack.model.num_experts)}
+    host = {e: runner._on_host(layer, e) for e in range(engine.pack.model.num_experts)}
     runner.slots.update({(layer, e): {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in p.items()}
-                         for e, p in host.items()})
-    assert all(runner._on_host(layer, e) is host[e] for e in host)
+                         for e, (p, _) in host.items()})
+    assert all(runner._on_host(layer, e)[0] is host[e][0] for e in host)
     if kernels.library() is None:
         pytest.skip("the native kernel is not built")
-    assert runner._pointers(layer, [0, 1]) == kernels.addresses(host[0]) + kernels.addresses(host[1])
+    assert runner._pointers(layer, [0, 1]) == [a for e in (0, 1) for a in kernels.addresses(host[e][0], host[e][1] == "int4p")]
     assert min(runner.rates.measure()) > 0 and runner.rates.time_experts(layer, 16, True) > 0

@@ -29,6 +29,7 @@ from moefit.experts.grouped import (DENSE_TOKENS, combine_matrix, grouped_swiglu
                                    swiglu_each)
 from moefit.experts.groups import Groups, expert_forward, gemm_first
 from moefit.experts.handoff import Handoff
+from moefit.experts.host_panels import HostPanels
 from moefit.experts.host_rates import HostRates
 from moefit.experts.lookahead import LookAhead
 from moefit.experts.pool import SlotPool
@@ -47,7 +48,8 @@ class ExpertRunner:
         self.pool = pool
         self.slots: dict[Key, dict] = {}        # a resident expert's part views into its pool slot
         self._host_parts: dict[Key, dict] = {}
-        self._addresses: dict[Key, list[int]] = {}  # the kernel's four part addresses, where the expert is now
+        self._addresses: dict[Key, list[int]] = {}  # the kernel's part addresses, where the expert is now
+        self.panels = HostPanels()             # int4 experts kept in AVX2's panel order (the loader sets a budget)
         self._shapes: dict[str, tuple[int, int]] = {}
         self.dump = None                       # an open file: every token's routing as JSON lines
         self.ahead: LookAhead | None = None    # set by the loader when look-ahead is on
@@ -263,8 +265,8 @@ class ExpertRunner:
         out = torch.zeros_like(x)
         for i, e in enumerate(groups.experts):                  # fixed summation order
             rows, w = groups.rows_of(i)
-            parts = self._on_host(layer, e)
-            y = self._forward(layer, e)(x[rows], parts, self.pack.blobs[(layer, e)].quant)
+            parts, quant_e = self._on_host(layer, e)
+            y = self._forward(layer, e)(x[rows], parts, quant_e)
             out.index_add_(0, rows, y * w[:, None].to(y.dtype))
         return out
 
@@ -275,7 +277,7 @@ class ExpertRunner:
             for i, e in enumerate(groups.experts):
                 if busy[i]:
                     rows, w = groups.rows_of(i)
-                    parts, quant = self._on_host(layer, e), self.pack.blobs[(layer, e)].quant
+                    parts, quant = self._on_host(layer, e)
                     y = self._forward(layer, e)(x[rows], parts, quant, gemm_first)
                     out.index_add_(0, rows, y.mul_(w[:, None]))
         return out
@@ -338,28 +340,31 @@ class ExpertRunner:
         return self._shapes[quant]
 
     def _pointers(self, layer: int, experts: list[int]) -> list[int]:
-        """The four part addresses of each expert in host memory (_on_host), flat in expert order."""
+        """The part addresses of each expert in host memory (_on_host), flat in expert order."""
         out = []
         for e in experts:
             key = (layer, e)
             if key not in self._addresses:
-                self._addresses[key] = kernels.addresses(self._on_host(layer, e))
+                parts, quant = self._on_host(layer, e)
+                self._addresses[key] = kernels.addresses(parts, panels=quant == "int4p")
             out += self._addresses[key]
         return out
 
-    def _on_host(self, layer: int, e: int) -> dict:
-        """An expert's parts in host memory, for the host's kernels: its slot where the card's memory
-        is host memory (cpu, a simulated card), else the pack's map. A CUDA slot is never handed to
-        them (the start's host measurements time experts that may be resident: their device
-        addresses would be read on the host)."""
-        slot = self.slots.get((layer, e))
-        return slot if slot is not None and next(iter(slot.values())).device.type == "cpu" else self._host(layer, e)
-
-    def _host(self, layer: int, e: int) -> dict:
-        parts = self._host_parts.get((layer, e))
+    def _on_host(self, layer: int, e: int) -> tuple[dict, str]:
+        """An expert's parts in host memory, for the host's kernels, and the quant they are stored
+        in: its slot where the card's memory is host memory (cpu, a simulated card), else the
+        pack's map, or the copy in panel order made from it (experts/host_panels.py). A CUDA slot
+        is never handed to them (the start's host measurements time experts that may be resident:
+        their device addresses would be read on the host)."""
+        key = (layer, e)
+        slot, quant = self.slots.get(key), self.pack.blobs[key].quant
+        if slot is not None and next(iter(slot.values())).device.type == "cpu":
+            return slot, quant
+        parts = self._host_parts.get(key)
         if parts is None:
-            parts = self._host_parts[(layer, e)] = self.pack.expert_parts(layer, e)
-        return parts
+            parts = self._host_parts[key] = self.pack.expert_parts(layer, e)
+        panels = self.panels.parts(key, parts, quant)
+        return (parts, quant) if panels is None else (panels, "int4p")
 
     def _dump(self, layer: int, ids: torch.Tensor, weights: torch.Tensor) -> None:
         guesses = self.ahead.per_token.get(layer) if self.ahead is not None else None

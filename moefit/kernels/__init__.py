@@ -197,7 +197,18 @@ def int4_panels() -> bool:
 
 
 def rows_to_panels(codes: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """int4 parts (codes [R, C/2] uint8, scale [R, G] fp16) -> the same in panel order."""
+    """int4 parts (codes [R, C/2] uint8, scale [R, G] fp16) -> the same in panel order: natively
+    (moe_to_panels, at the speed of a copy), else in torch (~10x slower)."""
+    lib = library()
+    if lib is not None and hasattr(lib, "moe_to_panels") and codes.is_contiguous() and scale.is_contiguous():
+        if lib.moe_to_panels.argtypes is None:
+            lib.moe_to_panels.argtypes = [c_ptr, c_ptr, c_i64, c_i64, c_i64, c_ptr, c_ptr]
+            lib.moe_to_panels.restype = ctypes.c_int
+        out_c, out_s = torch.empty_like(codes), torch.empty_like(scale)
+        rows, cols = codes.shape[0], codes.shape[1] * 2
+        group = cols // scale.shape[1] if scale.shape[1] else 0
+        if group and lib.moe_to_panels(_p(codes), _p(scale), rows, cols, group, _p(out_c), _p(out_s)) == 0:
+            return out_c, out_s
     return _reorder(codes, scale, to_panels=True)
 
 
@@ -222,9 +233,10 @@ def _reorder(codes: torch.Tensor, scale: torch.Tensor, to_panels: bool) -> tuple
 PARTS = ("gate_up", "gate_up.scale", "down", "down.scale")
 
 
-def addresses(parts: dict) -> list[int]:
-    """An expert's four part addresses, as moe_call takes them (0: a scale kept inside the blocks)."""
-    return [parts[name].data_ptr() if name in parts else 0 for name in PARTS]
+def addresses(parts: dict, panels: bool = False) -> list[int]:
+    """An expert's four part addresses, as moe_call takes them (0: a scale kept inside the blocks),
+    and 1 where it is int4 held in panels (experts/host_panels.py), else 0."""
+    return [parts[name].data_ptr() if name in parts else 0 for name in PARTS] + [int(panels)]
 
 
 @dataclass(frozen=True)
@@ -239,7 +251,7 @@ class GptOssAct:
 
 def moe_call(x: torch.Tensor, quant: str, shape: tuple[int, int], pointers: list[int], start: list[int],
              rows: torch.Tensor, weights: torch.Tensor, act: GptOssAct | None = None) -> torch.Tensor | None:
-    """One layer's experts on the host: expert i (its four part addresses at pointers[4i:4i+4])
+    """One layer's experts on the host: expert i (its `addresses` at pointers[5i:5i+5])
     takes the tokens rows[start[i]:start[i+1]] (int32) with their router weights (fp32).
     shape is (intermediate size, int4 group size or 0). Returns [T, E] fp32 summed in expert
     order, or None for shapes the kernel does not take (or an activation it was built without)."""
@@ -262,12 +274,13 @@ def moe_call(x: torch.Tensor, quant: str, shape: tuple[int, int], pointers: list
 
 
 def moe_layer(x: torch.Tensor, quant: str, experts: list[dict], rows: list[torch.Tensor],
-              weights: list[torch.Tensor]) -> torch.Tensor | None:
-    """moe_call from part views and per-expert token rows and weights (tests, benchmarks)."""
+              weights: list[torch.Tensor], panels: list[bool] | None = None) -> torch.Tensor | None:
+    """moe_call from part views and per-expert token rows and weights (tests, benchmarks); `panels`:
+    which experts' parts are int4 in panel order (rows_to_panels)."""
     e = x.shape[1]
     inter = experts[0]["gate_up"].shape[0] // 2
     group = group_of(matrix_quants(quant)[0], e, experts[0].get("gate_up.scale"))
     start = torch.tensor([0] + [len(r) for r in rows]).cumsum(0).tolist()
-    pointers = [a for p in experts for a in addresses(p)]
+    pointers = [a for i, p in enumerate(experts) for a in addresses(p, bool(panels and panels[i]))]
     return moe_call(x, quant, (inter, group), pointers, start, torch.cat(rows).to(torch.int32),
                     torch.cat(weights).float().contiguous())

@@ -29,6 +29,7 @@
 
 typedef struct {
     const void *gu, *gu_scale, *dn, *dn_scale;
+    int64_t panels;               /* 1: an int4 expert held in panels (quant 5 for both matrices: panels.h) */
 } expert_ptrs;
 
 /* ---- fp16 -> fp32 (scales) ------------------------------------------------------------ */
@@ -255,13 +256,28 @@ static void matrix_rows(int quant, const void *w, const void *scales, int64_t co
     }
 }
 
+/* matrix_rows for a matrix of `rows` rows stored as `quant`: 5 is int4 whose first rows - rows % 8
+ * rows are panels (kernels.to_panels; r0 a whole panel), the rows past them int4 rows. */
+static void stored_rows(int quant, const void *w, const void *scales, int64_t rows, int64_t cols, int64_t group,
+                        int64_t r0, int64_t r1, const act_rows *A) {
+    if (quant != 5) {
+        matrix_rows(quant, w, scales, cols, group, r0, r1, A);
+        return;
+    }
+    const int64_t panels_end = rows - rows % PANEL, r = r1 < panels_end ? r1 : panels_end;
+#if defined(__x86_64__)
+    int4_stored_panel_rows(w, scales, cols, group, r0, r, A);
+#endif
+    matrix_rows(4, w, scales, cols, group, r > r0 ? r : r0, r1, A);
+}
+
 static void gate_up_task(void *ctx, int64_t task) {
     const layer *L = ctx;
     const int64_t e = L->task_expert[task], r0 = L->task_row[task], first = L->start[e];
     const int64_t r1 = r0 + L->chunk < 2 * L->I ? r0 + L->chunk : 2 * L->I;
     const act_rows A = {L->xq, L->xs, L->xsum, L->rows + first, L->h + first * 2 * L->I, 2 * L->I,
                         L->start[e + 1] - first};
-    matrix_rows(L->quant, L->ex[e].gu, L->ex[e].gu_scale, L->E, L->group, r0, r1, &A);
+    stored_rows(L->ex[e].panels ? 5 : L->quant, L->ex[e].gu, L->ex[e].gu_scale, 2 * L->I, L->E, L->group, r0, r1, &A);
     if (L->act)
         for (int64_t i = 0; i < A.n; i++)
             for (int64_t r = r0; r < r1; r++) A.y[i * A.y_stride + r] += L->act->gu_bias[e][r];
@@ -288,7 +304,7 @@ static void down_task(void *ctx, int64_t task) {
     const int64_t r1 = r0 + L->chunk < L->E ? r0 + L->chunk : L->E;
     const act_rows A = {L->hq + first * L->I, L->hs + first * (L->I / QK), L->hsum + first * (L->I / QK), NULL,
                         L->y + first * L->E, L->E, L->start[e + 1] - first};
-    matrix_rows(L->quant_dn, L->ex[e].dn, L->ex[e].dn_scale, L->I, L->group, r0, r1, &A);
+    stored_rows(L->ex[e].panels ? 5 : L->quant_dn, L->ex[e].dn, L->ex[e].dn_scale, L->E, L->I, L->group, r0, r1, &A);
     if (L->act)
         for (int64_t i = 0; i < A.n; i++)
             for (int64_t r = r0; r < r1; r++) A.y[i * A.y_stride + r] += L->act->dn_bias[e][r];
@@ -312,6 +328,8 @@ static int run_layer(const float *x, int64_t T, int64_t E, int64_t I, int quant,
     const int q_gu = quant & 0xff, q_dn = (quant >> 8) ? (quant >> 8) : q_gu;
     if (!takes(q_gu, E, group) || !takes(q_dn, I, group)) return -1;
     choose_isa();
+    for (int64_t e = 0; e < n_exp; e++)                     /* panels: int4 on AVX2's body (HostPanels) */
+        if (ex[e].panels && !(int4_panels && q_gu == 4 && q_dn == 4)) return -1;
     const int64_t pairs = start[n_exp], most_rows = 2 * I > E ? 2 * I : E;
     layer L = {E, I, group, n_exp, q_gu, q_dn, ex, start, rows, weights};
     L.act = act;
@@ -351,48 +369,7 @@ int moe_layer_act(const float *x, int64_t T, int64_t E, int64_t I, int quant, in
     return run_layer(x, T, E, I, quant, group, n_exp, ex, start, rows, weights, out, &act);
 }
 
-/* ---- one quantised matrix: y [T, R] = x [T, C] W^T, rows split over the pool ------------- */
-typedef struct {
-    const void *w, *scales;
-    int quant;
-    int64_t T, R, C, group;
-    const int8_t *xq;
-    const float *xs;
-    const int32_t *xsum;
-    float *y;
-    int64_t chunk;
-} linear;
-
-static void linear_task(void *ctx, int64_t task) {
-    const linear *L = ctx;
-    const int64_t r0 = task * L->chunk, r1 = r0 + L->chunk < L->R ? r0 + L->chunk : L->R;
-    const act_rows A = {L->xq, L->xs, L->xsum, NULL, L->y, L->R, L->T};
-    if (L->quant != 5) {
-        matrix_rows(L->quant, L->w, L->scales, L->C, L->group, r0, r1, &A);
-        return;
-    }
-    const int64_t panels_end = L->R - L->R % PANEL, r = r1 < panels_end ? r1 : panels_end;
-#if defined(__x86_64__)
-    int4_stored_panel_rows(L->w, L->scales, L->C, L->group, r0, r, &A);
-#endif
-    matrix_rows(4, L->w, L->scales, L->C, L->group, r > r0 ? r : r0, r1, &A);    /* the rows past the panels */
-}
-
-int moe_linear(const float *x, int64_t T, int64_t C, int64_t R, int quant, int64_t group, const void *w,
-               const void *scales, float *y) {
-    choose_isa();
-    if (C % QK || ((quant == 4 || quant == 5) && group % QK) || (quant == 9 && group != QK) ||
-        (quant != 4 && quant != 8 && quant != 9 && !(quant == 5 && int4_panels))) return -1;
-    int8_t *xq = malloc(T * C);
-    float *xs = malloc(sizeof(float) * T * (C / QK));
-    int32_t *xsum = malloc(4 * T * (C / QK));
-    quantize_rows(x, T, C, xq, xs, xsum, int4_order(quant));
-    linear L = {w, scales, quant, T, R, C, group, xq, xs, xsum, y, task_rows(R)};
-    parallel(linear_task, &L, (R + L.chunk - 1) / L.chunk);
-    free(xq), free(xs), free(xsum);
-    return 0;
-}
-
+#include "linear.h"
 #include "dequant.h"
 #include "kv.h"
 #include "step.h"

@@ -172,3 +172,21 @@ static void int4_stored_panel_rows(const uint8_t *w, const uint16_t *s, int64_t 
     for (; r0 + PANEL <= r1; r0 += PANEL) panel_tokens(w + r0 * (cols / 2), s + r0 * (cols / group), cols, group, r0, A);
 }
 #endif
+
+/* An int4 matrix (w [rows, cols / 2], s [rows, cols / group] fp16) in the order quant 5 reads
+ * (kernels.to_panels): its first rows - rows % 8 rows as panels, the rest copied as rows. Returns
+ * -1 where this CPU's body does not multiply panels. */
+int moe_to_panels(const uint8_t *w, const uint16_t *s, int64_t rows, int64_t cols, int64_t group, uint8_t *out_w,
+                  uint16_t *out_s) {
+    if (!moe_int4_panels() || cols % QK || group % 2 || cols % group) return -1;
+    const int64_t groups = cols / group, half = cols / 2, head = rows - rows % PANEL;
+#if defined(__x86_64__)
+    for (int64_t r = 0; r < head; r += PANEL) {
+        pack_codes(w + r * half, half, cols / QK, out_w + r * half);
+        pack_scales(s + r * groups, groups, out_s + r * groups);
+    }
+#endif
+    memcpy(out_w + head * half, w + head * half, (size_t)((rows - head) * half));
+    memcpy(out_s + head * groups, s + head * groups, (size_t)((rows - head) * groups) * 2);
+    return 0;
+}

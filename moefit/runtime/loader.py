@@ -15,7 +15,7 @@ from moefit.errors import DeviceOutOfMemory, RefusedError, UsageError
 from moefit.experts.cache import CacheBook, SwapPolicy
 from moefit.experts.profile import Profile, no_profile_note
 from moefit import kernels
-from moefit.experts import probe
+from moefit.experts import host_panels, probe
 from moefit.experts.lookahead import LookAhead
 from moefit.experts.costs import MissCosts, measure_pcie
 from moefit.experts.pool import SlotPool
@@ -60,6 +60,7 @@ def load(pack: Pack, cfg: ServeConfig, log=lambda msg: None) -> Loaded:
     """Place the pack on cfg.device as the plan says; RefusedError when it does not fit."""
     if cfg.expert_gemm_rows not in ("auto", "off") and not (cfg.expert_gemm_rows.isdigit() and int(cfg.expert_gemm_rows)):
         raise UsageError(f"--expert-gemm-rows {cfg.expert_gemm_rows}: auto, off or a number of rows")
+    host_panels.check_setting(cfg.host_panels)
     if cfg.sessions < 1:
         raise UsageError(f"--sessions {cfg.sessions}: at least one session holds the sequence state")
     device = open_device(cfg.device)
@@ -107,6 +108,8 @@ def _place(pack: Pack, cfg: ServeConfig, mem: DeviceMemory, cdt: str, the_plan: 
     if the_plan is not None:
         runner.group, runner.slice_weights = the_plan.resident_group, the_plan.expert_slice
     runner.rates.setting = cfg.expert_gemm_rows
+    runner.panels = host_panels.HostPanels(host_panels.budget_bytes(
+        cfg.host_panels, sum(b.nbytes for b in pack.blobs.values() if b.quant == "int4"), host_available_bytes() or 0))
     runner.expert_fn = getattr(model, "expert", None)      # a family's own expert (gpt-oss), else SwiGLU
     runner.native_act = getattr(model, "native_act", None)
     runner.group_act = getattr(model, "group_act", None)

@@ -21,7 +21,7 @@ def cache_json(engine) -> dict:
         "layer_hit_rates": book.layer_hit_rates(), "swaps": book.swaps, "bytes_moved": book.bytes_moved,
         "pool_bytes": engine.runner.pool.allocated, "pool_chunks": len(engine.runner.pool.chunks),
         "pcie_loads": engine.runner.pcie_loads, **engine.runner.costs.to_json(),
-        "expert_gemm_rows": engine.runner.rates.reported(),
+        "expert_gemm_rows": engine.runner.rates.reported(), "host_panels": engine.runner.panels.report(),
         "handoffs_per_token": engine.runner.handoffs / engine.runner.tokens if engine.runner.tokens else 0.0,
         "handoffs_per_moe_layer_token": (engine.runner.handoffs / engine.runner.tokens / len(engine.pack.model.moe_layers)
                                          if engine.runner.tokens else 0.0),

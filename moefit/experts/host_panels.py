@@ -1,0 +1,72 @@
+"""int4 experts the host computes, kept in the order its AVX2 kernel multiplies them.
+
+AVX2's int4 body multiplies eight rows at a time from a panel (kernels/panels.h): the rows'
+codes side by side, a lane a row. A matrix in the pack's row order is rearranged into panels on
+every call, through a per-thread buffer; for a decode step, which reads each expert once, that
+copy costs more than the product (Qwen3-30B-A3B's experts from memory, a layer call of 8 at one
+token, 2 threads on an AVX2 EPYC: 3.6 ms in rows, 1.15 held in panels; bench/kernel.py --quants
+int4 int4p). So the first time the host computes an int4 expert, a copy in panel order is made
+(kernels.rows_to_panels: the same bytes rearranged, the same tiles, so the same numbers bit for
+bit) and read from then on, within a budget of host memory (--host-panels): auto = half the
+memory available at start, at most the pack's int4 experts; off; or N MiB. Past the budget an
+expert is read from the pack's map as before. Where the CPU's int4 body is not AVX2's
+(AVX512-VNNI, portable C) none are made.
+
+The copies are host memory of their own, beside the pack's map (whose pages the kernel may then
+drop from its cache): `report()` says how much (`expert_cache.host_panels` in /v1/status).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moefit import kernels
+from moefit.errors import UsageError
+
+Key = tuple[int, int]
+MATRICES = ("gate_up", "down")
+
+
+def budget_bytes(setting: str, int4_bytes: int, available: int) -> int:
+    """The budget of --host-panels: auto, off, or a number of MiB; 0 where the CPU's body reads rows."""
+    if setting == "off" or not kernels.int4_panels():
+        return 0
+    if setting == "auto":
+        return min(int4_bytes, available // 2)
+    return int(setting) << 20
+
+
+def check_setting(setting: str) -> None:
+    if setting not in ("auto", "off") and not setting.isdigit():
+        raise UsageError(f"--host-panels {setting}: auto, off or a number of MiB")
+
+
+class HostPanels:
+    """Panel-order copies of int4 experts, made on first use within `budget` bytes."""
+
+    def __init__(self, budget: int = 0):
+        self.budget = budget
+        self.bytes = 0
+        self._held: dict[Key, dict[str, torch.Tensor]] = {}
+
+    def holds(self, key: Key) -> bool:
+        return key in self._held
+
+    def parts(self, key: Key, parts: dict[str, torch.Tensor], quant: str) -> dict[str, torch.Tensor] | None:
+        """The expert's parts in panel order (quant "int4p"): made now if it is int4 and fits the
+        budget; None otherwise (the caller reads `parts` as they are)."""
+        held = self._held.get(key)
+        if held is not None or quant != "int4" or not self.budget:
+            return held
+        need = sum(parts[m].nbytes + parts[m + ".scale"].nbytes for m in MATRICES)
+        if self.bytes + need > self.budget:
+            return None
+        held = dict(parts)
+        for m in MATRICES:
+            held[m], held[m + ".scale"] = kernels.rows_to_panels(parts[m], parts[m + ".scale"])
+        self._held[key] = held
+        self.bytes += need
+        return held
+
+    def report(self) -> dict[str, int]:
+        return {"experts": len(self._held), "bytes": self.bytes, "budget": self.budget}
