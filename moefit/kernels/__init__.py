@@ -11,7 +11,7 @@ time (AVX2, AVX-VNNI, AVX512-VNNI, portable C). Without the built library (no co
 install time) moefit says so once and uses torch (dequantise, then matmul).
 
 Threads: a pthread pool of `set_threads(n)` (default: the physical cores). Its workers spin
-~50 us after a phase, then sleep. How it shares the cores with torch's own threads is decided,
+~1 ms after a phase (pool.h), then sleep. How it shares the cores with torch's own threads is decided,
 and measured, in runtime/loader.py (set_threads).
 """
 

@@ -22,6 +22,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #define QK 32                      /* activation block */
 #define ROWS_PER_TASK 16          /* the smallest task; larger when there are many rows */
