@@ -49,6 +49,37 @@ def test_the_native_dequantisation_is_torchs_bit_for_bit(quant, group):
     assert torch.equal(kernels.dequantize(parts, "w", quant), dequantize(parts, "w", quant, torch.float32))
 
 
+def hard_weights(rows: int, cols: int, group: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rows that probe the rounding: scales from 1e-7 (fp16 subnormal) to 1e3, a zero group, a
+    group whose fp16 scale underflows to 0, exact ties of half a step, and plain noise."""
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(rows, cols, generator=g) * torch.logspace(-7, 3, rows)[:, None]
+    w[0, :group] = 0.0                                                   # amax 0: codes of 0 / 0
+    w[1, :group] = 1e-9                                                  # a scale of 0 in fp16
+    step = 0.25                                                          # a power of two: exact ties
+    w[2] = (torch.randint(-6, 6, (cols,), generator=g) + 0.5) * step
+    w[2, 0] = 7 * step
+    return w.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("quant,group", [("int8", 0), ("int4", 32), ("int4", 64), ("q8_0", 32)])
+def test_the_native_quantisation_is_torchs_bit_for_bit(quant, group, dtype):
+    """kernels.quantize (weights.h: a pack's experts and --dense-quant's matrices at load) gives
+    quantize_in_torch's codes and scales exactly, edge cases included."""
+    from moefit import kernels
+    from moefit.pack.quant import quantize_in_torch
+    if kernels.library() is None:
+        pytest.skip("the native kernel is not built")
+    w = hard_weights(37, 256, group or 32, dtype)
+    native, torch_parts = kernels.quantize(w, quant, group), quantize_in_torch(w, quant, group)
+    assert native is not None
+    for a, b in zip(native, torch_parts):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), quant
+    assert kernels.quantize(w[:, :250], "q8_0", 32) is None                 # not whole blocks: torch says why
+
+
 @pytest.mark.parametrize("quant", ["q4_k", "q5_k", "q6_k", "iq4_xs", "mxfp4"])
 def test_the_native_dequantisation_of_gguf_blocks_is_kblocks_bit_for_bit(quant):
     import gguf

@@ -169,6 +169,34 @@ def dequantize(parts: dict, name: str, quant: str, out: torch.Tensor | None = No
     return out if ok == 0 else None
 
 
+WEIGHT_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
+def quantize(w: torch.Tensor, quant: str, group: int) -> list[torch.Tensor] | None:
+    """A weight matrix w [R, C] (fp32, fp16 or bf16, on the host) as int8, int4 or q8_0 parts, bit
+    for bit pack/quant.py's quantize_in_torch, over the pool (weights.h); None where the library
+    lacks it or the matrix is not one it takes."""
+    lib = library()
+    if (lib is None or not hasattr(lib, "moe_quantize") or quant not in ("int8", "int4", "q8_0") or w.dim() != 2
+            or w.dtype not in WEIGHT_DTYPES or w.device.type != "cpu"):
+        return None
+    if lib.moe_quantize.argtypes is None:
+        lib.moe_quantize.argtypes = [c_ptr, ctypes.c_int, c_i64, c_i64, ctypes.c_int, c_i64, c_ptr, c_ptr]
+        lib.moe_quantize.restype = ctypes.c_int
+    w = w.contiguous()
+    rows, cols = w.shape
+    if quant == "int8":
+        codes, scale = torch.empty(rows, cols, dtype=torch.int8), torch.empty(rows, dtype=torch.float32)
+    elif quant == "int4":
+        if group <= 0 or cols % group or group % 2:
+            return None
+        codes, scale = torch.empty(rows, cols // 2, dtype=torch.uint8), torch.empty(rows, cols // group, dtype=torch.float16)
+    else:
+        codes, scale = torch.empty(rows, cols, dtype=torch.int8), torch.empty(rows, cols // 32, dtype=torch.float16)
+    ok = lib.moe_quantize(_p(w), WEIGHT_DTYPES[w.dtype], rows, cols, Q[quant], group, _p(codes), _p(scale))
+    return [codes, scale] if ok == 0 else None
+
+
 def q8_round(x: torch.Tensor) -> torch.Tensor | None:
     """x [T, C] fp32 with each block of 32 as the integer dots see it (int8 codes times their scale,
     moe.c's quantize_row), over the pool; None where the library lacks it or C is not whole blocks."""

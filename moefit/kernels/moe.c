@@ -371,6 +371,7 @@ int moe_layer_act(const float *x, int64_t T, int64_t E, int64_t I, int quant, in
 }
 
 #include "linear.h"
+#include "weights.h"
 #include "dequant.h"
 #include "kv.h"
 #include "step.h"

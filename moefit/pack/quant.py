@@ -24,9 +24,16 @@ FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2
 
 
 def quantize(w: torch.Tensor, quant: str, group: int) -> list[torch.Tensor]:
-    """Part tensors of matrix w [R, C], in the order layout.matrix_parts lists them."""
+    """Part tensors of matrix w [R, C], in the order layout.matrix_parts lists them: natively
+    where the kernel is built (kernels.quantize, the same bits), else in torch as below."""
     if quant in FLOAT_QUANTS:
         return [w.to(TORCH_DTYPES[quant]).contiguous()]
+    if (native := kernels.quantize(w, quant, group)) is not None:
+        return native
+    return quantize_in_torch(w, quant, group)
+
+
+def quantize_in_torch(w: torch.Tensor, quant: str, group: int) -> list[torch.Tensor]:
     w = w.float()
     if quant == "int8":
         scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0                    # [R]
