@@ -7,7 +7,7 @@ shape, over many distinct experts so that weights come from memory, not the cach
 GGUF block types (q4_k, q5_k, q6_k, iq4_xs, mxfp4, or gate_up/down pairs as a Q4_K_M file mixes
 them) are random blocks with small fp16 scales (tests/gguf_writer.py's). With --tokens > 1 every
 expert takes all T tokens (a prefill chunk): the figure is then weight rows times tokens a second.
-int4p: int4 experts held in AVX2's panel order (experts/host_panels.py), timed beside int4 in rows
+int4p: int4 experts held in the kernel's panel order (experts/host_panels.py), timed beside int4 in rows
 (the pack's order, rearranged per call) on the same random weights; only where the body takes them.
 """
 

@@ -5,17 +5,12 @@
  *   cc -O3 -std=gnu11 -Imoefit/kernels -o /tmp/kernel_rows bench/kernel_rows.c -lm -lpthread
  *   /tmp/kernel_rows [rows 256] [repeats 7]        (prints the best of the repeats)
  *
- * It also times int4 through matrix_rows, as the kernel calls it: in panels of eight rows where the
- * ISA has them (panels.h) and a row at a time, for 1, 4, 16 and 64 tokens.
- *
- * A moe.c from before activation orders were numbered (before round 8's commit 07f9239):
- *   -DMOE_C='"/path/to/old/moe.c"' -I/path/to/old -D'ORDER(q)=((q) == 4)'
+ * It also times int4 through matrix_rows, as the kernel calls it (in panels of eight rows where the
+ * ISA has them, panels.h, rearranged per call), a row at a time (the row body), and stored as
+ * panels (HostPanels, "int4p"), for 1, 4, 16 and 64 tokens.
  */
 #ifndef MOE_C
 #define MOE_C "moe.c"
-#endif
-#ifndef ORDER
-#define ORDER(q) int4_order(q)
 #endif
 #include MOE_C
 #include <stdio.h>
@@ -56,7 +51,7 @@ static double time_rows(int quant, int64_t rows, int64_t cols, int repeats) {
     for (int64_t i = 0; i < rows * (cols / QK); i++) s[i] = 0x3c00;            /* fp16 1.0 */
     for (int64_t i = 0; i < rows; i++) rs[i] = 1.0f;
     for (int64_t i = 0; i < cols; i++) x[i] = rand() / (float)RAND_MAX - 0.5f;
-    quantize_row(x, cols, q, qs, qsum, ORDER(quant));
+    quantize_row(x, cols, q, qs, qsum, int4_order(quant));
     const dot_fn dot = dot_for(quant);
     const int reps = (int)(50000000 / (rows * rb)) + 1;
     volatile float sink = 0.0f;
@@ -74,9 +69,9 @@ static double time_rows(int quant, int64_t rows, int64_t cols, int repeats) {
     return best;
 }
 
-/* ns a row and a token for `tokens` tokens through matrix_rows (int4: by panels where the ISA has
- * them, panels.h), and a row at a time (panels off), best of `repeats` */
-static void time_matrix(int quant, int64_t rows, int64_t cols, int64_t tokens, int repeats, double ns[2]) {
+/* ns a row and a token for `tokens` tokens through matrix_rows as the kernel chooses, a row at a
+ * time, and stored as panels (0 where the ISA has none), best of `repeats` */
+static void time_matrix(int quant, int64_t rows, int64_t cols, int64_t tokens, int repeats, double ns[3]) {
     const int64_t nb = cols / QK, rb = row_bytes(quant, cols);
     uint8_t *w = aligned_alloc(64, rows * rb + 64);
     uint16_t *s = aligned_alloc(64, rows * nb * 2 + 64);
@@ -86,22 +81,29 @@ static void time_matrix(int quant, int64_t rows, int64_t cols, int64_t tokens, i
     for (int64_t i = 0; i < rows * rb; i++) w[i] = (uint8_t)rand();
     for (int64_t i = 0; i < rows * nb; i++) s[i] = 0x3c00;
     for (int64_t i = 0; i < tokens * cols; i++) x[i] = rand() / (float)RAND_MAX - 0.5f;
-    for (int64_t t = 0; t < tokens; t++) quantize_row(x + t * cols, cols, q + t * cols, qs + t * nb, qsum + t * nb, ORDER(quant));
+    for (int64_t t = 0; t < tokens; t++) quantize_row(x + t * cols, cols, q + t * cols, qs + t * nb, qsum + t * nb, int4_order(quant));
     const act_rows A = {q, qs, qsum, NULL, y, rows, tokens};
     const int panels = int4_panels;
     const int reps = (int)(20000000 / (rows * rb * tokens)) + 1;
-    for (int way = 0; way < 2; way++) {
-        int4_panels = way == 0 ? panels : 0;
+    uint8_t *pw = aligned_alloc(64, rows * rb + 64);
+    uint16_t *ps = aligned_alloc(64, rows * nb * 2 + 64);
+    const int stored = moe_to_panels(w, s, rows, cols, QK, pw, ps) == 0;
+    for (int way = 0; way < 3; way++) {
+        int4_panels = way == 1 ? 0 : panels;
+        ns[way] = 0.0;
+        if (way == 2 && !stored) break;
         ns[way] = 1e30;
         for (int r = 0; r < repeats; r++) {
             const double t0 = now();
-            for (int k = 0; k < reps; k++) matrix_rows(quant, w, s, cols, QK, 0, rows, &A);
+            for (int k = 0; k < reps; k++)
+                if (way < 2) matrix_rows(quant, w, s, cols, QK, 0, rows, &A);
+                else stored_rows(5, pw, ps, rows, cols, QK, 0, rows, &A);
             const double t = (now() - t0) / ((double)reps * rows * tokens) * 1e9;
             ns[way] = t < ns[way] ? t : ns[way];
         }
     }
     int4_panels = panels;
-    free(w), free(s), free(x), free(qs), free(y), free(q), free(qsum);
+    free(pw), free(ps), free(w), free(s), free(x), free(qs), free(y), free(q), free(qsum);
 }
 
 int main(int argc, char **argv) {
@@ -115,9 +117,10 @@ int main(int argc, char **argv) {
         printf("%-7s %7.1f ns a row\n", kinds[k].name, time_rows(kinds[k].code, rows, 2048, repeats));
     printf("int4 through matrix_rows (%s), ns a row and a token:\n", int4_panels ? "panels of 8 rows" : "no panels on this isa");
     for (int64_t tokens = 1; tokens <= 64; tokens *= 4) {
-        double ns[2];
+        double ns[3];
         time_matrix(4, rows, 2048, tokens, repeats, ns);
-        printf("  %2lld tokens: %6.1f (a row at a time %6.1f, x%.2f)\n", (long long)tokens, ns[0], ns[1], ns[1] / ns[0]);
+        printf("  %2lld tokens: %6.1f (a row at a time %6.1f, x%.2f; stored as panels %6.1f, x%.2f)\n",
+               (long long)tokens, ns[0], ns[1], ns[1] / ns[0], ns[2], ns[2] > 0 ? ns[1] / ns[2] : 0.0);
     }
     return 0;
 }

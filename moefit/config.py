@@ -68,7 +68,7 @@ class ServeConfig:
     expert_gemm_rows: str = _opt("auto", "a prompt chunk's expert with this many rows or more runs on the host as two "
                                  "fp32 GEMMs on its dequantised matrices instead of the integer dots: auto (where the "
                                  "two cross on this machine, measured at the first prompt), N, or off")
-    host_panels: str = _opt("auto", "int4 experts the host computes kept in the panel order AVX2's kernel reads "
+    host_panels: str = _opt("auto", "int4 experts the host computes kept in the panel order the kernel reads "
                             "(a copy made on first use; experts/host_panels.py): auto (up to half the memory "
                             "available at start), off, or a budget of N MiB")
     threads: int | None = _opt(None, "host threads for expert and dense compute (default: the physical cores)")

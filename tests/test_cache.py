@@ -167,7 +167,7 @@ def test_quantised_dense_weights_stay_close_and_the_ledger_still_matches_the_car
     assert (got - exact).norm() / exact.norm() < tol
     if quant == "int8":
         assert got.argmax() == exact.argmax()
-    else:                        # kept as the kernel reads it where it multiplies int4 in panels (AVX2)
+    else:                        # kept as the kernel reads it where it multiplies int4 in panels (SIMD)
         from moefit import kernels
         assert {w.quant for w in qweights(engine.model)} == ({"int4p"} if kernels.int4_panels() else {"int4"})
     plan = engine.loaded.plan

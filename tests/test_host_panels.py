@@ -1,7 +1,7 @@
-"""int4 experts the host computes, held in AVX2's panel order (experts/host_panels.py): the same
-numbers bit for bit as from the pack's rows, on cpu and beside a simulated card's slots, within
-the budget, and reported. This machine's own body runs in-process; AVX2's (the one that makes
-panels) in a subprocess capped with MOEFIT_ISA, so CI's AVX512 Xeon runs both."""
+"""int4 experts the host computes, held in the kernel's panel order (experts/host_panels.py): the
+same numbers bit for bit as from the pack's rows, on cpu and beside a simulated card's slots,
+within the budget, and reported. This machine's own body runs in-process; AVX2's in a subprocess
+capped with MOEFIT_ISA, so an AVX512 machine runs both tiles."""
 
 import os
 import subprocess

@@ -197,7 +197,7 @@ def test_the_narrower_instruction_sets_match_the_reference_too(isa):
 
 
 def check_int4_panels() -> str:
-    """int4 in panels of eight rows (panels.h, the AVX2 body's): 43 rows (five panels and three rows
+    """int4 in panels of eight rows (panels.h, every SIMD body's): 43 rows (five panels and three rows
     a row at a time), 9 blocks of columns (8 groups of scales packed at once, then one), groups of
     32 and 96; 1 to 9 tokens (tiles of 4, 4 and 1): each token's outputs are those it gets alone,
     bit for bit, and equal the reference (to 1e-5; every body lands near 1e-7)."""
@@ -222,7 +222,7 @@ def check_int4_panels() -> str:
 
 
 def test_int4_panel_order_is_a_reordering_of_the_rows_bytes():
-    """kernels.rows_to_panels / panels_to_rows (a dense int4 matrix kept as the AVX2 kernel reads
+    """kernels.rows_to_panels / panels_to_rows (a dense int4 matrix kept as the SIMD kernels read
     it, "int4p"): a round trip gives the bytes back; the first rows - rows % 8 rows are reordered,
     the rest kept; dequantising either way gives the same weights."""
     g = torch.Generator().manual_seed(3)
@@ -266,16 +266,43 @@ def q6k_layer() -> torch.Tensor:
     return kernels.moe_layer(x, "q6_k", experts, rows, weights)
 
 
-def test_q6_k_gives_the_same_bits_on_every_instruction_set(tmp_path):
-    """The 512-bit Q6_K body does lane for lane what the 256-bit ones do: a layer equals, bit for
-    bit, the one the AVX2 body gives (in a subprocess capped with MOEFIT_ISA)."""
+def int4_panel_outputs() -> torch.Tensor:
+    """int4 through the panel tiles: a layer of three experts (rearranged per call) over 5 tokens,
+    and a 43-row matrix stored in panels over 1 and 6 tokens, side by side."""
+    x, experts, rows, weights = make("int4", 512, 256, 3, 5, seed=12)
+    layer = kernels.moe_layer(x, "int4", experts, rows, weights)
+    g = torch.Generator().manual_seed(13)
+    stored = dict(zip(["w", "w.scale"], kernels.rows_to_panels(*quantize(torch.randn(43, 512, generator=g), "int4", 32))))
+    y = torch.randn(6, 512, generator=g)
+    one, six = kernels.qlinear(y[:1], stored, "w", "int4p"), kernels.qlinear(y, stored, "w", "int4p")
+    return torch.cat([layer.flatten(), one.flatten(), six.flatten()])
+
+
+def computed_under_avx2(tmp_path, make_outputs: str) -> torch.Tensor:
+    """test_kernels.make_outputs() in a subprocess whose kernel is capped with MOEFIT_ISA=avx2."""
     import os
     import subprocess
     import sys
     from pathlib import Path
-    out = tmp_path / "avx2.pt"
-    code = f"import torch, test_kernels as t; torch.save(t.q6k_layer(), {str(out)!r})"
+    out = tmp_path / f"{make_outputs}.pt"
+    code = f"import torch, test_kernels as t; torch.save(t.{make_outputs}(), {str(out)!r})"
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                          cwd=Path(__file__).parent, env={**os.environ, "MOEFIT_ISA": "avx2"})
     assert run.returncode == 0, run.stderr[-2000:]
-    assert torch.equal(q6k_layer(), torch.load(out))
+    return torch.load(out)
+
+
+def test_q6_k_gives_the_same_bits_on_every_instruction_set(tmp_path):
+    """The 512-bit Q6_K body does lane for lane what the 256-bit ones do: a layer equals, bit for
+    bit, the one the AVX2 body gives (in a subprocess capped with MOEFIT_ISA)."""
+    assert torch.equal(q6k_layer(), computed_under_avx2(tmp_path, "q6k_layer"))
+
+
+def test_int4_panels_give_the_same_bits_on_every_instruction_set(tmp_path):
+    """The VNNI panel tiles (dpbusd into int32) add the same integers AVX2's do (maddubs into
+    int16, then widened) and scale them in the same order: int4 rearranged per call and stored in
+    panels equal, bit for bit, what the AVX2 body gives. (On an AVX2-only machine both sides are
+    AVX2's; an AVX512 or AVX-VNNI one compares its own tiles.)"""
+    if not kernels.int4_panels():
+        pytest.skip(f"no int4 panels on this CPU's body ({kernels.isa()})")
+    assert torch.equal(int4_panel_outputs(), computed_under_avx2(tmp_path, "int4_panel_outputs"))

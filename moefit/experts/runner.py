@@ -49,7 +49,7 @@ class ExpertRunner:
         self.slots: dict[Key, dict] = {}        # a resident expert's part views into its pool slot
         self._host_parts: dict[Key, dict] = {}
         self._addresses: dict[Key, list[int]] = {}  # the kernel's part addresses, where the expert is now
-        self.panels = HostPanels()             # int4 experts kept in AVX2's panel order (the loader sets a budget)
+        self.panels = HostPanels()             # int4 experts kept in the kernel's panel order (the loader sets a budget)
         self._shapes: dict[str, tuple[int, int]] = {}
         self.dump = None                       # an open file: every token's routing as JSON lines
         self.ahead: LookAhead | None = None    # set by the loader when look-ahead is on

@@ -35,9 +35,10 @@ _lib: ctypes.CDLL | None | bool = None
 # the C side's quant codes; the GGUF super-block types carry their scales inside (kquants.h)
 Q = {"int8": 8, "int4": 4, "int4p": 5, "q8_0": 9, "q4_k": 10, "q5_k": 11, "q6_k": 12, "iq4_xs": 13, "mxfp4": 14}
 GROUPED = ("int4", "int4p", "q8_0")             # a scale per (row, group of inputs)
-# Raised when a body's speed changes (2: int4 in panels of eight rows on AVX2, panels.h): the
-# choices a host measured and kept (ops/measured.py) are then measured again.
-REVISION = 2
+# Raised when a body's speed changes (2: int4 in panels of eight rows on AVX2, panels.h; 3: on
+# AVX-VNNI and AVX512-VNNI too): the choices a host measured and kept (ops/measured.py) are then
+# measured again.
+REVISION = 3
 c_i64, c_ptr = ctypes.c_int64, ctypes.c_void_p
 
 
@@ -219,7 +220,7 @@ PANEL = 8
 
 
 def int4_panels() -> bool:
-    """Whether this CPU's kernel multiplies int4 in panels (AVX2's body), so takes "int4p"."""
+    """Whether this CPU's kernel multiplies int4 in panels (every SIMD body), so takes "int4p"."""
     lib = library()
     return bool(lib is not None and hasattr(lib, "moe_int4_panels") and lib.moe_int4_panels())
 

@@ -161,6 +161,8 @@ Q4_BODY(dot_q4_avxvnni, "avx2,fma,f16c,avxvnni", DOT_AVXVNNI, Q4_UNPACK_MASK, Q4
 #define DOT_VNNI256(a, b) _mm256_dpbusd_epi32(_mm256_setzero_si256(), (a), (b))
 KQUANT_BODIES(avx2, "avx2,fma,f16c", DOT_AVX2)
 KQUANT_BODIES(vnni256, AVX512, DOT_VNNI256)
+/* int4 a row at a time (the rows past a matrix's panels; panels.h multiplies the rest) */
+Q4_BODY(dot_q4_vnni256, AVX512, DOT_VNNI256, Q4_UNPACK_MASK, Q4_LANES_MASK)
 Q4K_BODY512(dot_q4k_vnni512, AVX512)
 Q6K_BODY512(dot_q6k_vnni512, AVX512)
 #ifdef HAVE_AVXVNNI
@@ -219,74 +221,4 @@ __attribute__((target(AVX512))) static float dot_q8g_vnni512(const void *w, cons
     return q8_blocks_vnni512(w, ws, q, qs, qsum, n / QK);
 }
 
-/* Two int4 blocks (32 bytes of codes) against their activations in pair order (quantize_row,
- * order 2): the bytes loaded twice, the first copy's low nibbles kept, the second's high nibbles
- * kept in place (16 times the code: no shift, the lanes' scales are divided by 16 instead; at
- * most 4 * 240 * 127 a lane, exact in fp32). int32 lanes 0-3: block b, 4-7: b + 1, 8-11: b's
- * high nibbles, 12-15: b + 1's. */
-__attribute__((target(AVX512))) static inline __m512 q4_pair(const uint8_t *c, const int8_t *q) {
-    const __m512i nibbles = _mm512_inserti64x4(_mm512_set1_epi8(0x0f), _mm256_set1_epi8((char)0xf0), 1);
-    const __m512i bytes = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)c));
-    return _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(bytes, nibbles),
-                                                  _mm512_loadu_si512(q)));
-}
-
-/* The lane scales of pair k of a run of blocks whose scales are d (and d / 16 in d16). */
-#define PAIR_SCALES(k) _mm512_set_epi32(17 + (k), 17 + (k), 17 + (k), 17 + (k), 16 + (k), 16 + (k), 16 + (k),      \
-                                        16 + (k), 1 + (k), 1 + (k), 1 + (k), 1 + (k), k, k, k, k)
-
-/* group 32: sixteen (or eight) blocks whose scales are converted and multiplied in one vector;
- * two accumulators, so that consecutive FMAs do not wait on each other. */
-__attribute__((target(AVX512))) static inline void q4_g32_chunk(const uint8_t *c, const int8_t *q, __m512 d,
-                                                                 int blocks, __m512 acc[2]) {
-    const __m512 d16 = _mm512_mul_ps(d, _mm512_set1_ps(1.0f / 16));
-    for (int k = 0; k < blocks; k += 2)
-        acc[k / 2 % 2] = _mm512_fmadd_ps(q4_pair(c + k * 16, q + k * QK),
-                                         _mm512_permutex2var_ps(d, PAIR_SCALES(k), d16), acc[k / 2 % 2]);
-}
-
-__attribute__((target(AVX512))) static int64_t q4_g32_vnni512(const uint8_t *c, const uint16_t *s, const int8_t *q,
-        const float *qs, const int32_t *qsum, int64_t nb, __m512 acc[2], __m512 *off) {
-    int64_t b = 0;
-    for (; b + 16 <= nb; b += 16) {
-        const __m512 d = _mm512_mul_ps(_mm512_loadu_ps(qs + b),
-                                       _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(s + b))));
-        *off = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_loadu_si512(qsum + b)), *off);
-        q4_g32_chunk(c + b * 16, q + b * QK, d, 16, acc);
-    }
-    if (b + 8 <= nb) {
-        const __m256 d8 = _mm256_mul_ps(_mm256_loadu_ps(qs + b), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + b))));
-        const __m512 d = _mm512_zextps256_ps512(d8);
-        *off = _mm512_fmadd_ps(d, _mm512_zextps256_ps512(_mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)(qsum + b)))),
-                               *off);
-        q4_g32_chunk(c + b * 16, q + b * QK, d, 8, acc);
-        b += 8;
-    }
-    return b;
-}
-
-__attribute__((target(AVX512))) static float dot_q4_vnni512(const void *w, const void *ws, const int8_t *q,
-        const float *qs, const int32_t *qsum, int64_t n, int64_t group) {
-    const uint8_t *c = w;
-    const uint16_t *s = ws;
-    const int64_t per_group = group / QK, nb = n / QK;
-    __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()}, off = _mm512_setzero_ps();
-    int64_t b = group == QK ? q4_g32_vnni512(c, s, q, qs, qsum, nb, acc, &off) : 0;
-    float offset = 0.0f;
-    for (; b + 1 < nb; b += 2) {                          /* groups of 64 and more: a pair at a time */
-        const float d0 = qs[b] * _cvtsh_ss(s[b / per_group]), d1 = qs[b + 1] * _cvtsh_ss(s[(b + 1) / per_group]);
-        const __m512 d = _mm512_castps128_ps512(_mm_set_ps(0.0f, 0.0f, d1, d0));
-        const __m512 d16 = _mm512_mul_ps(d, _mm512_set1_ps(1.0f / 16));
-        acc[0] = _mm512_fmadd_ps(q4_pair(c + b * 16, q + b * QK), _mm512_permutex2var_ps(d, PAIR_SCALES(0), d16),
-                                 acc[0]);
-        offset += d0 * (float)qsum[b] + d1 * (float)qsum[b + 1];
-    }
-    float tail = 0.0f;
-    if (b < nb) {                                        /* an odd block count: the last one alone */
-        const uint16_t one = s[b / per_group];
-        tail = dot_q4_avx2(c + b * 16, &one, q + b * QK, qs + b, qsum + b, QK, QK);
-    }
-    const __m512 sum = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), off, _mm512_add_ps(acc[0], acc[1]));
-    return _mm512_reduce_add_ps(sum) - 8.0f * offset + tail;
-}
 #endif

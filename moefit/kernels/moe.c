@@ -52,9 +52,7 @@ static float half_to_float(uint16_t h) {
 
 /* ---- activation quantisation: x [n] -> q [n] int8, s [n / QK] scales, sum [n / QK] -------
  * order (where the int4 codes need it; 0 elsewhere): 1 stores each block as its 16 even then its
- * 16 odd elements, the order of the codes once a byte's low and high nibbles are split; 2 (the
- * AVX512 int4 body's) does so for a pair of blocks at once: the 16 even elements of block b,
- * those of b + 1, then the odd ones of b, of b + 1 (a last block without a pair as in 1). The
+ * 16 odd elements, the order of the codes once a byte's low and high nibbles are split. The
  * block sums let an int4 dot use the unsigned nibble directly: sum (c - 8) x = sum c x - 8 sum x. */
 static void quantize_row(const float *x, int64_t n, int8_t *q, float *s, int32_t *sum, int order) {
     const int64_t nb = n / QK;
@@ -63,15 +61,12 @@ static void quantize_row(const float *x, int64_t n, int8_t *q, float *s, int32_t
         float amax = 0.0f;
         for (int i = 0; i < QK; i++) amax = fabsf(xb[i]) > amax ? fabsf(xb[i]) : amax;   /* no NaN here */
         const float d = amax / 127.0f, id = d ? 1.0f / d : 0.0f;
-        /* where element i goes: first + (i odd) * odd + i / 2 (order 0: first + i) */
-        const int paired = order == 2 && !(b % 2 == 0 && b + 1 == nb);
-        int8_t *first = q + (paired ? (b - b % 2) * QK + (b % 2) * 16 : b * QK);
-        const int odd = paired ? 32 : 16;
+        int8_t *first = q + b * QK;
         int32_t total = 0;
         s[b] = d;
         for (int i = 0; i < QK; i++) {
             const int8_t c = (int8_t)lrintf(xb[i] * id);
-            first[order ? (i & 1) * odd + i / 2 : i] = c;
+            first[order ? (i & 1) * 16 + i / 2 : i] = c;
             total += c;
         }
         sum[b] = total;
@@ -102,8 +97,8 @@ static void choose_isa(void) {
     __builtin_cpu_init();
     if (!below_512 && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
         __builtin_cpu_supports("avx512bw")) {
-        dot_q8 = dot_q8_vnni512, dot_q4 = dot_q4_vnni512, isa = "avx512-vnni";
-        dot_q8g = dot_q8g_vnni512;
+        dot_q8 = dot_q8_vnni512, dot_q4 = dot_q4_vnni256, dot_q8g = dot_q8g_vnni512, isa = "avx512-vnni";
+        panel_tiles = panel_tiles_vnni256, int4_panels = 1;
         SET_KQUANTS(vnni256);
         dot_q4k = dot_q4k_vnni512, dot_q6k = dot_q6k_vnni512;
         return;
@@ -111,6 +106,7 @@ static void choose_isa(void) {
 #ifdef HAVE_AVXVNNI
     if (!below_vnni && __builtin_cpu_supports("avxvnni")) {
         dot_q8 = dot_q8_avxvnni, dot_q4 = dot_q4_avxvnni, dot_q8g = dot_q8g_avxvnni, isa = "avx-vnni";
+        panel_tiles = panel_tiles_avxvnni, int4_panels = 1;
         SET_KQUANTS(avxvnni);
         return;
     }
@@ -146,15 +142,9 @@ static void quantize_rows(const float *x, int64_t T, int64_t n, int8_t *q, float
     parallel(quantize_task, &Q, T);
 }
 
-/* The order quantize_row stores activations in for a matrix of `quant` (after choose_isa). */
-static int int4_order(int quant) {
-    if (quant == 5) return 1;                                  /* int4 in stored panels: AVX2's */
-    if (quant != 4) return 0;
-#if defined(__x86_64__)
-    if (dot_q4 == dot_q4_vnni512) return 2;
-#endif
-    return 1;
-}
+/* The order quantize_row stores activations in for a matrix of `quant`: int4's, in rows or in
+ * stored panels, 1 (the panel tiles and every int4 row body read it). */
+static int int4_order(int quant) { return quant == 4 || quant == 5; }
 
 int moe_int4_panels(void) {
     choose_isa();
@@ -329,7 +319,7 @@ static int run_layer(const float *x, int64_t T, int64_t E, int64_t I, int quant,
     const int q_gu = quant & 0xff, q_dn = (quant >> 8) ? (quant >> 8) : q_gu;
     if (!takes(q_gu, E, group) || !takes(q_dn, I, group)) return -1;
     choose_isa();
-    for (int64_t e = 0; e < n_exp; e++)                     /* panels: int4 on AVX2's body (HostPanels) */
+    for (int64_t e = 0; e < n_exp; e++)                     /* panels: int4 where the body has them (HostPanels) */
         if (ex[e].panels && !(int4_panels && q_gu == 4 && q_dn == 4)) return -1;
     const int64_t pairs = start[n_exp], most_rows = 2 * I > E ? 2 * I : E;
     layer L = {E, I, group, n_exp, q_gu, q_dn, ex, start, rows, weights};

@@ -1,27 +1,33 @@
-/* int4 rows eight at a time (included by moe.c after dots.h), on CPUs whose int4 body is AVX2's.
+/* int4 rows eight at a time (included by moe.c after dots.h), on every SIMD body: AVX2's, AVX-VNNI's
+ * and AVX512-VNNI's tiles differ only in how a block's products are added (ADD / FINISH below).
  *
  * A row-at-a-time dot spends most of its instructions on each block's bookkeeping: the codes'
  * nibbles put in the activations' order, a horizontal sum, a block scale broadcast. Here eight
  * rows are first rearranged, once per call, into a per-thread panel (pack_codes): for block b and
  * byte quad k, the eight rows' bytes 4k..4k+3 side by side in one 256-bit vector, so that a lane
  * is a row. maddubs then multiplies each row's quad of codes by the same four activations
- * (broadcast), the block's int16 sums stay in their lanes, and the block's eight scales are one
+ * (broadcast; dpbusd on VNNI), the block's sums stay in their lanes, and the block's eight scales are one
  * vector (pack_scales). The packed panel then serves every token of the call,
  * PANEL_TOKENS at a time, each weight vector used by that many.
  *
  * Measured on an AVX2-only EPYC (Zen 3), one thread, a 1536 x 2048 int4 matrix in cache, against
  * dot_q4_avx2 a row at a time: 1 token 1.4-2.4x faster (the packing is half of it), 4-64 tokens
- * 3.3-4.7x (bench/kernel_rows.c prints both; bench/results/kernel_rows-round14-avx2.txt).
+ * 3.3-4.7x (bench/kernel_rows.c prints both; bench/results/kernel_rows-round14-avx2.txt). On an
+ * AVX512 EPYC (Zen 4) the VNNI tiles against its pair-order row body (dot_q4_vnni512, since
+ * removed): rearranged per call 1 token about even, 4-64 tokens 1.7-2.1x; stored as panels 1.5x
+ * and 2.1x (bench/results/kernel_rows-round17-avx512.txt). The rearranging reads eight rows at
+ * once, and from memory it waits on them: the next panel is prefetched while one is packed.
  *
- * The numbers: a block's products are exact integers (8 maddubs sums of at most 2 * 15 * 127 per
- * int16 lane), scaled by its fp32 scale times the activation block's, added in block order; a
- * token's arithmetic is the same whatever the tile it is in, so its outputs do not depend on the
- * number of tokens in the call. The activations are in order 1 (quantize_row). */
+ * The numbers: a block's products are exact integers (the same on every body), scaled by its fp32
+ * scale times the activation block's, added in block order; a token's arithmetic is the same
+ * whatever the tile it is in, so its outputs do not depend on the number of tokens in the call,
+ * on whether the matrix is stored in panels, or on the instruction set. The activations are in
+ * order 1 (quantize_row). */
 
 #define PANEL 8                   /* rows a panel: a 256-bit vector of int32 lanes */
 #define PANEL_TOKENS 4            /* tokens a tile (their sums and accumulators stay in registers) */
 
-static int int4_panels;           /* set by choose_isa where dot_q4 is dot_q4_avx2 */
+static int int4_panels;           /* set by choose_isa with panel_tiles, on every SIMD body */
 
 int moe_int4_panels(void);        /* moe.c: whether this CPU's kernel multiplies int4 in panels */
 
@@ -47,6 +53,10 @@ __attribute__((target("avx2"))) static void pack_codes(const uint8_t *w, int64_t
                                                        uint8_t *out) {
 #define ROWS_AT(i, j) _mm256_loadu2_m128i((const __m128i *)(w + (j) * row_bytes), (const __m128i *)(w + (i) * row_bytes))
     for (int64_t b = 0; b < nb; b++, w += 16, out += 128) {
+        {   /* the next panel's rows (8 row_bytes on), spread over this panel's blocks */
+            const char *next = (const char *)(w - 16 * b) + 8 * row_bytes + b * (8 * row_bytes / nb);
+            _mm_prefetch(next, _MM_HINT_T0), _mm_prefetch(next + 64, _MM_HINT_T0);
+        }
         const __m256i r04 = ROWS_AT(0, 4), r15 = ROWS_AT(1, 5), r26 = ROWS_AT(2, 6), r37 = ROWS_AT(3, 7);
         const __m256i t0 = _mm256_unpacklo_epi32(r04, r15), t1 = _mm256_unpackhi_epi32(r04, r15);
         const __m256i t2 = _mm256_unpacklo_epi32(r26, r37), t3 = _mm256_unpackhi_epi32(r26, r37);
@@ -81,42 +91,66 @@ __attribute__((target("avx2"))) static void pack_scales(const uint16_t *s, int64
 
 #define BROADCAST4(p) _mm256_set1_epi32(*(const int32_t *)(const void *)(p))
 
+/* A block's products for one token, by instruction set: ADD takes a quad's low and high nibbles
+ * (lo, hi) and the four activations each multiplies (broadcast), FINISH gives the eight rows'
+ * int32 sums. AVX2: maddubs into int16 lanes (at most 8 * 2 * 15 * 127 = 30480: no saturation),
+ * widened once a block; VNNI: dpbusd into int32 lanes, low and high nibbles in two chains. The
+ * sums are the same integers either way. */
+#define SUMS_AVX2 __m256i
+#define ZERO_AVX2 _mm256_setzero_si256()
+#define ADD_AVX2(s, lo, hi, qlo, qhi) \
+    (s = _mm256_add_epi16(s, _mm256_add_epi16(_mm256_maddubs_epi16(lo, qlo), _mm256_maddubs_epi16(hi, qhi))))
+#define FINISH_AVX2(s) _mm256_madd_epi16(s, _mm256_set1_epi16(1))
+typedef struct { __m256i lo, hi; } vnni_sums;
+#define SUMS_VNNI vnni_sums
+#define ZERO_VNNI ((vnni_sums){_mm256_setzero_si256(), _mm256_setzero_si256()})
+#define ADD_VNNI256(s, lo, hi, qlo, qhi) (s.lo = _mm256_dpbusd_epi32(s.lo, lo, qlo), s.hi = _mm256_dpbusd_epi32(s.hi, hi, qhi))
+#define ADD_AVXVNNI(s, lo, hi, qlo, qhi) \
+    (s.lo = _mm256_dpbusd_avx_epi32(s.lo, lo, qlo), s.hi = _mm256_dpbusd_avx_epi32(s.hi, hi, qhi))
+#define FINISH_VNNI(s) _mm256_add_epi32(s.lo, s.hi)
+
 /* NT tokens against one packed panel: out[t][0..8) = the eight rows' dots with token t. */
-#define PANEL_TILE(NT)                                                                              \
-    __attribute__((target("avx2,fma,f16c"))) static void panel_tile##NT(                           \
+#define PANEL_TILE(ISA, TARGET, SUMS, ZERO, ADD, FINISH, NT)                                       \
+    __attribute__((target(TARGET))) static void panel_tile##NT##_##ISA(                             \
             const uint8_t *codes, const uint16_t *scales, int64_t nb, int64_t per_group, const tile_row *a) { \
-        const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);                      \
+        const __m256i low = _mm256_set1_epi8(15);                                                   \
         __m256 acc[NT];                                                                             \
         for (int t = 0; t < NT; t++) acc[t] = _mm256_setzero_ps();                                  \
         const uint16_t *d = scales;                                                                 \
         for (int64_t b = 0, left = per_group; b < nb; b++, codes += 128) {                          \
-            __m256i sum16[NT];                                                                      \
-            for (int t = 0; t < NT; t++) sum16[t] = _mm256_setzero_si256();                         \
+            SUMS sum[NT];                                                                           \
+            for (int t = 0; t < NT; t++) sum[t] = ZERO;                                             \
             for (int k = 0; k < 4; k++) {                                                           \
                 const __m256i w = _mm256_loadu_si256((const __m256i *)(codes + 32 * k));            \
                 const __m256i lo = _mm256_and_si256(w, low), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low); \
                 for (int t = 0; t < NT; t++) {                                                      \
                     const int8_t *q = a[t].q + b * QK + 4 * k;                                      \
-                    sum16[t] = _mm256_add_epi16(sum16[t], _mm256_add_epi16(_mm256_maddubs_epi16(lo, BROADCAST4(q)), \
-                                                                           _mm256_maddubs_epi16(hi, BROADCAST4(q + 16)))); \
+                    ADD(sum[t], lo, hi, BROADCAST4(q), BROADCAST4(q + 16));                         \
                 }                                                                                   \
             }                                                                                       \
             const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)d));                \
             for (int t = 0; t < NT; t++) {                                                          \
-                const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(sum16[t], ones),             \
-                                                     _mm256_set1_epi32(-8 * a[t].sum[b]));          \
+                const __m256i dot = _mm256_add_epi32(FINISH(sum[t]), _mm256_set1_epi32(-8 * a[t].sum[b])); \
                 acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dw, _mm256_set1_ps(a[t].s[b])), acc[t]); \
             }                                                                                       \
             if (--left == 0) d += PANEL, left = per_group;                                          \
         }                                                                                           \
         for (int t = 0; t < NT; t++) _mm256_storeu_ps(a[t].y, acc[t]);                              \
     }
-PANEL_TILE(1)
-PANEL_TILE(2)
-PANEL_TILE(3)
-PANEL_TILE(4)
 typedef void (*tile_fn)(const uint8_t *, const uint16_t *, int64_t, int64_t, const tile_row *);
-static const tile_fn panel_tiles[PANEL_TOKENS + 1] = {NULL, panel_tile1, panel_tile2, panel_tile3, panel_tile4};
+#define PANEL_TILES(ISA, TARGET, SUMS, ZERO, ADD, FINISH)                                           \
+    PANEL_TILE(ISA, TARGET, SUMS, ZERO, ADD, FINISH, 1)                                             \
+    PANEL_TILE(ISA, TARGET, SUMS, ZERO, ADD, FINISH, 2)                                             \
+    PANEL_TILE(ISA, TARGET, SUMS, ZERO, ADD, FINISH, 3)                                             \
+    PANEL_TILE(ISA, TARGET, SUMS, ZERO, ADD, FINISH, 4)                                             \
+    static const tile_fn panel_tiles_##ISA[PANEL_TOKENS + 1] = {NULL, panel_tile1_##ISA, panel_tile2_##ISA, \
+                                                                panel_tile3_##ISA, panel_tile4_##ISA};
+PANEL_TILES(avx2, "avx2,fma,f16c", SUMS_AVX2, ZERO_AVX2, ADD_AVX2, FINISH_AVX2)
+PANEL_TILES(vnni256, AVX512, SUMS_VNNI, ZERO_VNNI, ADD_VNNI256, FINISH_VNNI)
+#ifdef HAVE_AVXVNNI
+PANEL_TILES(avxvnni, "avx2,fma,f16c,avxvnni", SUMS_VNNI, ZERO_VNNI, ADD_AVXVNNI, FINISH_VNNI)
+#endif
+static const tile_fn *panel_tiles = panel_tiles_avx2;      /* choose_isa's */
 
 /* The calling thread's panel buffers, grown as needed and kept (the pool's threads live as long
  * as the process; a 2048-column panel is 8 KiB of codes and 1 KiB of scales). */
