@@ -15,8 +15,13 @@
  * 3.3-4.7x (bench/kernel_rows.c prints both; bench/results/kernel_rows-round14-avx2.txt). On an
  * AVX512 EPYC (Zen 4) the VNNI tiles against its pair-order row body (dot_q4_vnni512, since
  * removed): rearranged per call 1 token about even, 4-64 tokens 1.7-2.1x; stored as panels 1.5x
- * and 2.1x (bench/results/kernel_rows-round17-avx512.txt). The rearranging reads eight rows at
- * once, and from memory it waits on them: the next panel is prefetched while one is packed.
+ * and 2.1x (bench/results/kernel_rows-round17-avx512.txt). Where one tile takes every token of
+ * the call (a decode step's experts) the panel is not stored at all: each block's codes are
+ * transposed in registers and multiplied (QUADS_ROWS), and the next panel's rows are prefetched
+ * (eight rows read side by side are eight short streams the hardware does not run ahead of).
+ * From memory, a layer call of 8 Qwen3-30B experts, 2 threads, on that EPYC: 1 token 0.81-0.89
+ * ms (rearranged into a buffer 1.24-1.42, the old row body 1.02, stored panels 0.80), 4 tokens
+ * 1.28-1.38 (1.94-2.05, 2.32); bench/kernel.py, bench/results/kernel-round17-avx512.txt.
  *
  * The numbers: a block's products are exact integers (the same on every body), scaled by its fp32
  * scale times the activation block's, added in block order; a token's arithmetic is the same
@@ -48,24 +53,35 @@ typedef struct {
     float *y;
 } tile_row;
 
-/* Eight rows of codes (row_bytes apart) -> [nb][4][8 rows][4 bytes]: 4x4 transposes of dwords. */
+/* Block b of eight rows of codes (row_bytes apart) as the panel holds it: v[k] = the rows' bytes
+ * 4k..4k+3 side by side (4x4 transposes of dwords). */
+__attribute__((target("avx2"))) static inline void block_quads(const uint8_t *w, int64_t row_bytes, __m256i v[4]) {
+#define ROWS_AT(i, j) _mm256_loadu2_m128i((const __m128i *)(w + (j) * row_bytes), (const __m128i *)(w + (i) * row_bytes))
+    const __m256i r04 = ROWS_AT(0, 4), r15 = ROWS_AT(1, 5), r26 = ROWS_AT(2, 6), r37 = ROWS_AT(3, 7);
+#undef ROWS_AT
+    const __m256i t0 = _mm256_unpacklo_epi32(r04, r15), t1 = _mm256_unpackhi_epi32(r04, r15);
+    const __m256i t2 = _mm256_unpacklo_epi32(r26, r37), t3 = _mm256_unpackhi_epi32(r26, r37);
+    v[0] = _mm256_unpacklo_epi64(t0, t2), v[1] = _mm256_unpackhi_epi64(t0, t2);
+    v[2] = _mm256_unpacklo_epi64(t1, t3), v[3] = _mm256_unpackhi_epi64(t1, t3);
+}
+
+/* While block b of the panel at w0 is read: a 1/nb share of the next panel's rows (8 row_bytes on)
+ * asked for. Eight rows read side by side are eight short streams, which the hardware prefetcher
+ * does not run ahead of (from memory the rearranging waited on them: bench/kernel.py). */
+static inline void prefetch_next_panel(const uint8_t *w0, int64_t row_bytes, int64_t b, int64_t nb) {
+    const char *next = (const char *)w0 + 8 * row_bytes + b * (8 * row_bytes / nb);
+    _mm_prefetch(next, _MM_HINT_T0), _mm_prefetch(next + 64, _MM_HINT_T0);
+}
+
+/* Eight rows of codes (row_bytes apart) -> [nb][4][8 rows][4 bytes] */
 __attribute__((target("avx2"))) static void pack_codes(const uint8_t *w, int64_t row_bytes, int64_t nb,
                                                        uint8_t *out) {
-#define ROWS_AT(i, j) _mm256_loadu2_m128i((const __m128i *)(w + (j) * row_bytes), (const __m128i *)(w + (i) * row_bytes))
-    for (int64_t b = 0; b < nb; b++, w += 16, out += 128) {
-        {   /* the next panel's rows (8 row_bytes on), spread over this panel's blocks */
-            const char *next = (const char *)(w - 16 * b) + 8 * row_bytes + b * (8 * row_bytes / nb);
-            _mm_prefetch(next, _MM_HINT_T0), _mm_prefetch(next + 64, _MM_HINT_T0);
-        }
-        const __m256i r04 = ROWS_AT(0, 4), r15 = ROWS_AT(1, 5), r26 = ROWS_AT(2, 6), r37 = ROWS_AT(3, 7);
-        const __m256i t0 = _mm256_unpacklo_epi32(r04, r15), t1 = _mm256_unpackhi_epi32(r04, r15);
-        const __m256i t2 = _mm256_unpacklo_epi32(r26, r37), t3 = _mm256_unpackhi_epi32(r26, r37);
-        _mm256_storeu_si256((__m256i *)out, _mm256_unpacklo_epi64(t0, t2));
-        _mm256_storeu_si256((__m256i *)(out + 32), _mm256_unpackhi_epi64(t0, t2));
-        _mm256_storeu_si256((__m256i *)(out + 64), _mm256_unpacklo_epi64(t1, t3));
-        _mm256_storeu_si256((__m256i *)(out + 96), _mm256_unpackhi_epi64(t1, t3));
+    for (int64_t b = 0; b < nb; b++, out += 128) {
+        __m256i v[4];
+        prefetch_next_panel(w, row_bytes, b, nb);
+        block_quads(w + 16 * b, row_bytes, v);
+        for (int k = 0; k < 4; k++) _mm256_storeu_si256((__m256i *)(out + 32 * k), v[k]);
     }
-#undef ROWS_AT
 }
 
 /* Eight rows of fp16 group scales [8][groups] -> [groups][8]: 8x8 transposes of 16-bit words,
@@ -109,19 +125,29 @@ typedef struct { __m256i lo, hi; } vnni_sums;
     (s.lo = _mm256_dpbusd_avx_epi32(s.lo, lo, qlo), s.hi = _mm256_dpbusd_avx_epi32(s.hi, hi, qhi))
 #define FINISH_VNNI(s) _mm256_add_epi32(s.lo, s.hi)
 
-/* NT tokens against one packed panel: out[t][0..8) = the eight rows' dots with token t. */
-#define PANEL_TILE(ISA, TARGET, SUMS, ZERO, ADD, FINISH, NT)                                       \
-    __attribute__((target(TARGET))) static void panel_tile##NT##_##ISA(                             \
-            const uint8_t *codes, const uint16_t *scales, int64_t nb, int64_t per_group, const tile_row *a) { \
+/* A block's four quad vectors: from a packed panel (codes [nb][4][8][4]), or transposed in
+ * registers from eight rows (codes the first row, row_bytes apart), where a panel would be read
+ * by one tile only (at most PANEL_TOKENS tokens) and so is not worth storing. */
+#define QUADS_PACKED(v, codes, b, row_bytes, nb) \
+    for (int k = 0; k < 4; k++) v[k] = _mm256_loadu_si256((const __m256i *)(codes + 128 * b + 32 * k))
+#define QUADS_ROWS(v, codes, b, row_bytes, nb) \
+    (prefetch_next_panel(codes, row_bytes, b, nb), block_quads(codes + 16 * b, row_bytes, v))
+
+/* NT tokens against one panel: out[t][0..8) = the eight rows' dots with token t. */
+#define PANEL_TILE(ISA, TARGET, SUMS, ZERO, ADD, FINISH, QUADS, NAME, NT)                          \
+    __attribute__((target(TARGET))) static void NAME##NT##_##ISA(const uint8_t *codes, int64_t row_bytes, \
+            const uint16_t *scales, int64_t nb, int64_t per_group, const tile_row *a) {             \
         const __m256i low = _mm256_set1_epi8(15);                                                   \
         __m256 acc[NT];                                                                             \
         for (int t = 0; t < NT; t++) acc[t] = _mm256_setzero_ps();                                  \
         const uint16_t *d = scales;                                                                 \
-        for (int64_t b = 0, left = per_group; b < nb; b++, codes += 128) {                          \
+        for (int64_t b = 0, left = per_group; b < nb; b++) {                                        \
             SUMS sum[NT];                                                                           \
+            __m256i quad[4];                                                                        \
+            QUADS(quad, codes, b, row_bytes, nb);                                                   \
             for (int t = 0; t < NT; t++) sum[t] = ZERO;                                             \
             for (int k = 0; k < 4; k++) {                                                           \
-                const __m256i w = _mm256_loadu_si256((const __m256i *)(codes + 32 * k));            \
+                const __m256i w = quad[k];                                                          \
                 const __m256i lo = _mm256_and_si256(w, low), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low); \
                 for (int t = 0; t < NT; t++) {                                                      \
                     const int8_t *q = a[t].q + b * QK + 4 * k;                                      \
@@ -137,20 +163,25 @@ typedef struct { __m256i lo, hi; } vnni_sums;
         }                                                                                           \
         for (int t = 0; t < NT; t++) _mm256_storeu_ps(a[t].y, acc[t]);                              \
     }
-typedef void (*tile_fn)(const uint8_t *, const uint16_t *, int64_t, int64_t, const tile_row *);
+typedef void (*tile_fn)(const uint8_t *, int64_t, const uint16_t *, int64_t, int64_t, const tile_row *);
+#define TILES_OF(ISA, TARGET, SUMS, ZERO, ADD, FINISH, QUADS, NAME)                                 \
+    PANEL_TILE(ISA, TARGET, SUMS, ZERO, ADD, FINISH, QUADS, NAME, 1)                                \
+    PANEL_TILE(ISA, TARGET, SUMS, ZERO, ADD, FINISH, QUADS, NAME, 2)                                \
+    PANEL_TILE(ISA, TARGET, SUMS, ZERO, ADD, FINISH, QUADS, NAME, 3)                                \
+    PANEL_TILE(ISA, TARGET, SUMS, ZERO, ADD, FINISH, QUADS, NAME, 4)
+/* [0]: tiles of packed panels, [1]: of rows (QUADS_ROWS), by token count */
 #define PANEL_TILES(ISA, TARGET, SUMS, ZERO, ADD, FINISH)                                           \
-    PANEL_TILE(ISA, TARGET, SUMS, ZERO, ADD, FINISH, 1)                                             \
-    PANEL_TILE(ISA, TARGET, SUMS, ZERO, ADD, FINISH, 2)                                             \
-    PANEL_TILE(ISA, TARGET, SUMS, ZERO, ADD, FINISH, 3)                                             \
-    PANEL_TILE(ISA, TARGET, SUMS, ZERO, ADD, FINISH, 4)                                             \
-    static const tile_fn panel_tiles_##ISA[PANEL_TOKENS + 1] = {NULL, panel_tile1_##ISA, panel_tile2_##ISA, \
-                                                                panel_tile3_##ISA, panel_tile4_##ISA};
+    TILES_OF(ISA, TARGET, SUMS, ZERO, ADD, FINISH, QUADS_PACKED, panel_tile)                        \
+    TILES_OF(ISA, TARGET, SUMS, ZERO, ADD, FINISH, QUADS_ROWS, rows_tile)                           \
+    static const tile_fn panel_tiles_##ISA[2][PANEL_TOKENS + 1] = {                                \
+        {NULL, panel_tile1_##ISA, panel_tile2_##ISA, panel_tile3_##ISA, panel_tile4_##ISA},         \
+        {NULL, rows_tile1_##ISA, rows_tile2_##ISA, rows_tile3_##ISA, rows_tile4_##ISA}};
 PANEL_TILES(avx2, "avx2,fma,f16c", SUMS_AVX2, ZERO_AVX2, ADD_AVX2, FINISH_AVX2)
 PANEL_TILES(vnni256, AVX512, SUMS_VNNI, ZERO_VNNI, ADD_VNNI256, FINISH_VNNI)
 #ifdef HAVE_AVXVNNI
 PANEL_TILES(avxvnni, "avx2,fma,f16c,avxvnni", SUMS_VNNI, ZERO_VNNI, ADD_AVXVNNI, FINISH_VNNI)
 #endif
-static const tile_fn *panel_tiles = panel_tiles_avx2;      /* choose_isa's */
+static const tile_fn (*panel_tiles)[PANEL_TOKENS + 1] = panel_tiles_avx2;      /* choose_isa's */
 
 /* The calling thread's panel buffers, grown as needed and kept (the pool's threads live as long
  * as the process; a 2048-column panel is 8 KiB of codes and 1 KiB of scales). */
@@ -166,10 +197,11 @@ static uint8_t *panel_buffer(int64_t bytes) {
     return buf;
 }
 
-/* One panel (codes [nb][4][8][4], scales [groups][8]) against every activation row of A, the
- * outputs at column r0, PANEL_TOKENS tokens a tile. */
-static void panel_tokens(const uint8_t *codes, const uint16_t *scales, int64_t cols, int64_t group, int64_t r0,
-                         const act_rows *A) {
+/* One panel (codes [nb][4][8][4], or eight rows of codes row_bytes apart when row_bytes > 0;
+ * scales [groups][8]) against every activation row of A, the outputs at column r0,
+ * PANEL_TOKENS tokens a tile. */
+static void panel_tokens(const uint8_t *codes, int64_t row_bytes, const uint16_t *scales, int64_t cols,
+                         int64_t group, int64_t r0, const act_rows *A) {
     const int64_t nb = cols / QK;
     for (int64_t i = 0; i < A->n; i += PANEL_TOKENS) {
         const int nt = A->n - i < PANEL_TOKENS ? (int)(A->n - i) : PANEL_TOKENS;
@@ -178,23 +210,29 @@ static void panel_tokens(const uint8_t *codes, const uint16_t *scales, int64_t c
             const int64_t row = A->row ? A->row[i + j] : i + j;
             a[j] = (tile_row){A->q + row * cols, A->s + row * nb, A->sum + row * nb, A->y + (i + j) * A->y_stride + r0};
         }
-        panel_tiles[nt](codes, scales, nb, group / QK, a);
+        panel_tiles[row_bytes > 0][nt](codes, row_bytes, scales, nb, group / QK, a);
     }
 }
 
 /* Rows [r0, r1) of the int4 matrix (w [., cols / 2], s [., cols / group] fp16) against every
- * activation row of A, whole panels rearranged here; returns the first row left (fewer than PANEL
- * remain, or the buffer could not be had). */
+ * activation row of A, whole panels rearranged here (their codes in registers where one tile takes
+ * every token, else into the buffer, read by each tile); returns the first row left (fewer than
+ * PANEL remain, or the buffer could not be had). */
 static int64_t int4_panel_rows(const uint8_t *w, const uint16_t *s, int64_t cols, int64_t group, int64_t r0,
                                int64_t r1, const act_rows *A) {
     const int64_t groups = cols / group, code_bytes = cols / QK * 128;
     uint8_t *codes = panel_buffer(code_bytes + groups * PANEL * 2);
     if (!codes) return r0;
     uint16_t *scales = (uint16_t *)(codes + code_bytes);
+    const int one_tile = A->n <= PANEL_TOKENS;
     for (; r0 + PANEL <= r1; r0 += PANEL) {
-        pack_codes(w + r0 * (cols / 2), cols / 2, cols / QK, codes);
         pack_scales(s + r0 * groups, groups, scales);
-        panel_tokens(codes, scales, cols, group, r0, A);
+        if (one_tile) {
+            panel_tokens(w + r0 * (cols / 2), cols / 2, scales, cols, group, r0, A);
+            continue;
+        }
+        pack_codes(w + r0 * (cols / 2), cols / 2, cols / QK, codes);
+        panel_tokens(codes, 0, scales, cols, group, r0, A);
     }
     return r0;
 }
@@ -203,7 +241,8 @@ static int64_t int4_panel_rows(const uint8_t *w, const uint16_t *s, int64_t cols
  * rows - rows % 8 as panels, in place of the rows they hold); r0 and r1 whole panels. */
 static void int4_stored_panel_rows(const uint8_t *w, const uint16_t *s, int64_t cols, int64_t group, int64_t r0,
                                    int64_t r1, const act_rows *A) {
-    for (; r0 + PANEL <= r1; r0 += PANEL) panel_tokens(w + r0 * (cols / 2), s + r0 * (cols / group), cols, group, r0, A);
+    for (; r0 + PANEL <= r1; r0 += PANEL)
+        panel_tokens(w + r0 * (cols / 2), 0, s + r0 * (cols / group), cols, group, r0, A);
 }
 #endif
 
