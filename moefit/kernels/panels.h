@@ -14,8 +14,8 @@
  * dot_q4_avx2 a row at a time: 1 token 1.4-2.4x faster (the packing is half of it), 4-64 tokens
  * 3.3-4.7x (bench/kernel_rows.c prints both; bench/results/kernel_rows-round14-avx2.txt). On an
  * AVX512 EPYC (Zen 4) the VNNI tiles against its pair-order row body (dot_q4_vnni512, since
- * removed): rearranged per call 1 token about even, 4-64 tokens 1.7-2.1x; stored as panels 1.5x
- * and 2.1x (bench/results/kernel_rows-round17-avx512.txt). Where one tile takes every token of
+ * removed), in cache: rearranged per call 1 token 1.1-1.3x, 4-64 tokens 1.7-3.1x; stored as
+ * panels 1.6-2.2x and 2.2-3.3x (bench/results/kernel_rows-round17-avx512.txt). Where one tile takes every token of
  * the call (a decode step's experts) the panel is not stored at all: each block's codes are
  * transposed in registers and multiplied (QUADS_ROWS), and the next panel's rows are prefetched
  * (eight rows read side by side are eight short streams the hardware does not run ahead of).
