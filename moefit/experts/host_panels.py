@@ -2,10 +2,12 @@
 
 The SIMD int4 bodies (AVX2, AVX-VNNI, AVX512-VNNI) multiply eight rows at a time from a panel (kernels/panels.h): the rows'
 codes side by side, a lane a row. A matrix in the pack's row order is rearranged into panels on
-every call, through a per-thread buffer; for a decode step, which reads each expert once, that
-copy costs more than the product (Qwen3-30B-A3B's experts from memory, a layer call of 8 at one
-token, 2 threads on an AVX2 EPYC: 3.6 ms in rows, 1.15 held in panels; on an AVX512 one 1.4
-rearranged per call, 0.8 held; bench/kernel.py --quants int4 int4p). So the first time the host computes an int4 expert, a copy in panel order is made
+every call: for a few tokens in registers, block by block, for more through a per-thread
+buffer. Held in panel order it is read as it lies (Qwen3-30B-A3B's experts from memory, a layer
+call of 8, 2 threads, bench/kernel.py --quants int4 int4p: on an AVX2 EPYC through the buffer
+3.6 ms at one token, 1.15 held; on an AVX512 EPYC, transposed in registers, 1 token 0.84 against
+0.81-0.90 held, 4 tokens 1.27-1.39 against 1.05-1.32, 16 tokens 4.8-5.1 against 4.5-4.6: since
+the transpose in registers, holding them buys little at one token). So the first time the host computes an int4 expert, a copy in panel order is made
 (kernels.rows_to_panels: the same bytes rearranged, the same tiles, so the same numbers bit for
 bit) and read from then on, within a budget of host memory (--host-panels): auto = half the
 memory available at start, at most the pack's int4 experts; off; or N MiB. Past the budget an

@@ -15,10 +15,12 @@
  * 3.3-4.7x (bench/kernel_rows.c prints both; bench/results/kernel_rows-round14-avx2.txt). On an
  * AVX512 EPYC (Zen 4) the VNNI tiles against its pair-order row body (dot_q4_vnni512, since
  * removed), in cache: rearranged per call 1 token 1.1-1.3x, 4-64 tokens 1.7-3.1x; stored as
- * panels 1.6-2.2x and 2.2-3.3x (bench/results/kernel_rows-round17-avx512.txt). Where one tile takes every token of
- * the call (a decode step's experts) the panel is not stored at all: each block's codes are
- * transposed in registers and multiplied (QUADS_ROWS), and the next panel's rows are prefetched
- * (eight rows read side by side are eight short streams the hardware does not run ahead of).
+ * panels 1.6-2.2x and 2.2-3.3x (bench/results/kernel_rows-round17-avx512.txt).
+ *
+ * Where one tile takes every token of the call (a decode step's experts) the panel is not stored
+ * at all: each block's codes are transposed in registers and multiplied (QUADS_ROWS), and the next
+ * panel's rows are prefetched (eight rows read side by side are eight short streams the hardware
+ * does not run ahead of).
  * From memory, a layer call of 8 Qwen3-30B experts, 2 threads, on that EPYC: 1 token 0.81-0.89
  * ms (rearranged into a buffer 1.24-1.42, the old row body 1.02, stored panels 0.80), 4 tokens
  * 1.28-1.38 (1.94-2.05, 2.32); bench/kernel.py, bench/results/kernel-round17-avx512.txt.
