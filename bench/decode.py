@@ -13,7 +13,8 @@ Routing is spread: every engine samples at temperature 2 with a fixed seed, so e
 routes to new experts (greedy decoding of a random model repeats one token and 94 % of a
 step's experts are the previous step's, which the caches flatter); the run prints how many
 distinct (layer, expert) pairs decoding touched. llama.cpp (llama-cpp-python) is timed on
-GGUF files of the same checkpoint when given: --gguf NAME=FILE (F32, Q8_0, Q4_0, ...).
+GGUF files of the same checkpoint when given: --gguf NAME=FILE (F32, Q8_0, Q4_0, ...). Each row
+runs in a process of its own (apart()).
 """
 
 from __future__ import annotations
@@ -22,11 +23,16 @@ import argparse
 import json
 import os
 import platform
+import subprocess
 import sys
 import time
 from pathlib import Path
 
-import torch  # first: OpenMP's wait policy left as it is for both engines (see below)
+import torch
+
+# The OpenMP wait policy the user gave (importing moefit sets PASSIVE where none is): llama.cpp's
+# and transformers' rows run with it, moefit's with moefit's own.
+USER_OMP_POLICY = os.environ.get("OMP_WAIT_POLICY")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -108,8 +114,24 @@ def _best(a: dict, b: dict) -> dict:
     return {k: max(a.get(k, 0), b[k]) for k in b}
 
 
+def apart(fn: str, *args) -> dict:
+    """fn(*args) (time_transformers, time_moefit, time_llama) in a process of its own: a row's rate
+    depended on what ran before it in one process (the same pack decoded 20-27 % faster after
+    llama.cpp's rows than before them; alike when each ran alone)."""
+    row = json.dumps({"fn": fn, "args": [str(a) if isinstance(a, Path) else a for a in args],
+                      "threads": torch.get_num_threads()})
+    env = dict(os.environ)
+    if fn != "time_moefit":
+        env.pop("OMP_WAIT_POLICY", None)
+        env.update({"OMP_WAIT_POLICY": USER_OMP_POLICY} if USER_OMP_POLICY else {})
+    run = subprocess.run([sys.executable, __file__, "--row", row], capture_output=True, text=True, env=env)
+    if run.returncode:
+        raise SystemExit(f"{fn} failed:\n{run.stderr[-3000:]}")
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
 def time_moefit(pack: Path, prompt: list[int], new: int, threads: int, dense_quant: str = "off") -> dict:
-    engine = Engine.open(pack, ServeConfig(ctx=len(prompt) + new + 8, dense_quant=dense_quant, threads=threads))
+    engine = Engine.open(Path(pack), ServeConfig(ctx=len(prompt) + new + 8, dense_quant=dense_quant, threads=threads))
     spread = SamplingParams(max_tokens=new, ignore_eos=True, **SPREAD)
     engine.generate(prompt[:16], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))   # warm-up
     best = {"prefill_tok_s": 0.0, "decode_tok_s": 0.0}
@@ -164,25 +186,31 @@ def main() -> None:
                          "Q4_0 as int4, Q8_0 as q8_0, K-quants as they are), the dense matrices at about its bits")
     ap.add_argument("--shape", default="small", choices=SHAPES)
     ap.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline (big shape)")
+    ap.add_argument("--row", help=argparse.SUPPRESS)             # apart(): one row, in this process
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.row:
+        spec = json.loads(args.row)
+        torch.set_num_threads(spec["threads"])
+        print(json.dumps(globals()[spec["fn"]](*spec["args"])))
+        return
     work = Path(args.work)
     tag = f"{args.shape}-{args.vocab}" if args.shape != "small" else str(args.vocab)
     hf = build(work / f"hf-{tag}", args.vocab, args.shape)
     prompt = torch.randint(0, args.vocab, (args.prompt,), generator=torch.Generator().manual_seed(1)).tolist()
-    rows = {} if args.no_transformers else {"transformers fp32": time_transformers(hf, prompt, args.new)}
+    rows = {} if args.no_transformers else {"transformers fp32": apart("time_transformers", hf, prompt, args.new)}
     for quant in args.only.split(","):
         pack = work / f"pack-{tag}-{quant}"
         if not (pack / "moefit-pack.json").exists():
             convert(hf, pack, quant, progress=False)
-        rows[f"moefit {quant}"] = time_moefit(pack, prompt, args.new, args.threads)
+        rows[f"moefit {quant}"] = apart("time_moefit", pack, prompt, args.new, args.threads)
         if quant != "fp32":                    # the dense matrices and lm_head quantised too
-            rows[f"moefit {quant}+dense8"] = time_moefit(pack, prompt, args.new, args.threads, "int8")
+            rows[f"moefit {quant}+dense8"] = apart("time_moefit", pack, prompt, args.new, args.threads, "int8")
         if quant == "int4":
-            rows[f"moefit {quant}+dense4"] = time_moefit(pack, prompt, args.new, args.threads, "int4")
+            rows[f"moefit {quant}+dense4"] = apart("time_moefit", pack, prompt, args.new, args.threads, "int4")
     for spec in args.gguf:
         name, file = spec.split("=", 1)
-        rows[f"llama.cpp {name}"] = time_llama(file, prompt, args.new, args.threads)
+        rows[f"llama.cpp {name}"] = apart("time_llama", file, prompt, args.new, args.threads)
         if args.same_file:                 # the file's own expert blocks; the dense matrices at about its bits
             dense = "int4" if "4" in name else "int8"
             pack = work / f"pack-keep-{Path(file).stem}"
@@ -190,8 +218,8 @@ def main() -> None:
                 convert(Path(file), pack, "keep", progress=False)
             layers = json.loads((pack / "moefit-pack.json").read_text())["quant"]["layers"]
             kept = "+".join(sorted(set(layers.values())))
-            rows[f"moefit from {name} ({kept}+dense{dense[-1]})"] = time_moefit(
-                pack, prompt, args.new, args.threads, dense)
+            rows[f"moefit from {name} ({kept}+dense{dense[-1]})"] = apart(
+                "time_moefit", pack, prompt, args.new, args.threads, dense)
     report(rows, args)
 
 
@@ -203,8 +231,9 @@ def report(rows: dict, args) -> None:
              f"{sh['num_experts']} experts top-8, expert {sh['moe_intermediate_size']}, "
              f"{sh['num_attention_heads']}/{sh['num_key_value_heads']} heads, vocab {args.vocab}; prompt {args.prompt}, "
              f"{args.new} new tokens, batch 1, best of {REPEATS}, {args.threads} threads, torch {torch.__version__}, "
-             f"{platform.processor() or platform.machine()}, OMP_WAIT_POLICY {os.environ.get('OMP_WAIT_POLICY', 'unset')} "
-             f"(one process holds one OpenMP: moefit's server sets passive, llama.cpp's decode wants its spinning); "
+             f"{platform.processor() or platform.machine()}, each row in a process of its own, OMP_WAIT_POLICY "
+             f"{os.environ.get('OMP_WAIT_POLICY')} for moefit (its default), {USER_OMP_POLICY or 'unset'} for the others "
+             f"(llama.cpp's decode wants its spinning); "
              f"ratios (x) against the first row",
              f"{'engine':<20} {'prefill tok/s':>14} {'x':>6} {'decode tok/s':>13} {'x':>6} {'experts':>8}"]
     for name, r in rows.items():
