@@ -120,10 +120,9 @@ def apart(fn: str, *args) -> dict:
     llama.cpp's rows than before them; alike when each ran alone)."""
     row = json.dumps({"fn": fn, "args": [str(a) if isinstance(a, Path) else a for a in args],
                       "threads": torch.get_num_threads()})
-    env = dict(os.environ)
-    if fn != "time_moefit":
-        env.pop("OMP_WAIT_POLICY", None)
-        env.update({"OMP_WAIT_POLICY": USER_OMP_POLICY} if USER_OMP_POLICY else {})
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY" or fn == "time_moefit"}
+    if fn != "time_moefit" and USER_OMP_POLICY:
+        env["OMP_WAIT_POLICY"] = USER_OMP_POLICY
     run = subprocess.run([sys.executable, __file__, "--row", row], capture_output=True, text=True, env=env)
     if run.returncode:
         raise SystemExit(f"{fn} failed:\n{run.stderr[-3000:]}")

@@ -88,10 +88,9 @@ static void time_matrix(int quant, int64_t rows, int64_t cols, int64_t tokens, i
     uint8_t *pw = aligned_alloc(64, rows * rb + 64);
     uint16_t *ps = aligned_alloc(64, rows * nb * 2 + 64);
     const int stored = moe_to_panels(w, s, rows, cols, QK, pw, ps) == 0;
-    for (int way = 0; way < 3; way++) {
+    ns[2] = 0.0;                                                  /* none stored: no figure */
+    for (int way = 0; way < (stored ? 3 : 2); way++) {
         int4_panels = way == 1 ? 0 : panels;
-        ns[way] = 0.0;
-        if (way == 2 && !stored) break;
         ns[way] = 1e30;
         for (int r = 0; r < repeats; r++) {
             const double t0 = now();

@@ -279,17 +279,12 @@ def int4_panel_outputs() -> torch.Tensor:
 
 
 def computed_under_avx2(tmp_path, make_outputs: str) -> torch.Tensor:
-    """test_kernels.make_outputs() in a subprocess whose kernel is capped with MOEFIT_ISA=avx2."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-    out = tmp_path / f"{make_outputs}.pt"
-    code = f"import torch, test_kernels as t; torch.save(t.{make_outputs}(), {str(out)!r})"
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                         cwd=Path(__file__).parent, env={**os.environ, "MOEFIT_ISA": "avx2"})
-    assert run.returncode == 0, run.stderr[-2000:]
-    return torch.load(out)
+    """test_kernels.make_outputs() under AVX2's bodies, to compare with this CPU's own; skipped
+    where this CPU's bodies are AVX2's (or portable): the two sides would be the same code."""
+    from narrow_isa import computed_under
+    if kernels.isa() in ("avx2", "portable"):
+        pytest.skip(f"this CPU's bodies are {kernels.isa()}'s: nothing to compare with AVX2's")
+    return computed_under("avx2", "test_kernels", make_outputs, tmp_path)
 
 
 def test_q6_k_gives_the_same_bits_on_every_instruction_set(tmp_path):
@@ -301,8 +296,5 @@ def test_q6_k_gives_the_same_bits_on_every_instruction_set(tmp_path):
 def test_int4_panels_give_the_same_bits_on_every_instruction_set(tmp_path):
     """The VNNI panel tiles (dpbusd into int32) add the same integers AVX2's do (maddubs into
     int16, then widened) and scale them in the same order: int4 rearranged per call and stored in
-    panels equal, bit for bit, what the AVX2 body gives. (On an AVX2-only machine both sides are
-    AVX2's; an AVX512 or AVX-VNNI one compares its own tiles.)"""
-    if not kernels.int4_panels():
-        pytest.skip(f"no int4 panels on this CPU's body ({kernels.isa()})")
+    panels equal, bit for bit, what the AVX2 body gives."""
     assert torch.equal(int4_panel_outputs(), computed_under_avx2(tmp_path, "int4_panel_outputs"))
