@@ -221,6 +221,28 @@ def check_int4_panels() -> str:
     return kernels.isa()
 
 
+def check_kquant_tiles() -> str:
+    """Q4_K, Q5_K, Q6_K and a Q4_K_M-style mix through ktiles.h's tiles of up to four tokens: 1 to 9
+    tokens (tiles of 4, 4 and 1), each expert taking every token: each token's output is the one it
+    gets alone, bit for bit."""
+    for seed, quant in enumerate(("q4_k", "q5_k", "q6_k", "q4_k/q6_k"), start=21):
+        x, experts, _, _ = make(quant, 512, 256, 3, 9, seed=seed)
+        w = torch.rand(9, 3, generator=torch.Generator().manual_seed(seed))
+        def layer(t0, t1):
+            rows = [torch.arange(t1 - t0)] * 3
+            return kernels.moe_layer(x[t0:t1], quant, experts, rows, [w[t0:t1, e] for e in range(3)])
+        alone = torch.cat([layer(t, t + 1) for t in range(9)])
+        for tokens in range(1, 10):
+            assert torch.equal(layer(0, tokens), alone[:tokens]), (quant, tokens)
+    return kernels.isa()
+
+
+def test_k_quant_rows_give_each_token_what_it_gets_alone():
+    from narrow_isa import check_under
+    check_kquant_tiles()
+    check_under("avx2", "test_kernels", "check_kquant_tiles")
+
+
 def test_int4_panel_order_is_a_reordering_of_the_rows_bytes():
     """kernels.rows_to_panels / panels_to_rows (a dense int4 matrix kept as the SIMD kernels read
     it, "int4p"): a round trip gives the bytes back; the first rows - rows % 8 rows are reordered,
@@ -261,9 +283,13 @@ def test_torchs_openmp_workers_sleep_unless_the_user_says_otherwise():
                           capture_output=True, text=True, check=True).stdout.strip() == "active"
 
 
-def q6k_layer() -> torch.Tensor:
-    x, experts, rows, weights = make("q6_k", 512, 256, 3, 5, seed=11)
-    return kernels.moe_layer(x, "q6_k", experts, rows, weights)
+def kquant_layers() -> torch.Tensor:
+    """Q4_K, Q5_K and Q6_K layers (ktiles.h) over 5 tokens, side by side."""
+    outs = []
+    for seed, quant in enumerate(("q4_k", "q5_k", "q6_k"), start=11):
+        x, experts, rows, weights = make(quant, 512, 256, 3, 5, seed=seed)
+        outs.append(kernels.moe_layer(x, quant, experts, rows, weights).flatten())
+    return torch.cat(outs)
 
 
 def int4_panel_outputs() -> torch.Tensor:
@@ -287,10 +313,11 @@ def computed_under_avx2(tmp_path, make_outputs: str) -> torch.Tensor:
     return computed_under("avx2", "test_kernels", make_outputs, tmp_path)
 
 
-def test_q6_k_gives_the_same_bits_on_every_instruction_set(tmp_path):
-    """The 512-bit Q6_K body does lane for lane what the 256-bit ones do: a layer equals, bit for
-    bit, the one the AVX2 body gives (in a subprocess capped with MOEFIT_ISA)."""
-    assert torch.equal(q6k_layer(), computed_under_avx2(tmp_path, "q6k_layer"))
+def test_k_quants_give_the_same_bits_on_every_instruction_set(tmp_path):
+    """The K-quant tiles add the same integers with maddubs or dpbusd and scale them in the same
+    order: Q4_K, Q5_K and Q6_K layers equal, bit for bit, what AVX2's tiles give (in a subprocess
+    capped with MOEFIT_ISA)."""
+    assert torch.equal(kquant_layers(), computed_under_avx2(tmp_path, "kquant_layers"))
 
 
 def test_int4_panels_give_the_same_bits_on_every_instruction_set(tmp_path):

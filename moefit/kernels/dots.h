@@ -163,8 +163,6 @@ KQUANT_BODIES(avx2, "avx2,fma,f16c", DOT_AVX2)
 KQUANT_BODIES(vnni256, AVX512, DOT_VNNI256)
 /* int4 a row at a time (the rows past a matrix's panels; panels.h multiplies the rest) */
 Q4_BODY(dot_q4_vnni256, AVX512, DOT_VNNI256, Q4_UNPACK_MASK, Q4_LANES_MASK)
-Q4K_BODY512(dot_q4k_vnni512, AVX512)
-Q6K_BODY512(dot_q6k_vnni512, AVX512)
 #ifdef HAVE_AVXVNNI
 KQUANT_BODIES(avxvnni, "avx2,fma,f16c,avxvnni", DOT_AVXVNNI)
 #endif

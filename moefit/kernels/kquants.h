@@ -17,7 +17,9 @@
  *         orders them;                 w = 2^(e - 128) doubled_e2m1[q]  (the doubled values are integers)
  *
  * so a sub-block's dot is sum q x over the integers, scaled once: d sc s (sum q x) - dmin m s
- * (sum x). Bodies: portable C, and 256-bit ones per instruction set (maddubs, or dpbusd).
+ * (sum x). Bodies: portable C for all, and 256-bit ones per instruction set (maddubs, or dpbusd)
+ * for IQ4_XS and MXFP4 a row at a time; the SIMD Q4_K, Q5_K and Q6_K take a few tokens a row
+ * (ktiles.h, with the helpers below).
  */
 #define QK_K 256
 
@@ -167,84 +169,6 @@ static inline void k4_unpack(const uint8_t *s, uint32_t out[4]) {
 #define FIFTH_BIT(qh, bit, sixteen) \
     _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256((qh), (bit)), (bit)), (sixteen))
 
-/* A Q4_K / Q5_K super-block's eight sub-block scales as dv (d sc s, one lane each), and its
- * dmin m s (sum x) terms added to off (declares sm, xs, sc, mn, sums, dv where it is used) */
-#define K4_SCALES(blk, sb, dv, off)                                                              \
-    uint32_t sm[4];                                                                              \
-    k4_unpack((blk) + 4, sm);                                                                    \
-    const __m256 xs = _mm256_loadu_ps(qs + (sb) * 8);                                            \
-    const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)sm))); \
-    const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sm + 2)))); \
-    const __m256 dv = _mm256_mul_ps(_mm256_mul_ps(sc, xs), _mm256_set1_ps(F16C(blk)));          \
-    const __m256 sums = _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)(qsum + (sb) * 8))); \
-    off = _mm256_fmadd_ps(_mm256_mul_ps(mn, _mm256_mul_ps(xs, sums)), _mm256_set1_ps(F16C((blk) + 2)), off)
-
-/* per super-block: its 8 scales and mins unpacked at once; each sub-block's d sc s as one lane of
- * a vector (broadcast by a permute), the dmin m s (sum x) terms in a vector summed at the end */
-#define Q45K_BODY(NAME, TARGET, DOT32, FIFTH)                                                    \
-    __attribute__((target(TARGET))) static float NAME(const void *w, const void *ws,             \
-            const int8_t *q, const float *qs, const int32_t *qsum, int64_t n, int64_t group) {   \
-        (void)ws, (void)group;                                                                   \
-        const int bytes = FIFTH ? 176 : 144;                                                     \
-        const __m256i low = _mm256_set1_epi8(15), sixteen = _mm256_set1_epi8(16);               \
-        __m256 acc = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps(), off = _mm256_setzero_ps(); \
-        for (int64_t sb = 0; sb < n / QK_K; sb++) {                                              \
-            const uint8_t *blk = (const uint8_t *)w + sb * bytes, *codes = blk + (FIFTH ? 48 : 16); \
-            K4_SCALES(blk, sb, dv, off);                                                         \
-            const __m256i qh = FIFTH ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : low;    \
-            for (int j = 0; j < 8; j += 2) {                                                     \
-                const __m256i c = _mm256_loadu_si256((const __m256i *)(codes + 16 * j));         \
-                __m256i c0 = _mm256_and_si256(c, low), c1 = _mm256_and_si256(_mm256_srli_epi16(c, 4), low); \
-                if (FIFTH) {                                                                     \
-                    const __m256i b0 = _mm256_set1_epi8((char)(1 << j)), b1 = _mm256_set1_epi8((char)(2 << j)); \
-                    c0 = _mm256_or_si256(c0, FIFTH_BIT(qh, b0, sixteen));                        \
-                    c1 = _mm256_or_si256(c1, FIFTH_BIT(qh, b1, sixteen));                        \
-                }                                                                                \
-                const int64_t b = sb * 8 + j;                                                    \
-                const __m256i x0 = _mm256_loadu_si256((const __m256i *)(q + b * QK));            \
-                const __m256i x1 = _mm256_loadu_si256((const __m256i *)(q + (b + 1) * QK));      \
-                const __m256 d0 = _mm256_permutevar8x32_ps(dv, _mm256_set1_epi32(j));            \
-                const __m256 d1 = _mm256_permutevar8x32_ps(dv, _mm256_set1_epi32(j + 1));        \
-                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(DOT32(c0, x0)), d0, acc);               \
-                acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(DOT32(c1, x1)), d1, acc1);             \
-            }                                                                                    \
-        }                                                                                        \
-        return hsum8(_mm256_sub_ps(_mm256_add_ps(acc, acc1), off));                              \
-    }
-
-#define Q6K_BODY(NAME, TARGET, DOT32)                                                            \
-    __attribute__((target(TARGET))) static float NAME(const void *w, const void *ws,             \
-            const int8_t *q, const float *qs, const int32_t *qsum, int64_t n, int64_t group) {   \
-        (void)ws, (void)group, (void)qsum;                                                       \
-        const __m256i low = _mm256_set1_epi8(15), top = _mm256_set1_epi8(0x30), one = _mm256_set1_epi8(1); \
-        __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};                              \
-        for (int64_t sb = 0; sb < n / QK_K; sb++) {                                              \
-            const uint8_t *blk = (const uint8_t *)w + sb * 210;                                  \
-            const float d = F16C(blk + 208);                                                      \
-            for (int half = 0; half < 2; half++) {                                               \
-                const __m256i l0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * half));       \
-                const __m256i l1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * half + 32));  \
-                const __m256i h = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * half));  \
-                const int8_t *sc = (const int8_t *)(blk + 192) + 8 * half;                       \
-                const __m256i codes[4] = {                                                       \
-                    _mm256_or_si256(_mm256_and_si256(l0, low), _mm256_and_si256(_mm256_slli_epi16(h, 4), top)), \
-                    _mm256_or_si256(_mm256_and_si256(l1, low), _mm256_and_si256(_mm256_slli_epi16(h, 2), top)), \
-                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low), _mm256_and_si256(h, top)), \
-                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low),             \
-                                    _mm256_and_si256(_mm256_srli_epi16(h, 2), top))};            \
-                for (int k = 0; k < 4; k++) {                                                    \
-                    const int64_t b = sb * 8 + half * 4 + k;                                     \
-                    const __m256i x = _mm256_loadu_si256((const __m256i *)(q + b * QK));         \
-                    const __m256i isum = _mm256_sub_epi32(DOT32(codes[k], x), _mm256_slli_epi32(DOT32(one, x), 5)); \
-                    const float s0 = qs[b] * d * sc[2 * k], s1 = qs[b] * d * sc[2 * k + 1];      \
-                    const __m256 scales = _mm256_setr_ps(s0, s0, s0, s0, s1, s1, s1, s1);        \
-                    acc[k & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), scales, acc[k & 1]);   \
-                }                                                                                \
-            }                                                                                    \
-        }                                                                                        \
-        return hsum8(_mm256_add_ps(acc[0], acc[1]));                                             \
-    }
-
 /* 16 bytes of 4-bit indices (low nibbles elements 0-15, high 16-31) looked up in a 16-entry int8
  * table, dotted with 32 activations: eight int32 sums (IQ4_XS's sub-blocks, MXFP4's blocks) */
 #define TABLE_DOT(DOT32, table, bytes, x)                                                        \
@@ -292,90 +216,7 @@ static inline void k4_unpack(const uint8_t *s, uint32_t out[4]) {
         return hsum8(acc);                                                                       \
     }
 
-/* Q4_K on 512 bits (instantiated in moe.c, where the target is named): 64 bytes of codes an
- * iteration, two pairs of sub-blocks. The low nibbles are sub-blocks j and j + 2, the high ones
- * (masked in place: 16 times the code, no shift) j + 1 and j + 3; each sub-block's d sc s is a
- * lane of the super-block's eight, permuted into place (divided by 16 for the high nibbles). */
-#define Q4K_BODY512(NAME, TARGET)                                                                \
-    __attribute__((target(TARGET))) static float NAME(const void *w, const void *ws,             \
-            const int8_t *q, const float *qs, const int32_t *qsum, int64_t n, int64_t group) {   \
-        (void)ws, (void)group;                                                                   \
-        const __m512i low = _mm512_set1_epi8(15), high = _mm512_set1_epi8((char)0xf0);          \
-        __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();                           \
-        __m256 off = _mm256_setzero_ps();                                                        \
-        for (int64_t sb = 0; sb < n / QK_K; sb++) {                                              \
-            const uint8_t *blk = (const uint8_t *)w + sb * 144, *codes = blk + 16;               \
-            K4_SCALES(blk, sb, dv, off);                                                         \
-            const __m512 d = _mm512_zextps256_ps512(dv);                                         \
-            const __m512 d16 = _mm512_zextps256_ps512(_mm256_mul_ps(dv, _mm256_set1_ps(1.0f / 16))); \
-            for (int j = 0; j < 8; j += 4) {                                                     \
-                const __m512i c = _mm512_loadu_si512(codes + 16 * j);                            \
-                const int8_t *x = q + (sb * 8 + j) * QK;                                         \
-                const __m512i x02 = _mm512_inserti64x4(                                          \
-                    _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)x)),              \
-                    _mm256_loadu_si256((const __m256i *)(x + 2 * QK)), 1);                       \
-                const __m512i x13 = _mm512_inserti64x4(                                          \
-                    _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(x + QK))),       \
-                    _mm256_loadu_si256((const __m256i *)(x + 3 * QK)), 1);                       \
-                const __m512i i02 = _mm512_inserti64x4(_mm512_set1_epi32(j), _mm256_set1_epi32(j + 2), 1); \
-                const __m512i i13 = _mm512_inserti64x4(_mm512_set1_epi32(17 + j), _mm256_set1_epi32(19 + j), 1); \
-                acc0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(),  \
-                                           _mm512_and_si512(c, low), x02)), _mm512_permutex2var_ps(d, i02, d16), acc0); \
-                acc1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(),  \
-                                           _mm512_and_si512(c, high), x13)), _mm512_permutex2var_ps(d, i13, d16), acc1); \
-            }                                                                                    \
-        }                                                                                        \
-        return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1)) - hsum8(off);                     \
-    }
-
-/* Q6_K on 512 bits: two blocks of 32 an instruction (the lower half block k, the upper k + 1),
- * each lane doing what Q6K_BODY's does (the lower halves its acc[0], the upper its acc[1]), so
- * the result is the 256-bit body's bit for bit. A half super-block's codes are built two blocks
- * a vector, with per-half shifts; its eight d sc s scales in one vector (qs d, then sc, as the
- * scalar code multiplies them), a permute placing each block's two. */
-#define Q6K_BODY512(NAME, TARGET)                                                                \
-    __attribute__((target(TARGET))) static float NAME(const void *w, const void *ws,             \
-            const int8_t *q, const float *qs, const int32_t *qsum, int64_t n, int64_t group) {   \
-        (void)ws, (void)group, (void)qsum;                                                       \
-        const __m512i low = _mm512_set1_epi8(15), top = _mm512_set1_epi8(0x30), one = _mm512_set1_epi8(1); \
-        const __m512i up4_2 = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1); \
-        const __m512i down0_2 = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1); \
-        const __m256i pairs = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);                          \
-        __m512 acc = _mm512_setzero_ps();                                                        \
-        for (int64_t sb = 0; sb < n / QK_K; sb++) {                                              \
-            const uint8_t *blk = (const uint8_t *)w + sb * 210;                                  \
-            const float d = F16C(blk + 208);                                                      \
-            for (int half = 0; half < 2; half++) {                                               \
-                const __m512i l = _mm512_loadu_si512(blk + 64 * half);          /* l0 | l1 */     \
-                const __m512i h = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * half))); \
-                const __m512i codes[2] = {                                                       \
-                    _mm512_or_si512(_mm512_and_si512(l, low), _mm512_and_si512(_mm512_sllv_epi16(h, up4_2), top)), \
-                    _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), low),              \
-                                    _mm512_and_si512(_mm512_srlv_epi16(h, down0_2), top))};      \
-                const int64_t b0 = sb * 8 + half * 4;                                            \
-                const __m256 qd = _mm256_mul_ps(_mm256_permutevar8x32_ps(_mm256_castps128_ps256(  \
-                    _mm_loadu_ps(qs + b0)), pairs), _mm256_set1_ps(d));                           \
-                const __m256 sv = _mm256_mul_ps(qd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(     \
-                    _mm_loadl_epi64((const __m128i *)(blk + 192 + 8 * half)))));                 \
-                const __m512 s16 = _mm512_castps256_ps512(sv);                                   \
-                for (int k = 0; k < 4; k += 2) {                                                 \
-                    const __m512i x = _mm512_loadu_si512(q + (b0 + k) * QK);                     \
-                    const __m512i isum = _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), codes[k / 2], x), \
-                        _mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), one, x), 5)); \
-                    const __m512i idx = _mm512_set_epi32(2 * k + 3, 2 * k + 3, 2 * k + 3, 2 * k + 3, \
-                        2 * k + 2, 2 * k + 2, 2 * k + 2, 2 * k + 2, 2 * k + 1, 2 * k + 1, 2 * k + 1, 2 * k + 1, \
-                        2 * k, 2 * k, 2 * k, 2 * k);                                            \
-                    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_permutexvar_ps(idx, s16), acc); \
-                }                                                                                \
-            }                                                                                    \
-        }                                                                                        \
-        return hsum8(_mm256_add_ps(_mm512_castps512_ps256(acc), _mm512_extractf32x8_ps(acc, 1))); \
-    }
-
 #define KQUANT_BODIES(SUFFIX, TARGET, DOT32)                                                     \
-    Q45K_BODY(dot_q4k_##SUFFIX, TARGET, DOT32, 0)                                                \
-    Q45K_BODY(dot_q5k_##SUFFIX, TARGET, DOT32, 1)                                                \
-    Q6K_BODY(dot_q6k_##SUFFIX, TARGET, DOT32)                                                    \
     IQ4XS_BODY(dot_iq4xs_##SUFFIX, TARGET, DOT32)                                                \
     MXFP4_BODY(dot_mxfp4_##SUFFIX, TARGET, DOT32)
 #endif

@@ -7,7 +7,7 @@
  * the GGUF K-quants and IQ4_XS as the file stores them, kquants.h).
  * Activations are quantised per block of 32 to int8 with one fp32 scale (llama.cpp's q8_0), so
  * every dot product is an integer dot product: AVX2 maddubs, or dpbusd where the CPU has
- * AVX-VNNI / AVX512-VNNI, chosen at run time (the bodies: dots.h, kquants.h). The file is built
+ * AVX-VNNI / AVX512-VNNI, chosen at run time (the bodies: dots.h, kquants.h, ktiles.h). The file is built
  * without -march=native: each SIMD body carries its own target attribute, so one build runs on
  * any x86-64 (and a portable body serves other CPUs).
  *
@@ -75,13 +75,13 @@ static void quantize_row(const float *x, int64_t n, int8_t *q, float *s, int32_t
 
 #include "dots.h"
 #include "panels.h"
+#include "ktiles.h"
 
 static dot_fn dot_q8 = dot_q8_portable, dot_q4 = dot_q4_portable, dot_q8g = dot_q8g_portable;
+/* Q4_K, Q5_K and Q6_K a row at a time only where there are no SIMD tiles (ktiles.h) */
 static dot_fn dot_q4k = dot_q4k_portable, dot_q5k = dot_q5k_portable, dot_q6k = dot_q6k_portable,
               dot_iq4xs = dot_iq4xs_portable, dot_mxfp4 = dot_mxfp4_portable;
-#define SET_KQUANTS(SUFFIX)                                                                  \
-    (dot_q4k = dot_q4k_##SUFFIX, dot_q5k = dot_q5k_##SUFFIX, dot_q6k = dot_q6k_##SUFFIX,             \
-     dot_iq4xs = dot_iq4xs_##SUFFIX, dot_mxfp4 = dot_mxfp4_##SUFFIX)
+#define SET_KQUANTS(SUFFIX) (dot_iq4xs = dot_iq4xs_##SUFFIX, dot_mxfp4 = dot_mxfp4_##SUFFIX, ktiles = ktiles_##SUFFIX)
 static const char *isa = "portable";
 
 /* The best the CPU has, or at most MOEFIT_ISA (portable, avx2, avx-vnni): how the tests run
@@ -100,7 +100,6 @@ static void choose_isa(void) {
         dot_q8 = dot_q8_vnni512, dot_q4 = dot_q4_vnni256, dot_q8g = dot_q8g_vnni512, isa = "avx512-vnni";
         panel_tiles = panel_tiles_vnni256, int4_panels = 1;
         SET_KQUANTS(vnni256);
-        dot_q4k = dot_q4k_vnni512, dot_q6k = dot_q6k_vnni512;
         return;
     }
 #ifdef HAVE_AVXVNNI
@@ -235,6 +234,10 @@ static void matrix_rows(int quant, const void *w, const void *scales, int64_t co
                         int64_t r1, const act_rows *A) {
 #if defined(__x86_64__)
     if (quant == 4 && int4_panels) r0 = int4_panel_rows(w, scales, cols, group, r0, r1, A);
+    if (quant >= 10 && quant <= 12 && ktiles) {
+        kquant_rows(quant, w, cols, r0, r1, A);
+        return;
+    }
 #endif
     const dot_fn dot = dot_for(quant);
     const int64_t nb = cols / QK;
