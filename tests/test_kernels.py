@@ -82,8 +82,9 @@ def test_one_call_per_layer_matches_the_reference(quant, tokens, threads):
 def test_gguf_blocks_are_multiplied_as_the_file_stores_them(quant, tokens):
     """Q4_K, Q5_K, Q6_K, IQ4_XS and MXFP4 (and a layer mixing two, as Q4_K_M files do) straight from
     their blocks, against the reference on the same blocks dequantised (pack/kblocks.py, itself checked
-    against gguf.quants in test_gguf.py)."""
-    for hidden, inter, n in ((256, 256, 3), (512, 768, 2)):
+    against gguf.quants in test_gguf.py). MXFP4 also at widths of 10 and 9 blocks: a group of eight
+    blocks, then blocks one at a time (ktiles.h)."""
+    for hidden, inter, n in ((256, 256, 3), (512, 768, 2)) + (((320, 288, 2),) if quant == "mxfp4" else ()):
         x, experts, rows, weights = make(quant, hidden, inter, n, tokens, seed=tokens + hidden)
         got = kernels.moe_layer(x, quant, experts, rows, weights)
         want = reference(x, quant, experts, rows, weights)
@@ -222,11 +223,11 @@ def check_int4_panels() -> str:
 
 
 def check_kquant_tiles() -> str:
-    """Q4_K, Q5_K, Q6_K and a Q4_K_M-style mix through ktiles.h's tiles of up to four tokens: 1 to 9
-    tokens (tiles of 4, 4 and 1), each expert taking every token: each token's output is the one it
-    gets alone, bit for bit."""
-    for seed, quant in enumerate(("q4_k", "q5_k", "q6_k", "q4_k/q6_k"), start=21):
-        x, experts, _, _ = make(quant, 512, 256, 3, 9, seed=seed)
+    """Every GGUF block type and a Q4_K_M-style mix through ktiles.h's tiles of up to four tokens: 1
+    to 9 tokens (tiles of 4, 4 and 1), each expert taking every token: each token's output is the
+    one it gets alone, bit for bit. MXFP4 at 320 columns: a group of eight blocks and two alone."""
+    for seed, quant in enumerate(("q4_k", "q5_k", "q6_k", "iq4_xs", "mxfp4", "q4_k/q6_k"), start=21):
+        x, experts, _, _ = make(quant, 320 if quant == "mxfp4" else 512, 256, 3, 9, seed=seed)
         w = torch.rand(9, 3, generator=torch.Generator().manual_seed(seed))
         def layer(t0, t1):
             rows = [torch.arange(t1 - t0)] * 3
@@ -284,9 +285,9 @@ def test_torchs_openmp_workers_sleep_unless_the_user_says_otherwise():
 
 
 def kquant_layers() -> torch.Tensor:
-    """Q4_K, Q5_K and Q6_K layers (ktiles.h) over 5 tokens, side by side."""
+    """Q4_K, Q5_K, Q6_K, IQ4_XS and MXFP4 layers (ktiles.h) over 5 tokens, side by side."""
     outs = []
-    for seed, quant in enumerate(("q4_k", "q5_k", "q6_k"), start=11):
+    for seed, quant in enumerate(("q4_k", "q5_k", "q6_k", "iq4_xs", "mxfp4"), start=11):
         x, experts, rows, weights = make(quant, 512, 256, 3, 5, seed=seed)
         outs.append(kernels.moe_layer(x, quant, experts, rows, weights).flatten())
     return torch.cat(outs)
@@ -315,8 +316,8 @@ def computed_under_avx2(tmp_path, make_outputs: str) -> torch.Tensor:
 
 def test_k_quants_give_the_same_bits_on_every_instruction_set(tmp_path):
     """The K-quant tiles add the same integers with maddubs or dpbusd and scale them in the same
-    order: Q4_K, Q5_K and Q6_K layers equal, bit for bit, what AVX2's tiles give (in a subprocess
-    capped with MOEFIT_ISA)."""
+    order: every GGUF block type's layer equals, bit for bit, what AVX2's tiles give (in a
+    subprocess capped with MOEFIT_ISA)."""
     assert torch.equal(kquant_layers(), computed_under_avx2(tmp_path, "kquant_layers"))
 
 

@@ -159,13 +159,8 @@ Q4_BODY(dot_q4_avxvnni, "avx2,fma,f16c,avxvnni", DOT_AVXVNNI, Q4_UNPACK_MASK, Q4
 #define AVX512 "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq,avx512vnni"
 /* AVX512-VNNI CPUs need not have AVX-VNNI (Zen 4 has not): its 256-bit dot, EVEX-encoded */
 #define DOT_VNNI256(a, b) _mm256_dpbusd_epi32(_mm256_setzero_si256(), (a), (b))
-KQUANT_BODIES(avx2, "avx2,fma,f16c", DOT_AVX2)
-KQUANT_BODIES(vnni256, AVX512, DOT_VNNI256)
 /* int4 a row at a time (the rows past a matrix's panels; panels.h multiplies the rest) */
 Q4_BODY(dot_q4_vnni256, AVX512, DOT_VNNI256, Q4_UNPACK_MASK, Q4_LANES_MASK)
-#ifdef HAVE_AVXVNNI
-KQUANT_BODIES(avxvnni, "avx2,fma,f16c,avxvnni", DOT_AVXVNNI)
-#endif
 
 /* Two int8 blocks against their activations: the codes made unsigned (c + 128: one xor, where a
  * sign trick takes three operations), the 128 sum x that adds taken off through the block sums.

@@ -17,9 +17,8 @@
  *         orders them;                 w = 2^(e - 128) doubled_e2m1[q]  (the doubled values are integers)
  *
  * so a sub-block's dot is sum q x over the integers, scaled once: d sc s (sum q x) - dmin m s
- * (sum x). Bodies: portable C for all, and 256-bit ones per instruction set (maddubs, or dpbusd)
- * for IQ4_XS and MXFP4 a row at a time; the SIMD Q4_K, Q5_K and Q6_K take a few tokens a row
- * (ktiles.h, with the helpers below).
+ * (sum x). Here: the portable bodies, a row at a time, and the helpers of the SIMD ones, which
+ * take a few tokens a row (ktiles.h).
  */
 #define QK_K 256
 
@@ -154,7 +153,7 @@ static float dot_mxfp4_portable(const void *w, const void *ws, const int8_t *q, 
 /* an fp16 field by the F16C instruction (the SIMD bodies all have it) */
 #define F16C(p) _cvtsh_ss((uint16_t)((p)[0] | ((p)[1] << 8)))
 
-/* ---- 256-bit bodies: DOT32(u8, s8) -> eight int32 sums, lane i = bytes 4i..4i+3 ---------- */
+/* ---- for ktiles.h's 256-bit bodies ----------------------------------------------------- */
 /* Q4_K / Q5_K's 12 packed bytes -> 8 scales (bytes of out[0..1]) and 8 mins (out[2..3]), all at once */
 static inline void k4_unpack(const uint8_t *s, uint32_t out[4]) {
     uint32_t u[3];
@@ -169,54 +168,6 @@ static inline void k4_unpack(const uint8_t *s, uint32_t out[4]) {
 #define FIFTH_BIT(qh, bit, sixteen) \
     _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256((qh), (bit)), (bit)), (sixteen))
 
-/* 16 bytes of 4-bit indices (low nibbles elements 0-15, high 16-31) looked up in a 16-entry int8
- * table, dotted with 32 activations: eight int32 sums (IQ4_XS's sub-blocks, MXFP4's blocks) */
-#define TABLE_DOT(DOT32, table, bytes, x)                                                        \
-    ({                                                                                           \
-        const __m256i idx_ = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16((bytes), 4), (bytes)), \
-                                              _mm256_set1_epi8(15));                             \
-        const __m256i v_ = _mm256_shuffle_epi8((table), idx_);                                   \
-        DOT32(_mm256_sign_epi8(v_, v_), _mm256_sign_epi8((x), v_));                              \
-    })
+/* a 16-entry int8 table in both 128-bit lanes (for a shuffle) */
 #define TABLE(values) _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(values)))
-#define ACTIVATIONS(b) _mm256_loadu_si256((const __m256i *)(q + (b) * QK))
-
-#define IQ4XS_BODY(NAME, TARGET, DOT32)                                                          \
-    __attribute__((target(TARGET))) static float NAME(const void *w, const void *ws,             \
-            const int8_t *q, const float *qs, const int32_t *qsum, int64_t n, int64_t group) {   \
-        (void)ws, (void)group, (void)qsum;                                                       \
-        const __m256i table = TABLE(IQ4NL);                                                      \
-        __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};                              \
-        for (int64_t sb = 0; sb < n / QK_K; sb++) {                                              \
-            const uint8_t *blk = (const uint8_t *)w + sb * 136;                                  \
-            const float d = F16C(blk);                                                            \
-            for (int ib = 0; ib < 8; ib++) {                                                     \
-                const __m128i bytes = _mm_loadu_si128((const __m128i *)(blk + 8 + 16 * ib));     \
-                const int64_t b = sb * 8 + ib;                                                   \
-                const __m256 scale = _mm256_set1_ps(qs[b] * d * iq4_scale(blk, ib));             \
-                acc[ib & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(TABLE_DOT(DOT32, table, bytes, ACTIVATIONS(b))), scale, \
-                                              acc[ib & 1]);                                              \
-            }                                                                                    \
-        }                                                                                        \
-        return hsum8(_mm256_add_ps(acc[0], acc[1]));                                             \
-    }
-
-#define MXFP4_BODY(NAME, TARGET, DOT32)                                                          \
-    __attribute__((target(TARGET))) static float NAME(const void *w, const void *ws,             \
-            const int8_t *q, const float *qs, const int32_t *qsum, int64_t n, int64_t group) {   \
-        (void)ws, (void)group, (void)qsum;                                                       \
-        const __m256i table = TABLE(MXFP4X2);                                                    \
-        __m256 acc = _mm256_setzero_ps();                                                        \
-        for (int64_t b = 0; b < n / QK; b++) {                                                   \
-            const uint8_t *blk = (const uint8_t *)w + b * 17;                                    \
-            const __m128i bytes = _mm_loadu_si128((const __m128i *)(blk + 1));                   \
-            const __m256 scale = _mm256_set1_ps(qs[b] * e8m0_half(blk[0]));                      \
-            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(TABLE_DOT(DOT32, table, bytes, ACTIVATIONS(b))), scale, acc); \
-        }                                                                                        \
-        return hsum8(acc);                                                                       \
-    }
-
-#define KQUANT_BODIES(SUFFIX, TARGET, DOT32)                                                     \
-    IQ4XS_BODY(dot_iq4xs_##SUFFIX, TARGET, DOT32)                                                \
-    MXFP4_BODY(dot_mxfp4_##SUFFIX, TARGET, DOT32)
 #endif

@@ -78,10 +78,10 @@ static void quantize_row(const float *x, int64_t n, int8_t *q, float *s, int32_t
 #include "ktiles.h"
 
 static dot_fn dot_q8 = dot_q8_portable, dot_q4 = dot_q4_portable, dot_q8g = dot_q8g_portable;
-/* Q4_K, Q5_K and Q6_K a row at a time only where there are no SIMD tiles (ktiles.h) */
+/* the GGUF block types a row at a time, only where there are no SIMD tiles (ktiles.h) */
 static dot_fn dot_q4k = dot_q4k_portable, dot_q5k = dot_q5k_portable, dot_q6k = dot_q6k_portable,
               dot_iq4xs = dot_iq4xs_portable, dot_mxfp4 = dot_mxfp4_portable;
-#define SET_KQUANTS(SUFFIX) (dot_iq4xs = dot_iq4xs_##SUFFIX, dot_mxfp4 = dot_mxfp4_##SUFFIX, ktiles = ktiles_##SUFFIX)
+#define SET_KQUANTS(SUFFIX) (ktiles = ktiles_##SUFFIX)
 static const char *isa = "portable";
 
 /* The best the CPU has, or at most MOEFIT_ISA (portable, avx2, avx-vnni): how the tests run
@@ -234,7 +234,7 @@ static void matrix_rows(int quant, const void *w, const void *scales, int64_t co
                         int64_t r1, const act_rows *A) {
 #if defined(__x86_64__)
     if (quant == 4 && int4_panels) r0 = int4_panel_rows(w, scales, cols, group, r0, r1, A);
-    if (quant >= 10 && quant <= 12 && ktiles) {
+    if (quant >= 10 && ktiles) {
         kquant_rows(quant, w, cols, r0, r1, A);
         return;
     }
