@@ -4,7 +4,7 @@ succeeds and moefit runs its torch path, saying so once."""
 
 from setuptools import Extension, setup
 
-HEADERS = ["dots.h", "kquants.h", "ktiles.h", "panels.h", "rows.h", "step.h", "delta.h", "dequant.h", "kv.h", "pool.h", "linear.h", "weights.h"]
+HEADERS = ["dots.h", "kquants.h", "ktiles.h", "kpanels.h", "panels.h", "rows.h", "step.h", "delta.h", "dequant.h", "kv.h", "pool.h", "linear.h", "weights.h"]
 
 setup(ext_modules=[Extension("moefit.kernels._moe", ["moefit/kernels/moe.c"], depends=[f"moefit/kernels/{h}" for h in HEADERS],
                              extra_compile_args=["-O3", "-std=gnu11", "-fno-math-errno"], libraries=["m", "pthread"],

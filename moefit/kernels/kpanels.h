@@ -1,0 +1,136 @@
+/* Q4_K rows eight at a time (included by moe.c after ktiles.h; the layout: kquants.h).
+ *
+ * As panels.h does for int4: eight rows' bytes are transposed in registers (block_quads) so that
+ * a lane is a row, and each quad of codes meets four activations broadcast; a sub-block's sums
+ * stay in their lanes and are scaled by the eight rows' d sc (one vector), its mins taken off by
+ * the eight rows' dmin m. The tile's work per token has no horizontal adds and no per-row
+ * scale unpacking: the eight rows' super-block headers are read and unpacked at once (gathers).
+ *
+ * A Q4_K row whose eight-row group lies in the task goes through a panel, the rows past a
+ * matrix's last whole panel through ktiles.h's tile, whatever the token count: a row's
+ * arithmetic does not depend on the call. The integer sums are the same on every instruction set
+ * (AVX2's maddubs into int16, at most 8 * 2 * 15 * 127 = 30480; VNNI's dpbusd into int32) and so
+ * are the float operations on them.
+ */
+#if defined(__x86_64__)
+/* eight rows' (row_bytes apart) super-block headers -> per sub-block j: d sc_j and dmin m_j, a lane a row */
+__attribute__((target("avx2,fma,f16c"))) static inline void q4k_panel_scales(const uint8_t *blk, int64_t row_bytes,
+                                                                            __m256 dsc[8], __m256 dmn[8]) {
+    const __m256i at = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32((int)row_bytes));
+    const __m256i dd = _mm256_i32gather_epi32((const int *)blk, at, 1);
+    const __m256i u0 = _mm256_i32gather_epi32((const int *)(blk + 4), at, 1);
+    const __m256i u1 = _mm256_i32gather_epi32((const int *)(blk + 8), at, 1);
+    const __m256i u2 = _mm256_i32gather_epi32((const int *)(blk + 12), at, 1);
+    const __m256i six = _mm256_set1_epi32(0x3f3f3f3f), four = _mm256_set1_epi32(0x0f0f0f0f), two = _mm256_set1_epi32(0x03030303);
+    const __m256i sc[2] = {_mm256_and_si256(u0, six),                                  /* k4_unpack's, a lane a row */
+                           _mm256_or_si256(_mm256_and_si256(u2, four), _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(u0, 6), two), 4))};
+    const __m256i mn[2] = {_mm256_and_si256(u1, six),
+                           _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(u2, 4), four),
+                                           _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(u1, 6), two), 4))};
+    const __m256i halves = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(dd, _mm256_setr_epi8(
+        0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15, 0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15)), 0xd8);
+    const __m256 d = _mm256_cvtph_ps(_mm256_castsi256_si128(halves)), dmin = _mm256_cvtph_ps(_mm256_extracti128_si256(halves, 1));
+    const __m256i byte = _mm256_set1_epi32(0xff);
+    for (int j = 0; j < 8; j++) {
+        const __m128i shift = _mm_cvtsi32_si128(8 * (j % 4));
+        dsc[j] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srl_epi32(sc[j / 4], shift), byte)), d);
+        dmn[j] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srl_epi32(mn[j / 4], shift), byte)), dmin);
+    }
+}
+
+/* the next panel's super-block sb (eight rows on), asked for while this one's is read */
+static inline void q4k_prefetch(const uint8_t *w, int64_t row_bytes, int64_t sb) {
+    for (int i = 0; i < 8; i++)
+        for (int l = 0; l < 144; l += 64) _mm_prefetch((const char *)w + (8 + i) * row_bytes + sb * 144 + l, _MM_HINT_T0);
+}
+
+/* one sub-block's products, per instruction set: into int16 lanes (AVX2) or int32 (VNNI) */
+#define KP_ADD_AVX2(s, v, x) (s = _mm256_add_epi16(s, _mm256_maddubs_epi16(v, x)))
+#define KP_FINISH_AVX2(s) _mm256_madd_epi16(s, _mm256_set1_epi16(1))
+#define KP_ADD_VNNI256(s, v, x) (s = _mm256_dpbusd_epi32(s, v, x))
+#define KP_ADD_AVXVNNI(s, v, x) (s = _mm256_dpbusd_avx_epi32(s, v, x))
+#define KP_FINISH_VNNI(s) (s)
+
+/* a token's sub-block j of a panel: its sums (two halves of 16 bytes, two chains) scaled, its mins taken off */
+#define KP_SCALE(acc, FINISH, s0, s1, dsc, dmn, t, b)                                                 \
+    (acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(FINISH(s0), FINISH(s1))),               \
+                           _mm256_mul_ps(dsc, _mm256_set1_ps(a[t].s[b])), acc),                        \
+     acc = _mm256_fnmadd_ps(dmn, _mm256_set1_ps(a[t].s[b] * (float)a[t].sum[b]), acc))
+
+/* eight Q4_K rows (the first at w, row_bytes apart) against NT tokens: a[t].y[r..r+8) */
+#define Q4K_PANEL(NAME, TARGET, ADD, FINISH, NT)                                                    \
+    __attribute__((target(TARGET))) static void NAME(const uint8_t *w, int64_t row_bytes, int64_t n, \
+                                                     const tile_row *a, int64_t r) {                \
+        const __m256i low = _mm256_set1_epi8(15);                                                   \
+        __m256 acc[NT];                                                                             \
+        for (int t = 0; t < NT; t++) acc[t] = _mm256_setzero_ps();                                  \
+        for (int64_t sb = 0; sb < n / QK_K; sb++) {                                                 \
+            const uint8_t *blk = w + sb * 144;                                                      \
+            q4k_prefetch(w, row_bytes, sb);                                                         \
+            __m256 dsc[8], dmn[8];                                                                  \
+            q4k_panel_scales(blk, row_bytes, dsc, dmn);                                             \
+            for (int j = 0; j < 8; j += 2) {                                                        \
+                __m256i s[NT][4];                                  /* sub-block j, j + 1; half 0, 1 */ \
+                for (int t = 0; t < NT; t++)                                                        \
+                    for (int i = 0; i < 4; i++) s[t][i] = _mm256_setzero_si256();                   \
+                for (int h = 0; h < 2; h++) {                                                       \
+                    __m256i v[4];                                                                   \
+                    block_quads(blk + 16 + 16 * j + 16 * h, row_bytes, v);                          \
+                    for (int k = 0; k < 4; k++) {                                                   \
+                        const __m256i lo = _mm256_and_si256(v[k], low), hi = _mm256_and_si256(_mm256_srli_epi16(v[k], 4), low); \
+                        for (int t = 0; t < NT; t++) {                                              \
+                            const int8_t *x = a[t].q + (sb * 8 + j) * QK + 16 * h + 4 * k;          \
+                            ADD(s[t][h], lo, BROADCAST4(x));                                        \
+                            ADD(s[t][2 + h], hi, BROADCAST4(x + QK));                               \
+                        }                                                                           \
+                    }                                                                               \
+                }                                                                                   \
+                for (int t = 0; t < NT; t++) {                                                      \
+                    const int64_t b = sb * 8 + j;                                                   \
+                    KP_SCALE(acc[t], FINISH, s[t][0], s[t][1], dsc[j], dmn[j], t, b);               \
+                    KP_SCALE(acc[t], FINISH, s[t][2], s[t][3], dsc[j + 1], dmn[j + 1], t, b + 1);   \
+                }                                                                                   \
+            }                                                                                       \
+        }                                                                                           \
+        for (int t = 0; t < NT; t++) _mm256_storeu_ps(a[t].y + r, acc[t]);                          \
+    }
+
+typedef void (*kpanel_fn)(const uint8_t *w, int64_t row_bytes, int64_t n, const tile_row *a, int64_t r);
+#define KP_TILES(ISA, TARGET, ADD, FINISH)                                                          \
+    Q4K_PANEL(q4k_panel1_##ISA, TARGET, ADD, FINISH, 1) Q4K_PANEL(q4k_panel2_##ISA, TARGET, ADD, FINISH, 2) \
+    Q4K_PANEL(q4k_panel3_##ISA, TARGET, ADD, FINISH, 3) Q4K_PANEL(q4k_panel4_##ISA, TARGET, ADD, FINISH, 4) \
+    static const kpanel_fn q4k_panels_##ISA[KQ_TOKENS + 1] = {                                     \
+        NULL, q4k_panel1_##ISA, q4k_panel2_##ISA, q4k_panel3_##ISA, q4k_panel4_##ISA};
+KP_TILES(avx2, "avx2,fma,f16c", KP_ADD_AVX2, KP_FINISH_AVX2)
+KP_TILES(vnni256, AVX512, KP_ADD_VNNI256, KP_FINISH_VNNI)
+#ifdef HAVE_AVXVNNI
+KP_TILES(avxvnni, "avx2,fma,f16c,avxvnni", KP_ADD_AVXVNNI, KP_FINISH_VNNI)
+#endif
+static const kpanel_fn *q4k_panels;                  /* choose_isa's, with ktiles */
+
+/* Rows [r0, r1) of a Q4_K, Q5_K, Q6_K, IQ4_XS or MXFP4 matrix against every activation row of A, KQ_TOKENS
+ * tokens a tile; KQ_ROWS rows (a few KiB each) at a time, read again from the cache by each tile.
+ * Q4_K's rows eight at a time where eight are left in the block (KQ_ROWS and the tasks' rows are
+ * multiples of 16, so whether a row is in a panel depends only on the matrix's rows). */
+#define KQ_ROWS 16
+static void kquant_rows(int quant, const uint8_t *w, int64_t cols, int64_t r0, int64_t r1, const act_rows *A) {
+    const size_t bytes = block_row_bytes(quant, cols);
+    const int64_t nb = cols / QK;
+    for (int64_t first = r0; first < r1; first += KQ_ROWS) {
+        const int64_t last = first + KQ_ROWS < r1 ? first + KQ_ROWS : r1;
+        for (int64_t i = 0; i < A->n; i += KQ_TOKENS) {
+            const int nt = A->n - i < KQ_TOKENS ? (int)(A->n - i) : KQ_TOKENS;
+            tile_row a[KQ_TOKENS];
+            for (int j = 0; j < nt; j++) {
+                const int64_t row = A->row ? A->row[i + j] : i + j;
+                a[j] = (tile_row){A->q + row * cols, A->s + row * nb, A->sum + row * nb, A->y + (i + j) * A->y_stride};
+            }
+            const krow_fn tile = ktiles[quant - 10][nt];
+            int64_t r = first;
+            if (quant == 10)                                       /* Q4_K: whole panels of eight rows */
+                for (; r + 8 <= last; r += 8) q4k_panels[nt](w + r * bytes, (int64_t)bytes, cols, a, r);
+            for (; r < last; r++) tile(w + r * bytes, cols, a, r);
+        }
+    }
+}
+#endif
