@@ -40,8 +40,8 @@ __attribute__((target("avx2,fma,f16c"))) static inline void q4k_panel_scales(con
 
 /* the next panel's super-block sb (eight rows on), asked for while this one's is read */
 static inline void q4k_prefetch(const uint8_t *w, int64_t row_bytes, int64_t sb) {
-    for (int i = 0; i < 8; i++)
-        for (int l = 0; l < 144; l += 64) _mm_prefetch((const char *)w + (8 + i) * row_bytes + sb * 144 + l, _MM_HINT_T0);
+    const char *next = (const char *)w + 8 * row_bytes + sb * 8 * 144;
+    for (int l = 0; l < 8 * 144; l += 64) _mm_prefetch(next + l, _MM_HINT_T0);
 }
 
 /* one sub-block's products, per instruction set: into int16 lanes (AVX2) or int32 (VNNI) */
