@@ -1,5 +1,6 @@
-/* GGUF Q4_K, Q5_K and Q6_K rows against up to KQ_TOKENS tokens at once (included by moe.c after
- * panels.h, whose tile_row it shares; the block layouts: kquants.h).
+/* GGUF Q4_K, Q5_K, Q6_K, IQ4_XS and MXFP4 rows against up to KQ_TOKENS tokens at once (included by
+ * moe.c after panels.h, whose tile_row it shares; the block layouts: kquants.h; Q4_K's whole
+ * panels of eight rows go through kpanels.h instead).
  *
  * A row's super-block is unpacked once for every token of the tile: its codes, its scales and
  * mins. Each token's integer dots of a super-block are then summed across lanes into one vector

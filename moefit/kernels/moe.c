@@ -7,7 +7,8 @@
  * the GGUF K-quants and IQ4_XS as the file stores them, kquants.h).
  * Activations are quantised per block of 32 to int8 with one fp32 scale (llama.cpp's q8_0), so
  * every dot product is an integer dot product: AVX2 maddubs, or dpbusd where the CPU has
- * AVX-VNNI / AVX512-VNNI, chosen at run time (the bodies: dots.h, kquants.h, ktiles.h). The file is built
+ * AVX-VNNI / AVX512-VNNI, chosen at run time (the bodies: dots.h, panels.h, kquants.h, ktiles.h,
+ * kpanels.h). The file is built
  * without -march=native: each SIMD body carries its own target attribute, so one build runs on
  * any x86-64 (and a portable body serves other CPUs).
  *
