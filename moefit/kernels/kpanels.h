@@ -1,4 +1,4 @@
-/* Q4_K rows eight at a time (included by moe.c after ktiles.h; the layout: kquants.h).
+/* Q4_K and Q5_K rows eight at a time (included by moe.c after ktiles.h; the layout: kquants.h).
  *
  * As panels.h does for int4: eight rows' bytes are transposed in registers (block_quads) so that
  * a lane is a row, and each quad of codes meets four activations broadcast; a sub-block's sums
@@ -6,11 +6,11 @@
  * the eight rows' dmin m. The tile's work per token has no horizontal adds and no per-row
  * scale unpacking: the eight rows' super-block headers are read and unpacked at once (gathers).
  *
- * A Q4_K row whose eight-row group lies in the task goes through a panel, the rows past a
+ * A Q4_K or Q5_K row whose eight-row group lies in the task goes through a panel, the rows past a
  * matrix's last whole panel through ktiles.h's tile, whatever the token count: a row's
  * arithmetic does not depend on the call. The integer sums are the same on every instruction set
- * (AVX2's maddubs into int16, at most 8 * 2 * 15 * 127 = 30480; VNNI's dpbusd into int32) and so
- * are the float operations on them.
+ * (AVX2's maddubs into int16, four quads a chain: at most 4 * 2 * 31 * 127 = 31496; VNNI's
+ * dpbusd into int32) and so are the float operations on them.
  */
 #if defined(__x86_64__)
 /* eight rows' (row_bytes apart) super-block headers -> per sub-block j: d sc_j and dmin m_j, a lane a row */
@@ -39,9 +39,9 @@ __attribute__((target("avx2,fma,f16c"))) static inline void q4k_panel_scales(con
 }
 
 /* the next panel's super-block sb (eight rows on), asked for while this one's is read */
-static inline void q4k_prefetch(const uint8_t *w, int64_t row_bytes, int64_t sb) {
-    const char *next = (const char *)w + 8 * row_bytes + sb * 8 * 144;
-    for (int l = 0; l < 8 * 144; l += 64) _mm_prefetch(next + l, _MM_HINT_T0);
+static inline void panel_prefetch(const uint8_t *w, int64_t row_bytes, int64_t sb, int bytes) {
+    const char *next = (const char *)w + 8 * row_bytes + sb * 8 * bytes;
+    for (int l = 0; l < 8 * bytes; l += 64) _mm_prefetch(next + l, _MM_HINT_T1);
 }
 
 /* one sub-block's products, per instruction set: into int16 lanes (AVX2) or int32 (VNNI) */
@@ -57,27 +57,36 @@ static inline void q4k_prefetch(const uint8_t *w, int64_t row_bytes, int64_t sb)
                            _mm256_mul_ps(dsc, _mm256_set1_ps(a[t].s[b])), acc),                        \
      acc = _mm256_fnmadd_ps(dmn, _mm256_set1_ps(a[t].s[b] * (float)a[t].sum[b]), acc))
 
-/* eight Q4_K rows (the first at w, row_bytes apart) against NT tokens: a[t].y[r..r+8) */
-#define Q4K_PANEL(NAME, TARGET, ADD, FINISH, NT)                                                    \
+/* eight Q4_K rows (FIFTH: Q5_K's; the first at w, row_bytes apart) against NT tokens:
+ * a[t].y[r..r+8). Q5_K's fifth bits (bit j of byte i: element i of sub-block j) are transposed
+ * as the codes are, the quads of the same bytes. */
+#define Q45K_PANEL(NAME, TARGET, ADD, FINISH, FIFTH, NT)                                            \
     __attribute__((target(TARGET))) static void NAME(const uint8_t *w, int64_t row_bytes, int64_t n, \
                                                      const tile_row *a, int64_t r) {                \
-        const __m256i low = _mm256_set1_epi8(15);                                                   \
+        const int bytes = FIFTH ? 176 : 144;                                                        \
+        const __m256i low = _mm256_set1_epi8(15), sixteen = _mm256_set1_epi8(16);                 \
         __m256 acc[NT];                                                                             \
         for (int t = 0; t < NT; t++) acc[t] = _mm256_setzero_ps();                                  \
         for (int64_t sb = 0; sb < n / QK_K; sb++) {                                                 \
-            const uint8_t *blk = w + sb * 144;                                                      \
-            q4k_prefetch(w, row_bytes, sb);                                                         \
+            const uint8_t *blk = w + sb * bytes, *codes = blk + (FIFTH ? 48 : 16);                  \
+            panel_prefetch(w, row_bytes, sb, bytes);                                                \
             __m256 dsc[8], dmn[8];                                                                  \
             q4k_panel_scales(blk, row_bytes, dsc, dmn);                                             \
+            __m256i qh[2][4];                                   /* Q5_K: the fifth bits' quads */  \
+            if (FIFTH) block_quads(blk + 16, row_bytes, qh[0]), block_quads(blk + 32, row_bytes, qh[1]); \
             for (int j = 0; j < 8; j += 2) {                                                        \
                 __m256i s[NT][4];                                  /* sub-block j, j + 1; half 0, 1 */ \
                 for (int t = 0; t < NT; t++)                                                        \
                     for (int i = 0; i < 4; i++) s[t][i] = _mm256_setzero_si256();                   \
                 for (int h = 0; h < 2; h++) {                                                       \
                     __m256i v[4];                                                                   \
-                    block_quads(blk + 16 + 16 * j + 16 * h, row_bytes, v);                          \
+                    block_quads(codes + 16 * j + 16 * h, row_bytes, v);                             \
                     for (int k = 0; k < 4; k++) {                                                   \
-                        const __m256i lo = _mm256_and_si256(v[k], low), hi = _mm256_and_si256(_mm256_srli_epi16(v[k], 4), low); \
+                        __m256i lo = _mm256_and_si256(v[k], low), hi = _mm256_and_si256(_mm256_srli_epi16(v[k], 4), low); \
+                        if (FIFTH) {                                                                \
+                            lo = _mm256_or_si256(lo, FIFTH_BIT(qh[h][k], _mm256_set1_epi8((char)(1 << j)), sixteen)); \
+                            hi = _mm256_or_si256(hi, FIFTH_BIT(qh[h][k], _mm256_set1_epi8((char)(2 << j)), sixteen)); \
+                        }                                                                           \
                         for (int t = 0; t < NT; t++) {                                              \
                             const int8_t *x = a[t].q + (sb * 8 + j) * QK + 16 * h + 4 * k;          \
                             ADD(s[t][h], lo, BROADCAST4(x));                                        \
@@ -96,21 +105,25 @@ static inline void q4k_prefetch(const uint8_t *w, int64_t row_bytes, int64_t sb)
     }
 
 typedef void (*kpanel_fn)(const uint8_t *w, int64_t row_bytes, int64_t n, const tile_row *a, int64_t r);
+/* per instruction set: [0] Q4_K's panels, [1] Q5_K's, by token count */
 #define KP_TILES(ISA, TARGET, ADD, FINISH)                                                          \
-    Q4K_PANEL(q4k_panel1_##ISA, TARGET, ADD, FINISH, 1) Q4K_PANEL(q4k_panel2_##ISA, TARGET, ADD, FINISH, 2) \
-    Q4K_PANEL(q4k_panel3_##ISA, TARGET, ADD, FINISH, 3) Q4K_PANEL(q4k_panel4_##ISA, TARGET, ADD, FINISH, 4) \
-    static const kpanel_fn q4k_panels_##ISA[KQ_TOKENS + 1] = {                                     \
-        NULL, q4k_panel1_##ISA, q4k_panel2_##ISA, q4k_panel3_##ISA, q4k_panel4_##ISA};
+    Q45K_PANEL(q4k_panel1_##ISA, TARGET, ADD, FINISH, 0, 1) Q45K_PANEL(q4k_panel2_##ISA, TARGET, ADD, FINISH, 0, 2) \
+    Q45K_PANEL(q4k_panel3_##ISA, TARGET, ADD, FINISH, 0, 3) Q45K_PANEL(q4k_panel4_##ISA, TARGET, ADD, FINISH, 0, 4) \
+    Q45K_PANEL(q5k_panel1_##ISA, TARGET, ADD, FINISH, 1, 1) Q45K_PANEL(q5k_panel2_##ISA, TARGET, ADD, FINISH, 1, 2) \
+    Q45K_PANEL(q5k_panel3_##ISA, TARGET, ADD, FINISH, 1, 3) Q45K_PANEL(q5k_panel4_##ISA, TARGET, ADD, FINISH, 1, 4) \
+    static const kpanel_fn kpanels_##ISA[2][KQ_TOKENS + 1] = {                                     \
+        {NULL, q4k_panel1_##ISA, q4k_panel2_##ISA, q4k_panel3_##ISA, q4k_panel4_##ISA},            \
+        {NULL, q5k_panel1_##ISA, q5k_panel2_##ISA, q5k_panel3_##ISA, q5k_panel4_##ISA}};
 KP_TILES(avx2, "avx2,fma,f16c", KP_ADD_AVX2, KP_FINISH_AVX2)
 KP_TILES(vnni256, AVX512, KP_ADD_VNNI256, KP_FINISH_VNNI)
 #ifdef HAVE_AVXVNNI
 KP_TILES(avxvnni, "avx2,fma,f16c,avxvnni", KP_ADD_AVXVNNI, KP_FINISH_VNNI)
 #endif
-static const kpanel_fn *q4k_panels;                  /* choose_isa's, with ktiles */
+static const kpanel_fn (*kpanels)[KQ_TOKENS + 1];   /* choose_isa's, with ktiles */
 
 /* Rows [r0, r1) of a Q4_K, Q5_K, Q6_K, IQ4_XS or MXFP4 matrix against every activation row of A, KQ_TOKENS
  * tokens a tile; KQ_ROWS rows (a few KiB each) at a time, read again from the cache by each tile.
- * Q4_K's rows eight at a time where eight are left in the block (KQ_ROWS and the tasks' rows are
+ * Q4_K's and Q5_K's rows eight at a time where eight are left in the block (KQ_ROWS and the tasks' rows are
  * multiples of 16, so whether a row is in a panel depends only on the matrix's rows). */
 #define KQ_ROWS 16
 static void kquant_rows(int quant, const uint8_t *w, int64_t cols, int64_t r0, int64_t r1, const act_rows *A) {
@@ -127,8 +140,8 @@ static void kquant_rows(int quant, const uint8_t *w, int64_t cols, int64_t r0, i
             }
             const krow_fn tile = ktiles[quant - 10][nt];
             int64_t r = first;
-            if (quant == 10)                                       /* Q4_K: whole panels of eight rows */
-                for (; r + 8 <= last; r += 8) q4k_panels[nt](w + r * bytes, (int64_t)bytes, cols, a, r);
+            if (quant <= 11)                                       /* Q4_K, Q5_K: whole panels of eight rows */
+                for (; r + 8 <= last; r += 8) kpanels[quant - 10][nt](w + r * bytes, (int64_t)bytes, cols, a, r);
             for (; r < last; r++) tile(w + r * bytes, cols, a, r);
         }
     }
