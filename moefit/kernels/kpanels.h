@@ -65,8 +65,7 @@ static inline void panel_prefetch(const uint8_t *w, int64_t row_bytes, int64_t s
                                                      const tile_row *a, int64_t r) {                \
         const int bytes = FIFTH ? 176 : 144;                                                        \
         const __m256i low = _mm256_set1_epi8(15), sixteen = _mm256_set1_epi8(16);                 \
-        __m256 acc[NT];                                                                             \
-        for (int t = 0; t < NT; t++) acc[t] = _mm256_setzero_ps();                                  \
+        ZEROED(acc, NT);                                                                            \
         for (int64_t sb = 0; sb < n / QK_K; sb++) {                                                 \
             const uint8_t *blk = w + sb * bytes, *codes = blk + (FIFTH ? 48 : 16);                  \
             panel_prefetch(w, row_bytes, sb, bytes);                                                \

@@ -25,6 +25,9 @@ typedef void (*krow_fn)(const uint8_t *w, int64_t n, const tile_row *a, int64_t 
 #define EIGHT_SUMS(e, f) \
     _mm256_add_epi32(_mm256_permute2x128_si256(e, f, 0x20), _mm256_permute2x128_si256(e, f, 0x31))
 
+/* the tile's NT accumulators, a token each */
+#define ZEROED(acc, NT) __m256 acc[NT]; for (int t = 0; t < NT; t++) acc[t] = _mm256_setzero_ps()
+
 /* signed weights v against activations x: |v| (unsigned, as DOT32 wants) against x with v's sign */
 #define SIGNED_DOT(DOT32, v, x) DOT32(_mm256_sign_epi8((v), (v)), _mm256_sign_epi8((x), (v)))
 
@@ -33,8 +36,7 @@ typedef void (*krow_fn)(const uint8_t *w, int64_t n, const tile_row *a, int64_t 
     __attribute__((target(TARGET))) static void NAME(const uint8_t *w, int64_t n, const tile_row *a, int64_t r) { \
         const int bytes = FIFTH ? 176 : 144;                                                        \
         const __m256i low = _mm256_set1_epi8(15), sixteen = _mm256_set1_epi8(16);                 \
-        __m256 acc[NT];                                                                             \
-        for (int t = 0; t < NT; t++) acc[t] = _mm256_setzero_ps();                                  \
+        ZEROED(acc, NT);                                                                            \
         for (int64_t sb = 0; sb < n / QK_K; sb++) {                                                 \
             const uint8_t *blk = w + sb * bytes, *codes = blk + (FIFTH ? 48 : 16);                  \
             uint32_t sm[4];                                                                         \
@@ -77,8 +79,7 @@ typedef void (*krow_fn)(const uint8_t *w, int64_t n, const tile_row *a, int64_t 
     __attribute__((target(TARGET))) static void NAME(const uint8_t *w, int64_t n, const tile_row *a, int64_t r) { \
         const __m256i low = _mm256_set1_epi8(15), top = _mm256_set1_epi8(0x30), mid = _mm256_set1_epi8(32); \
         const __m256i order = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);                           \
-        __m256 acc[NT];                                                                             \
-        for (int t = 0; t < NT; t++) acc[t] = _mm256_setzero_ps();                                  \
+        ZEROED(acc, NT);                                                                            \
         for (int64_t sb = 0; sb < n / QK_K; sb++) {                                                 \
             const uint8_t *blk = w + sb * 210;                                                      \
             const __m256 d = _mm256_set1_ps(F16C(blk + 208));                                       \
@@ -143,8 +144,7 @@ __attribute__((target("avx2"))) static inline __m256 table_blocks(int kind, cons
     __attribute__((target(TARGET))) static void NAME(const uint8_t *w, int64_t n, const tile_row *a, int64_t r) { \
         const __m256i table = TABLE(KIND == 13 ? IQ4NL : MXFP4X2);                                 \
         const int64_t nb = n / QK, groups = nb / 8;                                                 \
-        __m256 acc[NT];                                                                             \
-        for (int t = 0; t < NT; t++) acc[t] = _mm256_setzero_ps();                                  \
+        ZEROED(acc, NT);                                                                            \
         for (int64_t g = 0; g < groups; g++) {                                                      \
             const uint8_t *codes[8];                                                                \
             const __m256 dw = table_blocks(KIND, w, g, KIND == 13 ? F16C(w + g * 136) : 0.0f, codes);                                                    \
