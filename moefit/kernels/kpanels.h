@@ -127,16 +127,11 @@ static const kpanel_fn (*kpanels)[KQ_TOKENS + 1];   /* choose_isa's, with ktiles
 #define KQ_ROWS 16
 static void kquant_rows(int quant, const uint8_t *w, int64_t cols, int64_t r0, int64_t r1, const act_rows *A) {
     const size_t bytes = block_row_bytes(quant, cols);
-    const int64_t nb = cols / QK;
     for (int64_t first = r0; first < r1; first += KQ_ROWS) {
         const int64_t last = first + KQ_ROWS < r1 ? first + KQ_ROWS : r1;
         for (int64_t i = 0; i < A->n; i += KQ_TOKENS) {
-            const int nt = A->n - i < KQ_TOKENS ? (int)(A->n - i) : KQ_TOKENS;
             tile_row a[KQ_TOKENS];
-            for (int j = 0; j < nt; j++) {
-                const int64_t row = A->row ? A->row[i + j] : i + j;
-                a[j] = (tile_row){A->q + row * cols, A->s + row * nb, A->sum + row * nb, A->y + (i + j) * A->y_stride};
-            }
+            const int nt = tile_of(A, i, KQ_TOKENS, cols, 0, a);
             const krow_fn tile = ktiles[quant - 10][nt];
             int64_t r = first;
             if (quant <= 11)                                       /* Q4_K, Q5_K: whole panels of eight rows */

@@ -55,6 +55,17 @@ typedef struct {
     float *y;
 } tile_row;
 
+/* Tokens i.. of A (at most `most`) as a tile's rows, their outputs from column r0; how many */
+static int tile_of(const act_rows *A, int64_t i, int most, int64_t cols, int64_t r0, tile_row *a) {
+    const int64_t nb = cols / QK;
+    const int nt = A->n - i < most ? (int)(A->n - i) : most;
+    for (int j = 0; j < nt; j++) {
+        const int64_t row = A->row ? A->row[i + j] : i + j;
+        a[j] = (tile_row){A->q + row * cols, A->s + row * nb, A->sum + row * nb, A->y + (i + j) * A->y_stride + r0};
+    }
+    return nt;
+}
+
 /* Block b of eight rows of codes (row_bytes apart) as the panel holds it: v[k] = the rows' bytes
  * 4k..4k+3 side by side (4x4 transposes of dwords). */
 __attribute__((target("avx2"))) static inline void block_quads(const uint8_t *w, int64_t row_bytes, __m256i v[4]) {
@@ -204,15 +215,10 @@ static uint8_t *panel_buffer(int64_t bytes) {
  * PANEL_TOKENS tokens a tile. */
 static void panel_tokens(const uint8_t *codes, int64_t row_bytes, const uint16_t *scales, int64_t cols,
                          int64_t group, int64_t r0, const act_rows *A) {
-    const int64_t nb = cols / QK;
     for (int64_t i = 0; i < A->n; i += PANEL_TOKENS) {
-        const int nt = A->n - i < PANEL_TOKENS ? (int)(A->n - i) : PANEL_TOKENS;
         tile_row a[PANEL_TOKENS];
-        for (int j = 0; j < nt; j++) {
-            const int64_t row = A->row ? A->row[i + j] : i + j;
-            a[j] = (tile_row){A->q + row * cols, A->s + row * nb, A->sum + row * nb, A->y + (i + j) * A->y_stride + r0};
-        }
-        panel_tiles[row_bytes > 0][nt](codes, row_bytes, scales, nb, group / QK, a);
+        const int nt = tile_of(A, i, PANEL_TOKENS, cols, r0, a);
+        panel_tiles[row_bytes > 0][nt](codes, row_bytes, scales, cols / QK, group / QK, a);
     }
 }
 
