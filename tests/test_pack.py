@@ -4,6 +4,7 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -128,3 +129,49 @@ def test_a_broken_checkpoint_is_one_line_not_a_traceback(checkpoints, tmp_path, 
     r = subprocess.run([sys.executable, "-m", "moefit", "pack", str(hf), "-o", str(tmp_path / "p")],
                        capture_output=True, text=True)
     assert r.returncode == 1 and needle in r.stderr and "Traceback" not in r.stderr
+
+
+def _flip(path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def test_a_verified_pack_skips_its_checksums_until_a_file_changes(broken, monkeypatch):
+    from moefit.pack import verified
+    assert Pack.open(broken).verified == "checksums verified"
+    assert not (broken / verified.STAMP).exists()           # just copied: racily clean, not remembered
+    monkeypatch.setattr(verified, "RACY_S", 0.0)
+    time.sleep(0.05)                                         # past a timestamp's tick
+    entry = Pack.open(broken).blobs[(2, 3)]
+    assert (broken / verified.STAMP).exists()
+    assert Pack.open(broken).verified.startswith("unchanged since its checksums were verified")
+    time.sleep(0.05)
+    _flip(broken / "experts.bin", entry.offset + 100)        # a write moves the file's ctime
+    with pytest.raises(PackError, match=r"blob \(layer 2, expert 3\) fails its checksum"):
+        Pack.open(broken)
+    assert not (broken / verified.STAMP).exists()
+
+
+def test_moefit_verify_checks_every_checksum_whatever_was_remembered(broken, monkeypatch):
+    from moefit.pack import verified
+    entry = Pack.open(broken).blobs[(2, 5)]
+    _flip(broken / "experts.bin", entry.offset + 7)
+    monkeypatch.setattr(verified, "RACY_S", 0.0)
+    time.sleep(0.05)
+    header = json.loads((broken / "moefit-pack.json").read_text())
+    assert verified.remember(broken, header, time.time())    # as if the bytes rotted after a verification
+    assert Pack.open(broken).verified.startswith("unchanged since")
+    r = subprocess.run([sys.executable, "-m", "moefit", "verify", str(broken)], capture_output=True, text=True)
+    assert r.returncode == 1 and "blob (layer 2, expert 5) fails its checksum" in r.stderr, r.stderr
+    with pytest.raises(PackError, match=r"blob \(layer 2, expert 5\)"):   # the record is gone: starts check again
+        Pack.open(broken)
+
+
+def test_moefit_verify_reports_a_sound_pack(packs):
+    r = subprocess.run([sys.executable, "-m", "moefit", "verify", str(packs("olmoe", "int8")), "--json"],
+                       capture_output=True, text=True)
+    out = json.loads(r.stdout)
+    assert r.returncode == 0 and out["ok"] and out["blobs"] > 0 and out["bytes"] > 0

@@ -62,6 +62,7 @@ class Start:
     config_hash: str = ""
     warnings: list[str] = field(default_factory=list)
     state_dir: Path | None = None                  # where the host's measured choices are kept
+    pack: str = ""                                 # how the pack was verified (pack/verified.py)
 
     def update(self, **values) -> None:
         if self.history is None or self.row_id is None:
@@ -84,7 +85,8 @@ class Start:
 
     def summary(self) -> dict:
         return {"history_id": self.row_id, "config_hash": self.config_hash, "verdict": self.verdict,
-                "zero_check": self.zero.to_json() if self.zero else None, "warnings": self.warnings}
+                "zero_check": self.zero.to_json() if self.zero else None, "warnings": self.warnings,
+                "pack": self.pack}
 
 
 def start_engine(pack_path, cfg: ServeConfig, opts: StartOptions | None = None, command: str = "generate",
@@ -94,16 +96,18 @@ def start_engine(pack_path, cfg: ServeConfig, opts: StartOptions | None = None, 
     from moefit.runtime.engine import Engine
     opts = opts or StartOptions(default_state_dir())
     pack = Pack.open(pack_path)
+    say(f"pack {pack.pack_id}: {pack.verified}")
     device = open_device(cfg.device)
     if not device.has_vram:
         engine = Engine.open(pack, cfg, say)
         _restore_measured(engine, opts.state_dir, say)
-        return engine, Start(None, None, None, "cpu device: no VRAM to check", state_dir=opts.state_dir)
+        return engine, Start(None, None, None, "cpu device: no VRAM to check", state_dir=opts.state_dir,
+                             pack=pack.verified)
     zero = _zero_check(device, opts, say)
     history = _open_history(opts.state_dir, say)
     snap = zero.snapshot
     config = plan_config(cfg, pack.pack_id, snap.name, snap.total_bytes)
-    start = Start(history, None, zero, config_hash=config_hash(config), state_dir=opts.state_dir)
+    start = Start(history, None, zero, config_hash=config_hash(config), state_dir=opts.state_dir, pack=pack.verified)
     row = dict(version=__version__, command=command, pid=os.getpid(), config_hash=start.config_hash, config_json=json.dumps(config),
                pack_id=pack.pack_id, device_json=json.dumps(snap.to_json()), free_bytes_at_start=snap.free_bytes,
                used_bytes_at_start=snap.used_bytes, zero_check=zero.verdict,

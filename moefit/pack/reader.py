@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import mmap
+import time
 import warnings
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import torch
 from moefit.config import ModelConfig
 from moefit.errors import PackError
 from moefit.pack import format as fmt
+from moefit.pack import verified
 from moefit.pack.quant import TORCH_DTYPES, blob_views
 
 
@@ -36,7 +38,10 @@ class Pack:
             self._experts_u8 = torch.frombuffer(experts_map, dtype=torch.uint8)
 
     @staticmethod
-    def open(path, checksums: bool = True) -> "Pack":
+    def open(path, checksums: bool | None = None) -> "Pack":
+        """Map and verify a pack: sizes always; checksums when `checksums` is True, not when False,
+        and by default unless its files are the ones a full verification saw (pack/verified.py).
+        `verified` says which: checksums verified, skipped, or unchanged since when."""
         path = Path(path)
         header = fmt.read_header(path)
         dense_file, experts_file = path / fmt.DENSE, path / fmt.EXPERTS
@@ -44,10 +49,20 @@ class Pack:
             if not f.exists():
                 raise PackError(f"{f}: missing from the pack")
         _check_tokenizer(path)
+        since = verified.still_verified(path, header) if checksums is None else None
+        check, began = checksums is True or (checksums is None and since is None), time.time()
         dense_map, experts_map = fmt.map_file(dense_file), fmt.map_file(experts_file)
-        fmt.verify_dense(dense_file, dense_map, header["dense"]["tensors"], checksums)
-        fmt.verify_blobs(experts_file, experts_map, _blob_entries(header), checksums)
-        return Pack(path, header, dense_map, experts_map)
+        try:
+            fmt.verify_dense(dense_file, dense_map, header["dense"]["tensors"], check)
+            fmt.verify_blobs(experts_file, experts_map, _blob_entries(header), check)
+        except PackError:
+            verified.forget(path)
+            raise
+        if check:
+            verified.remember(path, header, began)
+        pack = Pack(path, header, dense_map, experts_map)
+        pack.verified = "checksums skipped" if not check and since is None else verified.describe(since)
+        return pack
 
     @property
     def pack_id(self) -> str:
