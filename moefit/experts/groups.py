@@ -23,9 +23,9 @@ class Groups:
     def of(ids: torch.Tensor, weights: torch.Tensor) -> "Groups":
         """ids, weights [T, k] on the host."""
         if ids.shape[0] == 1:                   # a decode step: k distinct experts, sorted in Python
-            row, w = ids[0].tolist(), weights[0].tolist()
+            (row,), (w,) = ids.tolist(), weights.tolist()
             order = sorted(range(len(row)), key=row.__getitem__)
-            return Groups([row[i] for i in order], list(range(len(row) + 1)), torch.zeros(len(row), dtype=torch.int32),
+            return Groups([row[i] for i in order], list(range(len(row) + 1)), _token_zero(len(row)),
                           torch.tensor([w[i] for i in order], dtype=torch.float32))
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)
@@ -57,6 +57,18 @@ class Groups:
         for i in idx:
             start.append(start[-1] + self.start[i + 1] - self.start[i])
         return Groups([self.experts[i] for i in idx], start, self.rows[sel], self.weights[sel])
+
+
+_ZEROS: dict[int, torch.Tensor] = {}
+
+
+def _token_zero(k: int) -> torch.Tensor:
+    """[k] int32 zeros, made once per k: a decode step's rows (every expert takes token 0). Only
+    read (rows_of and subset copy)."""
+    rows = _ZEROS.get(k)
+    if rows is None:
+        rows = _ZEROS[k] = torch.zeros(k, dtype=torch.int32)
+    return rows
 
 
 def expert_forward(x: torch.Tensor, parts: dict[str, torch.Tensor], quant: str, linear=qlinear) -> torch.Tensor:

@@ -136,8 +136,10 @@ def matrix_shape(codes: torch.Tensor, quant: str) -> tuple[int, int]:
     return codes.shape[0], codes.shape[1] * (2 if quant in ("int4", "int4p") else 1)
 
 
-def _p(t: torch.Tensor) -> ctypes.c_void_p:
-    return ctypes.c_void_p(t.data_ptr())
+def _p(t: torch.Tensor) -> int:
+    """t's address, for an argument declared c_void_p (every function here declares its argtypes):
+    ctypes converts the int itself, without a c_void_p object per argument."""
+    return t.data_ptr()
 
 
 def qlinear(x: torch.Tensor, parts: dict, name: str, quant: str) -> torch.Tensor | None:
@@ -150,6 +152,29 @@ def qlinear(x: torch.Tensor, parts: dict, name: str, quant: str) -> torch.Tensor
     y = torch.empty(t, r, dtype=torch.float32)
     ok = library().moe_linear(_p(x), t, c, r, Q[quant], group, _p(w), _p(scale), _p(y))
     return y if ok == 0 else None
+
+
+class BoundMatrix:
+    """One quantised host matrix's call with its arguments bound once: a decode step's product
+    (a few rows of x) without qlinear's per-call lookups and checks, which on a slow host cost
+    more than a small matrix's product (a decode layer makes four to six of these)."""
+
+    def __init__(self, parts: dict, name: str, quant: str):
+        w, scale = parts[name], parts[name + ".scale"]
+        self.rows, self.cols = matrix_shape(w, quant)
+        lib = library()
+        self.fn = lib.moe_linear if lib is not None and w.is_cpu and quant in ("int8", "int4", "int4p") else None
+        self.args = (self.cols, self.rows, Q.get(quant, 0), group_of(quant, self.cols, scale), w.data_ptr(),
+                     scale.data_ptr())
+        self.keep = (w, scale)                                   # the addresses above stay theirs
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor | None:
+        """x [T, C] fp32 host rows -> [T, R] fp32, or None where it does not apply."""
+        if self.fn is None or x.dtype is not torch.float32 or not x.is_cpu or not x.is_contiguous() \
+                or x.shape[-1] != self.cols:
+            return None
+        y = torch.empty(x.shape[0], self.rows, dtype=torch.float32)
+        return y if self.fn(x.data_ptr(), x.shape[0], *self.args, y.data_ptr()) == 0 else None
 
 
 def dequantize(parts: dict, name: str, quant: str, out: torch.Tensor | None = None) -> torch.Tensor | None:

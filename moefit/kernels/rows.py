@@ -42,7 +42,7 @@ def _host_fp32(t: torch.Tensor | None) -> bool:
     return t is None or (t.dtype is F32 and t.is_cpu)
 
 
-def _ptr(t: torch.Tensor | None) -> ctypes.c_void_p | None:
+def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else _p(t)
 
 

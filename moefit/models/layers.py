@@ -16,7 +16,7 @@ from moefit import kernels
 from moefit.kernels import rows as native
 from moefit.models.attention import causal_mask
 from moefit.pack.layout import DENSE_GROUP, dense_quantizable
-from moefit.pack.quant import qlinear, quantize
+from moefit.pack.quant import prompt_sized, qlinear, quantize
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -252,6 +252,12 @@ class QWeight:
 
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, quant: str):
         self.parts, self.quant = {"w": codes, "w.scale": scale}, quant
+        self.step = kernels.BoundMatrix(self.parts, "w", quant)     # a decode step's product, bound once
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, C] @ W^T: a decode step's rows through the bound call, the rest through qlinear."""
+        y = None if prompt_sized(x.shape[0]) else self.step(x)
+        return y if y is not None else qlinear(x, self.parts, "w", self.quant)
 
     @property
     def device(self):
@@ -261,7 +267,7 @@ class QWeight:
 def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear for a plain weight or a QWeight."""
     if isinstance(w, QWeight):
-        y = qlinear(x, w.parts, "w", w.quant)
+        y = w(x)
         return y + bias if bias is not None else y
     return F.linear(x, w, bias)
 
