@@ -8,8 +8,9 @@ contiguous blob per (layer, expert), the tokenizer, and (once profiled) the prof
     PACK/tokenizer/         tokenizer.json, tokenizer_config.json, chat_template.jinja
     PACK/profile.json       routing counts per (layer, expert), written atomically
 
-Opening maps the two weight files (no copy in RAM) and verifies sizes and checksums,
-raising PackError that names the file and, for a bad blob, the (layer, expert).
+Opening maps the two weight files (no copy in RAM) and verifies sizes and checksums (the
+checksums once while the files stay the same: pack/verified.py), raising PackError that names
+the file and, for a bad blob, the (layer, expert).
 """
 
 from __future__ import annotations
