@@ -144,26 +144,20 @@ def _p(t: torch.Tensor) -> int:
 
 def qlinear(x: torch.Tensor, parts: dict, name: str, quant: str) -> torch.Tensor | None:
     """x [T, C] fp32 times the quantised W [R, C]^T -> [T, R] fp32, or None for shapes the
-    kernel does not take (C not a multiple of 32)."""
-    x = x.contiguous()
-    w, scale = parts[name], parts[name + ".scale"]
-    t, c, r = x.shape[0], x.shape[1], w.shape[0]
-    group = group_of(quant, c, scale)
-    y = torch.empty(t, r, dtype=torch.float32)
-    ok = library().moe_linear(_p(x), t, c, r, Q[quant], group, _p(w), _p(scale), _p(y))
-    return y if ok == 0 else None
+    kernel does not take (C not a multiple of 32): BoundMatrix's call, bound for this one."""
+    return BoundMatrix(parts, name, quant)(x.contiguous())
 
 
 class BoundMatrix:
-    """One quantised host matrix's call with its arguments bound once: a decode step's product
-    (a few rows of x) without qlinear's per-call lookups and checks, which on a slow host cost
-    more than a small matrix's product (a decode layer makes four to six of these)."""
+    """One quantised host matrix's call (moe_linear) with its arguments bound once: a dense
+    matrix's decode-step product (layers.QWeight) then skips the lookups and checks that on a
+    slow host cost more than a small matrix's product (a decode layer makes four to six)."""
 
     def __init__(self, parts: dict, name: str, quant: str):
         w, scale = parts[name], parts[name + ".scale"]
         self.rows, self.cols = matrix_shape(w, quant)
         lib = library()
-        self.fn = lib.moe_linear if lib is not None and w.is_cpu and quant in ("int8", "int4", "int4p") else None
+        self.fn = lib.moe_linear if lib is not None and w.is_cpu and quant in Q else None   # it refuses what it lacks
         self.args = (self.cols, self.rows, Q.get(quant, 0), group_of(quant, self.cols, scale), w.data_ptr(),
                      scale.data_ptr())
         self.keep = (w, scale)                                   # the addresses above stay theirs
