@@ -14,6 +14,7 @@ import json
 from dataclasses import dataclass, field
 
 from moefit.families import SPECS, family_name, family_spec
+from moefit.families.common import latent_attention
 from moefit.families.state import KV_DTYPES
 
 
@@ -206,7 +207,7 @@ def _expert_size(cfg: dict, family: str) -> int:
 
 
 def _head_dim(cfg: dict, family: str, heads: int) -> int:
-    if family == "deepseek_v3":                      # MLA: a query / key head is nope + rope
+    if latent_attention(family_spec(family)):        # MLA: a query / key head is nope + rope
         return cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"]
     return cfg.get("head_dim") or cfg["hidden_size"] // heads
 

@@ -9,7 +9,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import tiny  # noqa: E402
 
-FAMILIES = ("qwen3_moe", "mixtral", "olmoe", "glm4_moe", "qwen3_5_moe", "qwen3_next", "deepseek_v3", "gpt_oss")
+FAMILIES = ("qwen3_moe", "mixtral", "olmoe", "glm4_moe", "qwen3_5_moe", "qwen3_next", "deepseek_v3", "gpt_oss",
+            "glm4_moe_lite")
 
 
 @pytest.fixture(scope="session")

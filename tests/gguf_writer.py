@@ -189,7 +189,7 @@ def _metadata(w: gguf.GGUFWriter, cfg: dict, family: str) -> None:
         w.add_rope_dimension_count(int(cfg["head_dim"] * cfg["rope_parameters"].get("partial_rotary_factor", 0.25)))
     if family in ("glm4_moe", "deepseek_v3"):
         w.add_expert_shared_count(cfg.get("n_shared_experts", 0))
-        w.add_leading_dense_block_count(cfg.get("first_k_dense_replace", 0))
+        w.add_leading_dense_block_count(_leading_dense(cfg))
         w.add_expert_weights_scale(cfg["routed_scaling_factor"])
         w.add_expert_weights_norm(bool(cfg["norm_topk_prob"]))
         w.add_expert_group_count(cfg.get("n_group", 1))
@@ -206,6 +206,14 @@ def _metadata(w: gguf.GGUFWriter, cfg: dict, family: str) -> None:
         w.add_key_length_mla(cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"])
         w.add_value_length_mla(cfg["v_head_dim"])
         w.add_rope_dimension_count(cfg["qk_rope_head_dim"])
+
+
+def _leading_dense(cfg: dict) -> int:
+    """The converter's leading_dense_block_count: first_k_dense_replace, or GLM-4.7-Flash's
+    transformers config's leading "dense" mlp_layer_types."""
+    kinds = cfg.get("mlp_layer_types")
+    return next((i for i, kind in enumerate(kinds) if kind != "dense"), len(kinds)) if kinds \
+        else cfg.get("first_k_dense_replace", 0)
 
 
 def _tokenizer(w: gguf.GGUFWriter, hf_dir: Path) -> None:

@@ -45,6 +45,9 @@ def test_state_per_token_is_what_each_architecture_keeps():
     ds = from_config(published("deepseek-v3.json"), "int4", "bf16")
     assert ds.kv_bytes_per_token("bf16") == 61 * (512 + 64) * 2                    # MLA: latent + rope key
     assert ds.rope_bytes(131072) == 64 // 2 * 4                                # inverse frequencies only
+    glm = published("glm-4.7-flash.json")                                      # DeepSeek-V3's block, smaller
+    assert glm.moe_layers == tuple(range(1, 47)) and glm.head_dim == 192 + 64
+    assert from_config(glm, "int4", "bf16").kv_bytes_per_token("bf16") == 47 * (512 + 64) * 2
 
 
 def test_hybrid_layers_keep_constant_state_and_only_full_attention_grows():

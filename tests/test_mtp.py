@@ -19,7 +19,7 @@ from moefit.runtime.state import SequenceState
 
 import tiny
 
-MTP_FAMILIES = ("qwen3_next", "qwen3_5_moe", "deepseek_v3", "glm4_moe")
+MTP_FAMILIES = ("qwen3_next", "qwen3_5_moe", "deepseek_v3", "glm4_moe", "glm4_moe_lite")
 GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
 PROMPT = [5, 17, 42, 99, 7, 3, 150, 220, 31, 64] * 3 + [5, 17]
 

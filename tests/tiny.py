@@ -41,6 +41,11 @@ FAMILY_CONFIGS = {
                         kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
                         first_k_dense_replace=1, n_shared_experts=1, n_group=2, topk_group=1,
                         routed_scaling_factor=2.5, norm_topk_prob=True),
+    "glm4_moe_lite": dict(model_type="glm4_moe_lite", num_key_value_heads=4, moe_intermediate_size=96,
+                          intermediate_size=112, n_routed_experts=8, kv_lora_rank=32, q_lora_rank=48,
+                          qk_rope_head_dim=8, qk_nope_head_dim=24, v_head_dim=16,
+                          mlp_layer_types=["sparse", "dense", "sparse"], n_shared_experts=1,
+                          routed_scaling_factor=1.8, norm_topk_prob=True),
     "gpt_oss": dict(model_type="gpt_oss", intermediate_size=96, num_local_experts=8, head_dim=16,
                     sliding_window=8, layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
 }
@@ -127,7 +132,8 @@ def real_tokenizer(name: str, out: Path) -> Path:
     return out
 
 
-MTP_NAMES = {"qwen3_next": "qwen", "qwen3_5_moe": "qwen", "deepseek_v3": "nextn", "glm4_moe": "nextn"}
+MTP_NAMES = {"qwen3_next": "qwen", "qwen3_5_moe": "qwen", "deepseek_v3": "nextn", "glm4_moe": "nextn",
+             "glm4_moe_lite": "nextn"}
 
 
 def mtp_decoder_layer(config, family: str):

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from moefit.families import deepseek_v3, glm4_moe, gpt_oss, mixtral, olmoe, qwen3_5_moe, qwen3_moe, qwen3_next
+from moefit.families import (deepseek_v3, glm4_moe, glm4_moe_lite, gpt_oss, mixtral, olmoe, qwen3_5_moe, qwen3_moe,
+                             qwen3_next)
 
 SPECS: dict[str, ModuleType] = {s.NAME: s for s in (qwen3_moe, mixtral, olmoe, qwen3_5_moe, qwen3_next, gpt_oss,
-                                                      deepseek_v3, glm4_moe)}
+                                                      deepseek_v3, glm4_moe, glm4_moe_lite)}
 ALIASES = {"qwen3_5_moe_text": "qwen3_5_moe", "qwen3_moe_text": "qwen3_moe"}
 RUNNABLE = tuple(name for name, s in SPECS.items() if s.RUNS)
 

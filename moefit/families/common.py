@@ -115,9 +115,15 @@ def first_layer_state(m):
     return m.layer_states()[0]
 
 
+def latent_attention(spec) -> bool:
+    """Whether a family's attention is MLA (DeepSeek-V3, GLM-4.7-Flash): its declaration says LATENT."""
+    return getattr(spec, "LATENT", False)
+
+
 def rope_dim(m) -> int:
-    """Channels RoPE rotates per head: MLA's rope key, else the partial or whole head."""
-    return m.raw["qk_rope_head_dim"] if m.family == "deepseek_v3" else rotary_dim(m.raw, m.head_dim)
+    """Channels RoPE rotates per head: MLA's rope key (all of it: transformers scales the rope head
+    by partial_rotary_factor, which no MLA checkpoint sets below 1), else the partial or whole head."""
+    return rotary_dim(m.raw, m.raw["qk_rope_head_dim"]) if latent_attention(m.spec) else rotary_dim(m.raw, m.head_dim)
 
 
 def rotary_dim(cfg: dict, head_dim: int) -> int:

@@ -10,6 +10,7 @@ from moefit.families.state import LatentKV
 
 NAME = "deepseek_v3"
 RUNS = True
+LATENT = True           # MLA: a query / key head is nope + rope; RoPE turns the rope key alone
 
 
 def moe_layers(cfg: dict, layers: int) -> tuple[int, ...]:

@@ -11,4 +11,5 @@ from moefit.models.qwen3_next import Qwen3Next
 
 FAMILY = {"qwen3_moe": Qwen3Moe, "mixtral": Mixtral, "olmoe": Olmoe, "glm4_moe": Glm4Moe,
           "qwen3_5_moe": Qwen3_5Moe, "qwen3_next": Qwen3Next,
-          "deepseek_v3": DeepseekV3, "gpt_oss": GptOss}
+          "deepseek_v3": DeepseekV3, "gpt_oss": GptOss,
+          "glm4_moe_lite": DeepseekV3}    # GLM-4.7-Flash: DeepSeek-V3's forward; only its MoE layers differ
