@@ -27,17 +27,23 @@ from bench.gguf_check import llama_logits, moefit_logits  # noqa: E402
 from tiny import build_checkpoint, real_tokenizer  # noqa: E402
 
 ARCH = {"qwen3_moe": "qwen3moe", "mixtral": "llama", "olmoe": "olmoe", "glm4_moe": "glm4moe",
-        "deepseek_v3": "deepseek2", "qwen3_next": "qwen3next", "qwen3_5_moe": "qwen35moe", "gpt_oss": "gpt-oss"}
+        "deepseek_v3": "deepseek2", "qwen3_next": "qwen3next", "qwen3_5_moe": "qwen35moe", "gpt_oss": "gpt-oss",
+        "glm4_moe_lite": "deepseek2"}
 
 
 # the family's own tokenizer where llama.cpp's converter asks for its special tokens (GLM's [gMASK])
-TOKENIZER = {"glm4_moe": "glm-4.5v", "deepseek_v3": "deepseek-v3"}
+TOKENIZER = {"glm4_moe": "glm-4.5v", "deepseek_v3": "deepseek-v3", "glm4_moe_lite": "glm-4.5v"}
 # llama.cpp's qwen3moe has no dense FFN layers: the tiny Qwen3-MoE fixture's dense layer goes
 # DeepSeek-V3's real config names its sigmoid routing (the converter writes it; without, llama.cpp
 # falls back to DeepSeek-V2's softmax). llama.cpp's OLMoE is multi-head attention and its converter
 # writes an RMS epsilon of 1e-5, as OLMoE has: the fixture takes both.
 OVERRIDES = {"qwen3_moe": {"mlp_only_layers": []}, "deepseek_v3": {"scoring_func": "sigmoid"},
-             "olmoe": {"num_key_value_heads": 4, "rms_norm_eps": 1e-5}}
+             "olmoe": {"num_key_value_heads": 4, "rms_norm_eps": 1e-5},
+             # the converter reads GLM-4.7-Flash's leading dense layers from first_k_dense_replace, as its config.json
+             # has it; with no scoring_func it writes no gating, and llama.cpp takes sigmoid for GLM-4.7-Flash's own 47
+             # layers and 154880 tokens only (moefit: for GLM's pre-tokenizer too), so the tiny one names it
+             "glm4_moe_lite": {"mlp_layer_types": ["dense", "sparse", "sparse"], "first_k_dense_replace": 1,
+                               "scoring_func": "sigmoid"}}
 
 
 # the hybrids' converter expects MTP layers, which transformers' tiny checkpoints do not have

@@ -17,11 +17,13 @@ from moefit.pack.convert import _TensorSource
 
 ARCH = {"qwen3_moe": gguf.MODEL_ARCH.QWEN3MOE, "mixtral": gguf.MODEL_ARCH.LLAMA, "olmoe": gguf.MODEL_ARCH.OLMOE,
         "glm4_moe": gguf.MODEL_ARCH.GLM4_MOE, "deepseek_v3": gguf.MODEL_ARCH.DEEPSEEK2,
-        "gpt_oss": gguf.MODEL_ARCH.GPT_OSS, "qwen3_5_moe": gguf.MODEL_ARCH.QWEN35MOE}
+        "gpt_oss": gguf.MODEL_ARCH.GPT_OSS, "qwen3_5_moe": gguf.MODEL_ARCH.QWEN35MOE,
+        "glm4_moe_lite": gguf.MODEL_ARCH.DEEPSEEK2}                # GLM-4.7-Flash, as llama.cpp converts it
+MLA = ("deepseek_v3", "glm4_moe_lite")
 EXPERT_TENSORS = (gguf.MODEL_TENSOR.FFN_GATE_EXP, gguf.MODEL_TENSOR.FFN_UP_EXP, gguf.MODEL_TENSOR.FFN_DOWN_EXP)
 
 
-def write_gguf(hf_dir: Path, path: Path, family: str, expert_type=None, down_type=None) -> Path:
+def write_gguf(hf_dir: Path, path: Path, family: str, expert_type=None, down_type=None, gating: bool = True) -> Path:
     """`expert_type`: the experts' GGUF type (None: F32); `down_type`: down's, when it differs (a
     Q4_K_M file's Q6_K). gguf.quants cannot make K-quants or IQ4_XS: those experts are random
     super-blocks (super_blocks), a valid file whose weights tests read back bit for bit."""
@@ -32,8 +34,8 @@ def write_gguf(hf_dir: Path, path: Path, family: str, expert_type=None, down_typ
     arch = ARCH[family]
     n = cfg["num_hidden_layers"]
     w = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
-    _metadata(w, cfg, family)
-    _tokenizer(w, hf_dir)
+    _metadata(w, cfg, family, gating)
+    _tokenizer(w, hf_dir, "glm4" if family == "glm4_moe_lite" else "gpt-2")
     names = gguf.get_tensor_name_map(arch, n)
     for key in src.dense_keys:
         for name, t in _converted(key, src.get(key).float(), cfg, family):
@@ -92,7 +94,7 @@ def _converted(key: str, t: torch.Tensor, cfg: dict, family: str):
     elif family == "mixtral" and key.endswith(("q_proj.weight", "k_proj.weight")):
         heads = cfg["num_attention_heads"] if "q_proj" in key else cfg["num_key_value_heads"]
         yield key, t.reshape(heads, 2, t.shape[0] // heads // 2, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)
-    elif family == "deepseek_v3" and key.endswith("kv_b_proj.weight"):
+    elif family in MLA and key.endswith("kv_b_proj.weight"):
         heads, nope, v = cfg["num_attention_heads"], cfg["qk_nope_head_dim"], cfg["v_head_dim"]
         k_b, v_b = torch.split(t.view(heads, nope + v, t.shape[-1]), [nope, v], dim=1)
         yield key.replace("kv_b_proj", "k_b_proj"), k_b.transpose(1, 2).contiguous()
@@ -150,7 +152,7 @@ def _tile(t: torch.Tensor, dim: int, hk: int, r: int, d: int) -> torch.Tensor:
     return t.reshape(*shape[:dim], hk, r, d, *shape[dim + 1:]).transpose(dim, dim + 1).reshape(shape)
 
 
-def _metadata(w: gguf.GGUFWriter, cfg: dict, family: str) -> None:
+def _metadata(w: gguf.GGUFWriter, cfg: dict, family: str, gating: bool = True) -> None:
     heads = cfg["num_attention_heads"]
     w.add_block_count(cfg["num_hidden_layers"])
     w.add_context_length(cfg["max_position_embeddings"])
@@ -172,10 +174,10 @@ def _metadata(w: gguf.GGUFWriter, cfg: dict, family: str) -> None:
         w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
         w.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
         w.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
-    if cfg.get("head_dim") and family != "deepseek_v3":
+    if cfg.get("head_dim") and family not in MLA:
         w.add_key_length(cfg["head_dim"])
         w.add_value_length(cfg["head_dim"])
-    if family in ("qwen3_moe", "glm4_moe", "deepseek_v3", "qwen3_5_moe"):
+    if family in ("qwen3_moe", "glm4_moe", "qwen3_5_moe", *MLA):
         w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
     if family == "qwen3_5_moe":
         w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
@@ -187,18 +189,19 @@ def _metadata(w: gguf.GGUFWriter, cfg: dict, family: str) -> None:
         w.add_array(f"{w.arch}.attention.recurrent_layers", [t == "linear_attention" for t in cfg["layer_types"]])
         w.add_full_attention_interval(cfg.get("full_attention_interval", 4))
         w.add_rope_dimension_count(int(cfg["head_dim"] * cfg["rope_parameters"].get("partial_rotary_factor", 0.25)))
-    if family in ("glm4_moe", "deepseek_v3"):
+    if family in ("glm4_moe", *MLA):
         w.add_expert_shared_count(cfg.get("n_shared_experts", 0))
         w.add_leading_dense_block_count(_leading_dense(cfg))
         w.add_expert_weights_scale(cfg["routed_scaling_factor"])
         w.add_expert_weights_norm(bool(cfg["norm_topk_prob"]))
         w.add_expert_group_count(cfg.get("n_group", 1))
         w.add_expert_group_used_count(cfg.get("topk_group", 1))
+    if gating and family in ("glm4_moe", "deepseek_v3"):       # GLM-4.7-Flash's converter writes no gating
         w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
     if family == "glm4_moe":
         factor = (cfg.get("rope_parameters") or {}).get("partial_rotary_factor", 0.5)
         w.add_rope_dimension_count(int(cfg["head_dim"] * factor))
-    if family == "deepseek_v3":
+    if family in MLA:
         w.add_q_lora_rank(cfg["q_lora_rank"])
         w.add_kv_lora_rank(cfg["kv_lora_rank"])
         w.add_key_length(cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"])
@@ -216,11 +219,11 @@ def _leading_dense(cfg: dict) -> int:
         else cfg.get("first_k_dense_replace", 0)
 
 
-def _tokenizer(w: gguf.GGUFWriter, hf_dir: Path) -> None:
+def _tokenizer(w: gguf.GGUFWriter, hf_dir: Path, pre: str = "gpt-2") -> None:
     tok = json.loads((hf_dir / "tokenizer.json").read_text())
     vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt-2")
+    w.add_tokenizer_pre(pre)
     w.add_token_list([t for t, _ in vocab])
     w.add_token_types([3 if t in ("<unk>", "<|endoftext|>") else 1 for t, _ in vocab])
     w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])

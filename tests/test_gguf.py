@@ -168,7 +168,6 @@ def test_a_split_gguf_packs_from_any_of_its_parts(hf, tmp_path):
 ARCH_FIXTURES = {"mixtral": {}, "olmoe": {"num_key_value_heads": 4, "rms_norm_eps": 1e-5},
                  "glm4_moe": {}, "deepseek_v3": {}, "gpt_oss": {}, "qwen3_5_moe": {},
                  "glm4_moe_lite": {"mlp_layer_types": ["dense", "sparse", "sparse"]}}
-WRITTEN_AS = {"glm4_moe_lite": "deepseek_v3"}    # llama.cpp converts GLM-4.7-Flash as deepseek2
 
 
 @pytest.mark.parametrize("family", list(ARCH_FIXTURES))
@@ -176,17 +175,32 @@ def test_each_llama_cpp_architecture_packs_and_matches_transformers(family, tmp_
     from transformers import AutoModelForCausalLM
     from gguf_writer import ARCH, write_gguf
     hf_dir = tiny.build_checkpoint(family, tmp_path / "hf", **ARCH_FIXTURES[family])
-    written = WRITTEN_AS.get(family, family)
-    path = write_gguf(hf_dir, tmp_path / f"{family}.gguf", written)
+    path = write_gguf(hf_dir, tmp_path / f"{family}.gguf", family)
     header = convert(path, tmp_path / "pack", "fp32", progress=False)
-    assert header["model_config"]["model_type"] in (written, written + "_text")
+    assert header["model_config"]["model_type"] in (family, family + "_text")
     assert header["model_config"]["moefit_source"]["gguf"] == path.name
     engine = Engine.open(tmp_path / "pack", ServeConfig(ctx=128, prefill_chunk=len(PROMPT)))
     ref = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         want = ref(torch.tensor([PROMPT])).logits[0]
     got = engine.forward(PROMPT, 0)
-    assert torch.allclose(got, want, atol=1e-4, rtol=0), f"{ARCH[written].name}: {float((got - want).abs().max())}"
+    assert torch.allclose(got, want, atol=1e-4, rtol=0), f"{ARCH[family].name}: {float((got - want).abs().max())}"
+
+
+def test_a_deepseek2_file_without_gating_is_glm_flash_or_refused_as_deepseek_v2(tmp_path):
+    """llama.cpp's converter writes no gating key for deepseek2; llama.cpp reads such a file as
+    DeepSeek-V2's softmax routing unless it is GLM-4.7-Flash's (sigmoid). moefit does the same,
+    and refuses the softmax it does not run rather than route with the wrong function."""
+    from gguf_writer import write_gguf
+    hf_dir = tiny.build_checkpoint("deepseek_v3", tmp_path / "hf")
+    path = write_gguf(hf_dir, tmp_path / "v2.gguf", "deepseek_v3", gating=False)
+    with pytest.raises(PackError, match="expert gating 'softmax'.*not supported"):
+        convert(path, tmp_path / "pack", "fp32", progress=False)
+    lite = tiny.build_checkpoint("glm4_moe_lite", tmp_path / "lite", mlp_layer_types=["dense", "sparse", "sparse"])
+    header = convert(write_gguf(lite, tmp_path / "flash.gguf", "glm4_moe_lite"), tmp_path / "flash", "fp32",
+                     progress=False)
+    assert header["model_config"]["model_type"] == "glm4_moe_lite"
+    assert header["model_config"]["scoring_func"] == "sigmoid"
 
 
 def test_by_default_a_gguf_file_keeps_its_blocks_and_names_what_it_cannot(hf, tmp_path):

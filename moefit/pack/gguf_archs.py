@@ -6,7 +6,8 @@ converter applied that moefit undoes. One entry per architecture; gguf_source.py
     qwen3moe   Qwen3-MoE
     olmoe      OLMoE
     glm4moe    GLM-4.5 / 4.6 / 4.7 (block_count includes the MTP layers: not read)
-    deepseek2  DeepSeek-V3 / Kimi-K2 (MLA's kv_b split into k_b (transposed) and v_b: joined back)
+    deepseek2  DeepSeek-V3 / Kimi-K2 (MLA's kv_b split into k_b (transposed) and v_b: joined back), and
+               GLM-4.7-Flash (glm4_moe_lite: no gating key, sigmoid as llama.cpp takes it; MTP layers not read)
     gpt-oss    gpt-oss (the experts' gate and up biases, split by the converter, interleaved back as
                the HF checkpoint holds them; sliding attention on even layers, as llama.cpp has it)
     qwen35moe  Qwen3.5 / 3.6-MoE, and qwen3next (Qwen3-Next), both read into Qwen3.5's layout: the
@@ -111,13 +112,28 @@ def _glm4moe(m: Meta) -> dict:
     return {**_routing(m, "sigmoid"), "partial_rotary_factor": m("rope.dimension_count", head_dim) / head_dim}
 
 
+def _own_layers(m: Meta) -> int:
+    """block_count less the MTP layers after the model's own (GLM's converters write them)."""
+    return m("block_count", None) - (m("nextn_predict_layers", 0) or 0)
+
+
+def glm_flash(m: Meta) -> bool:
+    """A GLM-4.7-Flash file: llama.cpp's converter writes it as deepseek2 without an expert gating
+    key, and llama.cpp itself (src/models/deepseek2.cpp) takes 47 or 48 layers and a vocabulary of
+    154880 for GLM-4.7-Flash, whose routing is sigmoid; GLM's own pre-tokenizer says so too."""
+    return m("tokenizer.ggml.pre", None) == "glm4" or (
+        _own_layers(m) in (47, 48) and len(m("tokenizer.ggml.tokens", ())) == 154880)
+
+
 def _deepseek2(m: Meta) -> dict:
-    rope = m("rope.dimension_count", None)
-    cfg = {**_routing(m, "softmax"), "q_lora_rank": m("attention.q_lora_rank", None),
+    rope, glm = m("rope.dimension_count", None), glm_flash(m)
+    cfg = {**_routing(m, "sigmoid" if glm else "softmax"), "q_lora_rank": m("attention.q_lora_rank", None),
            "kv_lora_rank": m("attention.kv_lora_rank", None), "qk_rope_head_dim": rope,
            "qk_nope_head_dim": m("attention.key_length_mla", None) - rope,
            "v_head_dim": m("attention.value_length_mla", None), "rope_interleave": True,
            "head_dim": rope, "num_key_value_heads": m("attention.head_count", None)}
+    if glm:                                 # the same forward (models/__init__.py); the family by its name
+        cfg.update(model_type="glm4_moe_lite", architectures=["Glm4MoeLiteForCausalLM"])
     if m("rope.scaling.type", None) == "yarn":
         cfg["rope_scaling"] = {"type": "yarn", "factor": m("rope.scaling.factor", 1.0),
                                "original_max_position_embeddings": m("rope.scaling.original_context_length", None),
@@ -251,9 +267,10 @@ ARCHS: dict[str, Arch] = {
     "glm4moe": Arch("glm4_moe", "Glm4MoeForCausalLM",
                     {**ATTENTION, **ROUTER, **DENSE_MLP, **SHARED,
                      "post_attention_norm.weight": "post_attention_layernorm.weight"}, _glm4moe,
-                    layers=lambda m: m("block_count", None) - (m("nextn_predict_layers", 0) or 0)),
+                    layers=_own_layers),
     "deepseek2": Arch("deepseek_v3", "DeepseekV3ForCausalLM", {**MLA, **ROUTER, **DENSE_MLP, **SHARED}, _deepseek2,
-                      joins={"self_attn.kv_b_proj.weight": (("attn_k_b.weight", "attn_v_b.weight"), join_kv_b)}),
+                      joins={"self_attn.kv_b_proj.weight": (("attn_k_b.weight", "attn_v_b.weight"), join_kv_b)},
+                      layers=_own_layers),
     "gpt-oss": Arch("gpt_oss", "GptOssForCausalLM",
                     {**ATTENTION, "attn_output.bias": "self_attn.o_proj.bias", "attn_sinks.weight": "self_attn.sinks",
                      "post_attention_norm.weight": "post_attention_layernorm.weight",

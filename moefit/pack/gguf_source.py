@@ -82,7 +82,8 @@ class GGUFSource:
         return value
 
     def _m(self, key: str, default=None):
-        return self.meta(f"{self.arch}.{key}", default)
+        """The architecture's key (without its "ARCH." prefix), or a tokenizer. / general. key as is."""
+        return self.meta(key if key.startswith(("tokenizer.", "general.")) else f"{self.arch}.{key}", default)
 
     def hf_config(self) -> dict:
         if self._config is None:
