@@ -246,3 +246,39 @@ def test_a_prompts_busy_k_quant_experts_run_as_gemms(hf256, tmp_path, monkeypatc
     dots = Engine.open(tmp_path / "pack", ServeConfig(ctx=256, expert_gemm_rows="off")).prefill(prompt)[0]
     assert not calls
     assert torch.isfinite(gemm).all() and (gemm - dots).norm() / dots.norm() < 5e-2
+
+
+def _tokenizer_only_gguf(tok_dir, path, pre: str):
+    """A GGUF file holding a real tokenizer as llama.cpp's converter writes it (tokens by id, the
+    added ones as CONTROL, merges as "a b") under `pre`, and no tensors."""
+    import json
+    t = json.loads((tok_dir / "tokenizer.json").read_text())
+    by_id = {i: tok for tok, i in t["model"]["vocab"].items()}
+    special = {a["id"]: a["content"] for a in t["added_tokens"]}
+    n = max([*by_id, *special]) + 1
+    w = gguf.GGUFWriter(str(path), "qwen3moe")
+    w.add_block_count(1)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list([special.get(i, by_id.get(i, f"[PAD{i}]")) for i in range(n)])
+    w.add_token_types([3 if i in special else 1 for i in range(n)])
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in t["model"]["merges"]])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.mark.parametrize("name,pre", [("qwen-3", "qwen2"), ("glm-4.5v", "glm4"), ("deepseek-v3", "deepseek-v3")])
+def test_a_gguf_tokenizer_splits_and_merges_as_its_own_tokenizer_json(name, pre, tmp_path):
+    """GLM's digits in threes and whole-word lookups, DeepSeek-V3's three splits: the tokenizer
+    moefit rebuilds from a GGUF file encodes as the model's own tokenizer.json does."""
+    from tokenizers import Tokenizer
+    from moefit.pack.gguf_source import GGUFSource
+    tok_dir = tiny.real_tokenizer(name, tmp_path / name)
+    GGUFSource(_tokenizer_only_gguf(tok_dir, tmp_path / "tok.gguf", pre)).write_tokenizer(tmp_path / "out")
+    ours, theirs = (Tokenizer.from_file(str(d / "tokenizer.json")) for d in (tmp_path / "out", tok_dir))
+    for text in ("The year 2026 had 1234567 tokens; I'LL say it's 3.14159!", "def f(x):\n\treturn x**2  # ok\r\n",
+                 "模型在本地运行。ひらがなとカタカナ", "   leading and trailing   ", "<|endoftext|> e-mail: a@b.c"):
+        assert ours.encode(text, add_special_tokens=False).ids == theirs.encode(text, add_special_tokens=False).ids, text

@@ -31,9 +31,19 @@ from moefit.pack.quant import FP4_VALUES
 
 LAYER = re.compile(r"blk\.(\d+)\.(.+)$")
 EXPERTS = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
-# GPT-2's and Qwen2's pre-tokenizer splits (tokenizer.ggml.pre), as their tokenizer.json files give them
-SPLITS = {"qwen2": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
-          "gpt-2": r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"}
+# Each pre-tokenizer llama.cpp names (tokenizer.ggml.pre) as its tokenizer.json gives it: the regex
+# splits, applied in turn, and whether a word in the vocabulary is taken whole before any merge
+PRE_TOKENIZERS = {
+    "gpt-2": ([r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"], False),
+    "qwen2": ([r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+               r"|\s+(?!\S)|\s+"], False),
+    "glm4": ([r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+              r"|\s+(?!\S)|\s+"], True),
+    "deepseek-v3": ([r"\p{N}{1,3}", "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
+                     "[!\"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+|[^\r\n\\p{L}\\p{P}\\p{S}]?[\\p{L}\\p{M}]+"
+                     "| ?[\\p{P}\\p{S}]+[\r\n]*|\\s*[\r\n]+|\\s+(?!\\S)|\\s+"], False),
+}
+PRE_TOKENIZERS["glm5"] = PRE_TOKENIZERS["glm4"]                 # llama.cpp reads both as ChatGLM-4's
 
 
 SPLIT = re.compile(r"^(.*)-(\d{5})-of-(\d{5})\.gguf$")
@@ -224,10 +234,10 @@ class GGUFSource:
                             "(byte-level BPE, 'gpt2', is)")
         tokens, types = self.meta("tokenizer.ggml.tokens"), self.meta("tokenizer.ggml.token_type", [])
         merges = [tuple(m.split(" ", 1)) for m in self.meta("tokenizer.ggml.merges", [])]
-        tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges))
-        split = SPLITS.get(self.meta("tokenizer.ggml.pre", "gpt-2"), SPLITS["gpt-2"])
+        splits, whole_words = PRE_TOKENIZERS.get(self.meta("tokenizer.ggml.pre", "gpt-2"), PRE_TOKENIZERS["gpt-2"])
+        tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, ignore_merges=whole_words))
         tok.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(split), behavior="isolated"),
+            *(pre_tokenizers.Split(Regex(split), behavior="isolated") for split in splits),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
         tok.decoder = decoders.ByteLevel()
         special = [t for t, kind in zip(tokens, types) if kind in (3, 4)]     # CONTROL, USER_DEFINED
