@@ -80,7 +80,7 @@ def main() -> None:
     print("llama.cpp", results["llama.cpp"], flush=True)
     if args.torch_route:
         real, real_one = rows.attend_stored, rows.attend_one
-        rows.attend_stored = rows.attend_one = lambda *a: None
+        rows.attend_stored = rows.attend_one = lambda *a, **kw: None
         results["moefit, torch attention"] = time_moefit(args.pack, prompt, args.new, args.threads, args.kv_dtype)
         rows.attend_stored, rows.attend_one = real, real_one
         print("moefit, torch attention", results["moefit, torch attention"], flush=True)

@@ -53,6 +53,42 @@ def test_every_kv_dtype_attends_like_softmax_over_its_decoded_rows(kv_dtype, kv_
     assert float((lse.double() - want_lse).abs().max()) < 1e-5
 
 
+@pytest.mark.parametrize("kv_dtype", ["fp32", "bf16", "int8"])
+@pytest.mark.parametrize("heads,keys,rank,rope", [(20, 1, 512, 64), (16, 700, 64, 16), (4, 1100, 32, 8)])
+def test_mla_attends_in_its_latent_like_softmax_over_latent_and_rope_keys(kv_dtype, heads, keys, rank, rope):
+    """moe_attend_latent: each head's [q_c | q_r] against keys [latent | rope key] and values the
+    latent, the two stores read as stored, each with its own row scales (int8)."""
+    g = torch.Generator().manual_seed(keys + heads)
+    k_rope, latent = stored(kv_dtype, 1, keys, rope, keys + 5, g), stored(kv_dtype, 1, keys, rank, keys + 5, g)
+    q = torch.randn(1, heads, rank + rope, generator=g)
+    out, lse = rows.attend_stored(q, k_rope, latent, 0.3 / rank ** 0.5, latent=True)
+    keys = torch.cat((latent.decode(torch.float64), k_rope.decode(torch.float64)), -1)
+    scores = q.double() @ keys.transpose(1, 2) * 0.3 / rank ** 0.5
+    want = torch.softmax(scores, -1) @ latent.decode(torch.float64)
+    assert out.shape == (1, heads, rank)
+    assert float((out.double() - want).abs().max() / want.abs().max()) < 1e-5
+    assert float((lse.double() - torch.logsumexp(scores, -1, keepdim=True)).abs().max()) < 1e-5
+
+
+def test_an_mla_decode_step_takes_the_latent_kernel_with_the_numbers_torch_gets(monkeypatch):
+    """DeepSeek-V3's attention over a plain host cache: the latent kernel, then with it declined the
+    torch route (decode both stores, concatenate the keys, SDPA), to float rounding."""
+    from moefit.models import attention
+    from moefit.families.state import LatentKV
+    g = torch.Generator().manual_seed(3)
+    state = SequenceState(SimpleNamespace(sliding_window=None), 40, "int8", torch.float32,
+                          DeviceMemory(open_device("cpu")), 32, decls=[LatentKV(64, 16)])
+    state.write(0, 0, torch.randn(1, 33, 16, generator=g), torch.randn(1, 33, 64, generator=g))
+    q = torch.randn(8, 1, 80, generator=g)
+    taken = []
+    kernel = rows.attend_stored
+    monkeypatch.setattr(rows, "attend_stored", lambda *a, **kw: taken.append(kw) or kernel(*a, **kw))
+    got = attention.attend_latent(state, 0, q, 32, 0.2)
+    assert taken == [{"latent": True}] and got.shape == (1, 8 * 64)
+    want = attend_state(state, 0, q, 32, None, scale=0.2, keys=lambda k_r, c: (torch.cat((c, k_r), -1), c))
+    assert float((got - want).abs().max() / want.abs().max()) < 1e-5
+
+
 def test_stores_it_cannot_read_are_declined():
     g = torch.Generator().manual_seed(1)
     k = stored("int8", 2, 10, 64, 10, g)
@@ -118,6 +154,8 @@ def check_every_dtype() -> str:
     for kv_dtype in KV_DTYPES:
         test_every_kv_dtype_attends_like_softmax_over_its_decoded_rows(kv_dtype, 1, 17, 1500, 128, 96)
         test_every_kv_dtype_attends_like_softmax_over_its_decoded_rows(kv_dtype, 2, 5, 37, 64, 64)
+    for kv_dtype in ("fp32", "bf16", "int8"):
+        test_mla_attends_in_its_latent_like_softmax_over_latent_and_rope_keys(kv_dtype, 16, 700, 64, 16)
     return kernels.isa()
 
 

@@ -175,7 +175,7 @@ def test_the_mtp_layer_is_paid_for_from_the_reserve(mtp_packs, card):
     assert auto.spec_mode == "mtp"
 
 
-@pytest.mark.parametrize("family", ["glm4_moe", "qwen3_5_moe"])
+@pytest.mark.parametrize("family", ["glm4_moe", "qwen3_5_moe", "glm4_moe_lite"])
 def test_dense_quant_covers_the_mtp_layer_and_its_reserve(family, mtp_packs, card):
     """--dense-quant quantises the MTP layer's matrices as the model's (its drafts ran fp32 matrices,
     ~7x the bytes at 4 bits), the reserve holds what they take, exactly, and greedy output holds."""
@@ -185,7 +185,8 @@ def test_dense_quant_covers_the_mtp_layer_and_its_reserve(family, mtp_packs, car
     cfg = ServeConfig(device=f"sim:{card(64)}", ctx=128, spec="mtp", spec_window=3, vram_reserve_mib=24,
                       dense_quant="int8")
     engine = Engine.open(pack, cfg)
-    assert isinstance(engine.mtp.mtp["layer"]["qkv"], QWeight) and isinstance(engine.mtp.mtp["project"], QWeight)
+    attention = engine.mtp.mtp["layer"].get("qkv", engine.mtp.mtp["layer"].get("q_abs"))    # MLA: absorbed
+    assert isinstance(attention, QWeight) and isinstance(engine.mtp.mtp["project"], QWeight)
     assert engine.loaded.mem.charged["reserve"] == fp.mtp_bytes(128, engine.plan.kv_dtype, cfg.prefill_chunk)
     unquantised = from_pack_header(json.loads((pack / "moefit-pack.json").read_text()), "fp32")
     assert fp.mtp_dense_bytes < unquantised.mtp_dense_bytes / 2

@@ -6,8 +6,9 @@ says that by `mlp_layer_types` ("dense" / "sparse" a layer), the checkpoint's co
 `first_k_dense_replace`, and either is read here."""
 
 from moefit.families import common as c
-from moefit.families.deepseek_v3 import (LATENT, MTP, attention, dense_shapes, dims, layer_shapes, layer_states,  # noqa: F401
-                                         mtp_layers, mtp_shapes, mtp_state)
+from moefit.families.deepseek_v3 import (LATENT, MTP, attention, dense_shapes, dims,  # noqa: F401
+                                         layer_shapes, layer_states, mtp_layers, mtp_shapes, mtp_state,
+                                         quantised_shapes)
 
 NAME = "glm4_moe_lite"
 RUNS = True

@@ -28,6 +28,7 @@ typedef struct {
     const float *q;             /* [K, R, D] */
     const kv_rows *k, *v;
     int64_t R, S, splits;       /* key ranges of KV_SPAN a head */
+    int latent;                 /* MLA (moe_attend_latent): q = [q_c | q_r], scores q_c . v + q_r . k */
     float scale;
     float *part;                /* [K splits][R][Dv + 2]: a range's sums, max score and total per row */
 } stored_args;
@@ -124,12 +125,12 @@ static inline void row_scales(const kv_rows *r, int64_t h, int64_t s0, int64_t n
         }                                                                                           \
         return buf;                                                                                 \
     }                                                                                               \
-    /* p[r][s] = scale q_r . k_s for the block's n keys (rows D apart), -inf past them: two rows    \
-     * and four keys at a time in eight accumulators */                                             \
-    TARGET static void block_scores_##ISA(const float *q, int64_t R, int64_t D, const float *k, int64_t n, \
-                                          float scale, float *p) {                                  \
+    /* p[r][s] = scale q_r . k_s for the block's n keys (rows D apart; query rows ld apart, their  \
+     * first D values), -inf past them: two rows and four keys at a time in eight accumulators */   \
+    TARGET static void block_scores_##ISA(const float *q, int64_t ld, int64_t R, int64_t D, const float *k, \
+                                          int64_t n, float scale, float *p) {                       \
         for (int64_t r = 0; r < R; r += 2) {                                                        \
-            const float *q0 = q + r * D, *q1 = r + 1 < R ? q0 + D : q0;                             \
+            const float *q0 = q + r * ld, *q1 = r + 1 < R ? q0 + ld : q0;                           \
             int64_t s = 0;                                                                          \
             for (; s + 4 <= n; s += 4) {                                                            \
                 const float *k0 = k + s * D;                                                        \
@@ -151,7 +152,7 @@ static inline void row_scales(const kv_rows *r, int64_t h, int64_t s0, int64_t n
             for (; s < KV_BLOCK; s++)                                                               \
                 for (int64_t j = r; j < r + 2 && j < R; j++) {                                      \
                     v8 a = {0};                                                                     \
-                    for (int64_t c = 0; s < n && c < D; c += 8) a += LOADV(v8, q + j * D + c) * LOADV(v8, k + s * D + c); \
+                    for (int64_t c = 0; s < n && c < D; c += 8) a += LOADV(v8, q + j * ld + c) * LOADV(v8, k + s * D + c); \
                     const v4 h = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7); \
                     p[j * KV_BLOCK + s] = s < n ? ((h[0] + h[2]) + (h[1] + h[3])) * scale : -INFINITY; \
                 }                                                                                   \
@@ -206,10 +207,23 @@ static inline void row_scales(const kv_rows *r, int64_t h, int64_t s0, int64_t n
         *keep = expf(m[0] - top), m[1] = m[1] * *keep + ((s4[0] + s4[2]) + (s4[1] + s4[3])), m[0] = top; \
         STORE16(p, e * LOAD16(vs));                                                                 \
     }                                                                                               \
+    /* MLA's block scores: the latent's (rows v, the first Dv of each query row) times its row      \
+     * scales vs plus the rope key's (rows k, the rest) times theirs, ks; then ks are 1 */           \
+    TARGET static void latent_scores_##ISA(const stored_args *A, const float *q, int64_t R, const float *k, \
+                                           const float *v, int64_t n, float *ks, const float *vs, float *p) { \
+        const int64_t Dk = A->k->n, Dv = A->v->n;                                                   \
+        float rope[KV_ROWS * KV_BLOCK];                                                             \
+        block_scores_##ISA(q, Dv + Dk, R, Dv, v, n, A->scale, p);                                   \
+        block_scores_##ISA(q + Dv, Dv + Dk, R, Dk, k, n, A->scale, rope);                           \
+        for (int64_t r = 0; r < R; r++)                                                             \
+            for (int64_t s = 0; s < n; s++)                                                         \
+                p[r * KV_BLOCK + s] = p[r * KV_BLOCK + s] * vs[s] + rope[r * KV_BLOCK + s] * ks[s]; \
+        for (int64_t s = 0; s < KV_BLOCK; s++) ks[s] = 1.0f;                                        \
+    }                                                                                               \
     /* rows r0..r0+R of one head over keys [a, b): each row's sums into acc, then its max, total */ \
     TARGET static void stored_rows_##ISA(const stored_args *A, int64_t h, int64_t r0, int64_t R, int64_t a, \
                                          int64_t b, float *kbuf, float *vbuf, float *out) {         \
-        const int64_t D = A->k->n, Dv = A->v->n, stride = Dv + 2;                                   \
+        const int64_t D = A->k->n + (A->latent ? A->v->n : 0), Dv = A->v->n, stride = Dv + 2;       \
         const float *q = A->q + (h * A->R + r0) * D;                                                \
         float p[KV_ROWS * KV_BLOCK], keep[KV_ROWS];                                                 \
         for (int64_t r = 0; r < R; r++) {                                                           \
@@ -218,12 +232,16 @@ static inline void row_scales(const kv_rows *r, int64_t h, int64_t s0, int64_t n
         }                                                                                           \
         for (int64_t s0 = a; s0 < b; s0 += KV_BLOCK) {                                              \
             const int64_t n = b - s0 < KV_BLOCK ? b - s0 : KV_BLOCK;                                \
-            block_scores_##ISA(q, R, D, decode_##ISA(A->k, h, s0, n, kbuf), n, A->scale, p);        \
+            const float *k = decode_##ISA(A->k, h, s0, n, kbuf), *v = decode_##ISA(A->v, h, s0, n, vbuf); \
             float ks[KV_BLOCK], vs[KV_BLOCK];                                                       \
             row_scales(A->k, h, s0, n, ks);                                                         \
             row_scales(A->v, h, s0, n, vs);                                                         \
+            if (A->latent)                                                                          \
+                latent_scores_##ISA(A, q, R, k, v, n, ks, vs, p);                                   \
+            else                                                                                    \
+                block_scores_##ISA(q, D, R, D, k, n, A->scale, p);                                  \
             for (int64_t r = 0; r < R; r++) softmax_block_##ISA(p + r * KV_BLOCK, ks, vs, n, out + r * stride + Dv, keep + r); \
-            block_values_##ISA(p, keep, R, decode_##ISA(A->v, h, s0, n, vbuf), n, Dv, out, stride); \
+            block_values_##ISA(p, keep, R, v, n, Dv, out, stride);                                  \
         }                                                                                           \
     }                                                                                               \
     TARGET static void stored_task_##ISA(void *ctx, int64_t task) {                                 \
@@ -264,18 +282,15 @@ static void merge_ranges(const stored_args *A, int64_t h, float *out, float *lse
     }
 }
 
-/* q [K, R, D] against the first S stored rows of each of the K heads of k (D values a row) and v
- * (Dv) -> out [K, R, Dv], lse [K, R] (natural log of each row's softmax denominator, scores times
- * scale). Returns -1 for dims not a multiple of 8 (q4: of 32), an unknown codec or no keys. */
-int moe_attend_stored(const float *q, int64_t K, int64_t R, int64_t S, const kv_rows *k, const kv_rows *v,
-                      float scale, float *out, float *lse) {
+static int attend_rows(const float *q, int64_t K, int64_t R, int64_t S, const kv_rows *k, const kv_rows *v,
+                       int latent, float scale, float *out, float *lse) {
     for (const kv_rows *r = k; r; r = r == k ? v : NULL)
         if (r->codec < 0 || r->codec > 4 || r->n % (r->codec == 4 ? 32 : 8) || r->n < 8 || S > r->capacity)
             return -1;
     if (S < 1 || K < 1 || R < 1) return -1;
     choose_rows_isa();
     const int64_t splits = (S + KV_SPAN - 1) / KV_SPAN;
-    stored_args A = {q, k, v, R, S, splits, scale, malloc(sizeof(float) * K * splits * R * (v->n + 2))};
+    stored_args A = {q, k, v, R, S, splits, latent, scale, malloc(sizeof(float) * K * splits * R * (v->n + 2))};
     task_fn task = stored_task_plain;
 #if defined(__x86_64__)
     if (!strncmp(isa, "avx512", 6)) task = stored_task_avx512;
@@ -285,6 +300,26 @@ int moe_attend_stored(const float *q, int64_t K, int64_t R, int64_t S, const kv_
     for (int64_t h = 0; h < K; h++) merge_ranges(&A, h, out, lse);
     free(A.part);
     return 0;
+}
+
+/* q [K, R, D] against the first S stored rows of each of the K heads of k (D values a row) and v
+ * (Dv) -> out [K, R, Dv], lse [K, R] (natural log of each row's softmax denominator, scores times
+ * scale). Returns -1 for dims not a multiple of 8 (q4: of 32), an unknown codec or no keys. */
+int moe_attend_stored(const float *q, int64_t K, int64_t R, int64_t S, const kv_rows *k, const kv_rows *v,
+                      float scale, float *out, float *lse) {
+    return attend_rows(q, K, R, S, k, v, 0, scale, out, lse);
+}
+
+/* MLA's attention in its latent (models/deepseek_v3.py), read as stored: q [K, R, Dv + Dk] (each
+ * head's absorbed nope query q_c [Dv], then its rotated rope query q_r [Dk]) against the first S
+ * rows of each of the K heads of the rope keys k [Dk] and the latents v [Dv], which are both the
+ * keys' first part and the values: score = scale (q_c . v + q_r . k) -> out [K, R, Dv], lse [K, R].
+ * Each latent row is decoded once for its score and its value. Before, torch decoded both stores
+ * and concatenated them into [S, Dv + Dk] keys at every step of every layer. Returns as
+ * moe_attend_stored. */
+int moe_attend_latent(const float *q, int64_t K, int64_t R, int64_t S, const kv_rows *k, const kv_rows *v,
+                      float scale, float *out, float *lse) {
+    return attend_rows(q, K, R, S, k, v, 1, scale, out, lse);
 }
 
 /* q [H, D] (one position) against fp32 rows k [K, ., D], v [K, ., Dv] (head h's at k + h * k_head,

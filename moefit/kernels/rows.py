@@ -21,6 +21,7 @@ SIGNATURES = {
     "moe_attend_one": [c_ptr, c_ptr, c_ptr, c_i64, c_i64, c_i64, c_i64, c_i64, c_i64, c_i64, c_f, c_ptr],
     "moe_delta_step": [c_ptr, c_ptr, c_ptr, c_ptr, c_ptr],
     "moe_attend_stored": [c_ptr, c_i64, c_i64, c_i64, c_ptr, c_ptr, c_f, c_ptr, c_ptr],
+    "moe_attend_latent": [c_ptr, c_i64, c_i64, c_i64, c_ptr, c_ptr, c_f, c_ptr, c_ptr],
 }
 
 
@@ -105,10 +106,12 @@ def _kv_rows(rows) -> _KvRows | None:
     return _KvRows(rows.codec.native, _p(x), _ptr(s), x.shape[1], n)
 
 
-def attend_stored(q: torch.Tensor, k, v, scale: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+def attend_stored(q: torch.Tensor, k, v, scale: float,
+                  latent: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
     """q [K, R, D] (each kv head's query rows) against every stored row of k and v (StoredRows
-    in host memory, any codec) -> (out [K, R, Dv] fp32, log-sum-exp [K, R, 1])."""
-    fn = _fn("moe_attend_stored")
+    in host memory, any codec) -> (out [K, R, Dv] fp32, log-sum-exp [K, R, 1]). `latent`: MLA's
+    attention in its latent, q [K, R, Dv + Dk] against rope keys k and latents v (kernels/kv.h)."""
+    fn = _fn("moe_attend_latent" if latent else "moe_attend_stored")
     kr, vr = _kv_rows(k), _kv_rows(v)
     if fn is None or kr is None or vr is None or k.count != v.count:
         return None

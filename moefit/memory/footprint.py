@@ -158,10 +158,13 @@ def dense_shapes(m: ModelConfig) -> dict[str, tuple[int, ...]]:
     return {n: shapes[n] for n in device_dense_names(m, shapes)}
 
 
-def dense_bytes(shapes: dict[str, tuple], cb: int, dense_quant: str) -> int:
+def dense_bytes(shapes: dict[str, tuple], cb: int, dense_quant: str, m: ModelConfig | None = None) -> int:
     """Device bytes of the dense tensors; with --dense-quant, each quantisable matrix is int8
     codes plus one scale per row in the compute dtype, or int4 codes plus one fp16 scale per
-    row and group of 32 (models/layers.py, Weights; pack/layout.py, dense_quantizable)."""
+    row and group of 32 (models/layers.py, Weights; pack/layout.py, dense_quantizable), in the
+    shapes model m's family holds them in then (its quantised_shapes: MLA's absorbed projections)."""
+    held = getattr(m.spec, "quantised_shapes", None) if m is not None and dense_quant != "off" else None
+    shapes = held(m, shapes, dense_quant) if held else shapes
     total = 0
     for name, shape in shapes.items():
         if dense_quant == "off" or not dense_quantizable(name, tuple(shape), dense_quant):
@@ -198,19 +201,19 @@ def from_config(m: ModelConfig, recipe: str, compute_dtype: str, group_size: int
     sizes = expert_blob_sizes(m.hidden_size, m.expert_size, recipe, list(m.moe_layers), group_size)
     blobs = {(layer, e): sizes[layer] for layer in m.moe_layers for e in range(m.num_experts)}
     cb = COMPUTE_BYTES[compute_dtype]
-    dense = dense_bytes(dense_shapes(m), cb, dense_quant)
+    dense = dense_bytes(dense_shapes(m), cb, dense_quant, m)
     mtp = m.spec.mtp_shapes(m, 0) if m.mtp_layers else {}
-    return Footprint(m, compute_dtype, dense, blobs, 0, m.mtp_layers, dense_bytes(mtp, cb, dense_quant))
+    return Footprint(m, compute_dtype, dense, blobs, 0, m.mtp_layers, dense_bytes(mtp, cb, dense_quant, m))
 
 
 def from_pack_header(header: dict, compute_dtype: str, dense_quant: str = "off") -> Footprint:
     m = ModelConfig.from_hf(header["model_config"])
     tensors = header["dense"]["tensors"]
     names = device_dense_names(m, tensors)
-    dense = dense_bytes({n: tuple(tensors[n]["shape"]) for n in names}, COMPUTE_BYTES[compute_dtype], dense_quant)
+    dense = dense_bytes({n: tuple(tensors[n]["shape"]) for n in names}, COMPUTE_BYTES[compute_dtype], dense_quant, m)
     blobs = {(row[0], row[1]): row[3] for row in header["experts"]["index"] if row[0] < m.num_layers}
     cb = COMPUTE_BYTES[compute_dtype]
     draft = (header.get("draft") or {}).get("params", 0) * cb
-    mtp = dense_bytes({n: tuple(tensors[n]["shape"]) for n in mtp_dense_names(m, tensors)}, cb, dense_quant)
+    mtp = dense_bytes({n: tuple(tensors[n]["shape"]) for n in mtp_dense_names(m, tensors)}, cb, dense_quant, m)
     return Footprint(m, compute_dtype, dense, blobs, draft, (header.get("mtp") or {}).get("layers", 0), mtp,
                      (header.get("probe") or {}).get("params", 0) * cb)

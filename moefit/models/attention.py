@@ -65,6 +65,24 @@ def attend_state(state, i: int, q: torch.Tensor, start: int, mask: torch.Tensor 
     return out.transpose(0, 1).reshape(t, -1)
 
 
+def attend_latent(state, i: int, q: torch.Tensor, start: int, scale: float) -> torch.Tensor | None:
+    """MLA's decode step read as stored (kernels/kv.h's moe_attend_latent): q [H, 1, r + dr] (the
+    absorbed nope query, then the rope query) against layer i's rope keys and latents, one
+    contiguous part in host memory -> [1, H*r]; None where the kernel does not take it (a card's
+    memory, KV streaming's parts, a forward of several tokens): attend_state, then."""
+    h, t, d = q.shape
+    if t != 1:
+        return None
+    parts = state.parts(i, start + t, stored=True)
+    if len(parts) != 1 or parts[0][2] is not None:
+        return None
+    k, v, _ = parts[0]
+    if not (_reads_natively(k, t) and _reads_natively(v, t)) or k.codec.d + v.codec.d != d:
+        return None
+    res = native.attend_stored(q.reshape(1, h, d), k, v, scale, latent=True)
+    return None if res is None else res[0].to(device=q.device, dtype=q.dtype).reshape(t, -1)
+
+
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
          scale: float | None) -> torch.Tensor:
     """q [H, T, D] against one contiguous part k, v [K, S, D] -> [H, T, Dv]. On CUDA a masked

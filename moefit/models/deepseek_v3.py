@@ -9,7 +9,10 @@ through its slice of kv_b_proj (q_c = q_nope W_uk), so
     score = q_c . c + q_r . k_r        out = (P c) W_uv^T
 
 which is one-kv-head attention over [c, k_r] with values c: the stored latent is never
-expanded to H heads. Queries go through the low-rank q_a / q_b pair when q_lora_rank is set;
+expanded to H heads (a decode step reads it as stored: attention.attend_latent, kernels/kv.h).
+Under --dense-quant the two per-head products are folded into the projections around them once
+at load (absorbed_query: q_b then W_uk; absorbed_output: W_uv then o_proj) and quantised, where
+the slices of kv_b would stay in the compute dtype (families/deepseek_v3.absorbs). Queries go through the low-rank q_a / q_b pair when q_lora_rank is set;
 RoPE pairs channels (x0, x1), ... (rope_interleave); the softmax scale is (dn + dr)^-1/2,
 times YaRN's mscale^2 when the RoPE is scaled.
 
@@ -23,9 +26,9 @@ from __future__ import annotations
 import torch
 
 from moefit.errors import MoefitError
-from moefit.families.deepseek_v3 import dims
+from moefit.families.deepseek_v3 import absorbs, dims
 from moefit.models.glm4_moe import Glm4Moe
-from moefit.models.attention import attend_state
+from moefit.models.attention import attend_latent, attend_state
 from moefit.models.layers import RopeTable, Weights, apply_rope, apply_rope_interleaved, linear, rms_norm, yarn_mscale
 
 
@@ -39,33 +42,60 @@ class DeepseekV3(Glm4Moe):
     def _attention_weights(self, w: Weights, i: int) -> dict:
         a = f"model.layers.{i}.self_attn."
         kv_b = w.host(a + "kv_b_proj.weight").view(self.cfg.num_heads, self.dn + self.dv, self.rank)
-        layer = {"kv_a": w.get(a + "kv_a_proj_with_mqa.weight"), "kv_norm": w.get(a + "kv_a_layernorm.weight"),
-                 "w_uk": w.place(a + "kv_b_proj.weight", kv_b[:, :self.dn].contiguous()),      # [H, dn, r]
-                 "w_uv": w.place(a + "kv_b_proj.weight", kv_b[:, self.dn:].contiguous()),      # [H, dv, r]
-                 "o": w.get(a + "o_proj.weight")}
+        q, o = a + ("q_b_proj.weight" if self.q_rank else "q_proj.weight"), a + "o_proj.weight"
+        layer = {"kv_a": w.get(a + "kv_a_proj_with_mqa.weight"), "kv_norm": w.get(a + "kv_a_layernorm.weight")}
         if self.q_rank:
-            layer.update(q_a=w.get(a + "q_a_proj.weight"), q_norm=w.get(a + "q_a_layernorm.weight"),
-                         q_b=w.get(a + "q_b_proj.weight"))
-        else:
-            layer["q"] = w.get(a + "q_proj.weight")
-        return layer
+            layer.update(q_a=w.get(a + "q_a_proj.weight"), q_norm=w.get(a + "q_a_layernorm.weight"))
+        if absorbs(self.cfg, w.dense_quant):        # absorbed once, then quantised (families/deepseek_v3.py)
+            layer.update(q_abs=w.derived(q, absorbed_query(w.host(q), kv_b[:, :self.dn], self.dr)),
+                         o_abs=w.derived(o, absorbed_output(w.host(o), kv_b[:, self.dn:])))
+            return layer
+        return layer | {"q": w.get(q), "o": w.get(o),
+                        "w_uk": w.place(a + "kv_b_proj.weight", kv_b[:, :self.dn].contiguous()),     # [H, dn, r]
+                        "w_uv": w.place(a + "kv_b_proj.weight", kv_b[:, self.dn:].contiguous())}     # [H, dv, r]
 
     def attention(self, i, layer, x, start, cos, sin, mask, kv) -> torch.Tensor:
         c, t = self.cfg, x.shape[0]
         if any(r is not None for r in kv.rotations(i)):
             raise MoefitError("--kv-dtype q4 / k8v4 rotate rows; MLA's latent is not rotated yet: use int8 or a float")
-        q = linear(rms_norm(linear(x, layer["q_a"]), layer["q_norm"], c.rms_norm_eps), layer["q_b"]) \
-            if self.q_rank else linear(x, layer["q"])
-        q_nope, q_rope = q.view(t, c.num_heads, self.dn + self.dr).transpose(0, 1).split([self.dn, self.dr], -1)
+        q_in = rms_norm(linear(x, layer["q_a"]), layer["q_norm"], c.rms_norm_eps) if self.q_rank else x
+        if "q_abs" in layer:
+            q = linear(q_in, layer["q_abs"]).view(t, c.num_heads, self.rank + self.dr).transpose(0, 1)
+            q_latent, q_rope = q.split([self.rank, self.dr], -1)                         # [H, T, r], [H, T, dr]
+        else:
+            q = linear(q_in, layer["q"]).view(t, c.num_heads, self.dn + self.dr).transpose(0, 1)
+            q_nope, q_rope = q.split([self.dn, self.dr], -1)
+            q_latent = torch.einsum("htn,hnr->htr", q_nope, layer["w_uk"])
         latent, k_rope = linear(x, layer["kv_a"]).split([self.rank, self.dr], dim=-1)
         latent = rms_norm(latent, layer["kv_norm"], c.rms_norm_eps)
         kv.write(i, start, self.rotate(k_rope[None], cos, sin), latent[None])          # one "head": [1, T, .]
-        q_latent = torch.einsum("htn,hnr->htr", q_nope, layer["w_uk"])                # [H, T, r]
         q_abs = torch.cat((q_latent, self.rotate(q_rope, cos, sin)), dim=-1)
-        out = attend_state(kv, i, q_abs, start, mask, scale=self.softmax_scale,
-                           keys=lambda k_r, c_kv: (torch.cat((c_kv, k_r), dim=-1), c_kv))    # [T, H*r]
+        out = attend_latent(kv, i, q_abs, start, self.softmax_scale)                  # [T, H*r]
+        if out is None:
+            out = attend_state(kv, i, q_abs, start, mask, scale=self.softmax_scale,
+                               keys=lambda k_r, c_kv: (torch.cat((c_kv, k_r), dim=-1), c_kv))
+        if "o_abs" in layer:
+            return linear(out, layer["o_abs"])
         out = torch.einsum("htr,hvr->thv", out.view(t, c.num_heads, self.rank).transpose(0, 1), layer["w_uv"])
         return linear(out.reshape(t, -1), layer["o"])
+
+
+def absorbed_query(q_proj: torch.Tensor, w_uk: torch.Tensor, dr: int) -> torch.Tensor:
+    """The query projection [H * (dn + dr), C] with each head's nope rows taken through its key
+    slice w_uk [H, dn, r] -> [H * (r + dr), C]: head h's rows are W_uk[h]^T Q_nope[h], then its
+    rope rows as they were. One matrix instead of a projection and a per-head product; under
+    --dense-quant it is quantised, where w_uk was kept in the compute dtype."""
+    h, dn, r = w_uk.shape
+    q = q_proj.float().view(h, dn + dr, -1)
+    latent = torch.einsum("hnr,hnc->hrc", w_uk.float(), q[:, :dn])
+    return torch.cat((latent, q[:, dn:]), dim=1).reshape(h * (r + dr), -1)
+
+
+def absorbed_output(o_proj: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
+    """o_proj [E, H * dv] after each head's value slice w_uv [H, dv, r] -> [E, H * r]: the latent
+    attention's output [T, H * r] goes out in one product."""
+    h, dv, r = w_uv.shape
+    return torch.einsum("ehv,hvr->ehr", o_proj.float().view(-1, h, dv), w_uv.float()).reshape(-1, h * r)
 
 
 def _yarn_mscale_squared(rope: dict) -> float:

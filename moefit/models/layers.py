@@ -295,6 +295,11 @@ class Weights:
     def get(self, name: str):
         return self._placed(name, self._load(name))
 
+    def derived(self, name: str, t: torch.Tensor):
+        """A matrix computed from the checkpoint's (MLA's absorbed projections), placed as get()
+        places the checkpoint's own: quantised under --dense-quant."""
+        return self._placed(name, t)
+
     def place(self, name: str, t: torch.Tensor):
         """A tensor derived from the checkpoint's (a slice, a reshape), placed as it is."""
         return self._place(name, t)
