@@ -65,6 +65,7 @@ class Constraint:
             raise UsageError(f"the grammar rejected token {token}: {self.matcher.get_error()}")
 
 
+GLM_TAGS = ("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")
 COMPACT = {"x-guidance": {"whitespace_flexible": False}}   # JSON without free whitespace: a model cannot
                                                           # pad it forever (measured on the tiny test model)
 
@@ -83,3 +84,32 @@ def tool_call_grammar(tools: list[dict], open_tag: str, close_tag: str) -> str:
     schema = {**(calls[0] if len(calls) == 1 else {"anyOf": calls}), **COMPACT}
     lark = f'start: {open_tag} "\\n" call "\\n" {close_tag}\ncall: %json {json.dumps(schema)}\n'
     return _llguidance().grammar_from("lark", lark)
+
+
+def glm_tool_call_grammar(tools: list[dict], tags: dict[str, str]) -> str:
+    """The whole output is one GLM tool call (serve/toolparse.py) to one of `tools`: its name,
+    then each parameter of its schema in the schema's order, the required ones always, each
+    value a string as it is (an enum's strings: one of them) or JSON valid against its schema;
+    so the call's arguments are valid by construction. `tags` spell <tool_call>, </tool_call>,
+    <arg_key>, </arg_key>, <arg_value> and </arg_value> as the grammar must (special tokens)."""
+    rules, calls = [], []
+    for i, tool in enumerate(tools):
+        fn = tool["function"]
+        params = fn.get("parameters") or {}
+        required, args = set(params.get("required") or ()), []
+        for j, (key, schema) in enumerate((params.get("properties") or {}).items()):
+            rules.append(f'arg_{i}_{j}: {tags["<arg_key>"]} {json.dumps(key)} {tags["</arg_key>"]} "\\n" '
+                         f'{tags["<arg_value>"]} {_glm_value(schema)} {tags["</arg_value>"]} "\\n"')
+            args.append(f"arg_{i}_{j}" if key in required else f"arg_{i}_{j}?")
+        rules.append(f'call_{i}: {json.dumps(fn["name"])} "\\n" {" ".join(args)}')
+        calls.append(f"call_{i}")
+    lark = f'start: {tags["<tool_call>"]} ({" | ".join(calls)}) {tags["</tool_call>"]}\n' + "\n".join(rules) + "\n"
+    return _llguidance().grammar_from("lark", lark)
+
+
+def _glm_value(schema) -> str:
+    """A GLM argument value: a string as it is (no "<": the tags follow it), else JSON."""
+    schema = schema if isinstance(schema, dict) else {}
+    if schema.get("type") == "string" and all(isinstance(v, str) for v in schema.get("enum", [])):
+        return f'({" | ".join(json.dumps(v) for v in schema["enum"])})' if schema.get("enum") else "/[^<]*/"
+    return f"%json {json.dumps({**schema, **COMPACT})}"

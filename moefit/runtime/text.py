@@ -47,6 +47,8 @@ class TextCodec:
         self.tokenizer = tokenizer
         self.config = config
         self.template = _template_env().from_string(template) if template else None
+        # how the template teaches tool calls (serve/toolparse.py): GLM's <arg_key> pairs or JSON
+        self.tool_call_style = "glm" if template and "<arg_key>" in template else "json"
         self.bos_token = _token_text(config.get("bos_token"))
         self.eos_token = _token_text(config.get("eos_token"))
 

@@ -118,7 +118,7 @@ class MessagesRun(ChatRun):
 
     def response(self, text: str, finish: str) -> dict:
         from moefit.serve.toolparse import split_final
-        content, reasoning, calls = split_final(text)
+        content, reasoning, calls = split_final(text, self.req.tools)
         blocks = ([{"type": "thinking", "thinking": reasoning, "signature": ""}] if reasoning else []) + \
             ([{"type": "text", "text": content}] if content or not calls else []) + [_tool_use(c) for c in calls]
         stop = "tool_use" if calls and finish == "stop" else STOP.get(finish, "end_turn")

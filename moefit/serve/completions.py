@@ -130,7 +130,7 @@ class ChatRun(_Run):
 
     def __init__(self, state, req):
         super().__init__(state, req)
-        self.parser = OutputParser()
+        self.parser = OutputParser(req.tools)
         self.tool_index = 0
 
     def max_tokens(self) -> int | None:
@@ -149,7 +149,7 @@ class ChatRun(_Run):
         return self.engine.codec.encode(text)
 
     def response(self, text: str, finish: str) -> dict:
-        content, reasoning, calls = split_final(text)
+        content, reasoning, calls = split_final(text, self.req.tools)
         message = {"role": "assistant", "content": content if content or not calls else None}
         if reasoning:
             message["reasoning_content"] = reasoning

@@ -117,7 +117,7 @@ class ResponsesRun(ChatRun):
 
     def response(self, text: str, finish: str) -> dict:
         from moefit.serve.toolparse import split_final
-        content, reasoning, calls = split_final(text)
+        content, reasoning, calls = split_final(text, self.req.tools)
         output = ([_reasoning(reasoning)] if reasoning else []) + \
             ([_message(self.msg_id, content)] if content or not calls else []) + [_call(c) for c in calls]
         return self._object("incomplete" if finish == "length" else "completed", output, finish)
