@@ -98,3 +98,15 @@ def test_a_forced_call_on_a_glm_template_is_glm_s_spelling_and_valid_for_its_sch
     codec = TextCodec.load(Pack.open(glm_server.pack).tokenizer_dir)
     grammar = constrain.chat_grammar(ChatRequest(model="tiny", messages=hi, tools=tools, tool_choice="required"), codec)
     assert codec.tool_call_style == "glm" and f"<[{codec.token_id('<arg_key>')}]>" in grammar
+
+
+def test_the_template_says_which_spelling_a_forced_call_takes():
+    pytest.importorskip("llguidance")
+    from moefit.runtime.grammar import glm_tool_call_grammar
+    from moefit.runtime.text import _tool_call_style
+    assert _tool_call_style(None) == _tool_call_style("<tool_call>{{ tc | tojson }}</tool_call>") == "json"
+    assert _tool_call_style("<arg_key>{{ k }}</arg_key>\n<arg_value>{{ v }}</arg_value>\n{% endfor %}") == "glm"
+    assert _tool_call_style("<arg_key>{{ k }}</arg_key><arg_value>{{ v }}</arg_value>{% endfor %}") == "glm-compact"
+    tags = {t: f'"{t}"' for t in ("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>",
+                                  "</arg_value>")}
+    assert '"\\n"' in glm_tool_call_grammar(TOOLS, tags) and '"\\n"' not in glm_tool_call_grammar(TOOLS, tags, False)

@@ -86,22 +86,23 @@ def tool_call_grammar(tools: list[dict], open_tag: str, close_tag: str) -> str:
     return _llguidance().grammar_from("lark", lark)
 
 
-def glm_tool_call_grammar(tools: list[dict], tags: dict[str, str]) -> str:
+def glm_tool_call_grammar(tools: list[dict], tags: dict[str, str], lines: bool = True) -> str:
     """The whole output is one GLM tool call (serve/toolparse.py) to one of `tools`: its name,
     then each parameter of its schema in the schema's order, the required ones always, each
     value a string as it is (an enum's strings: one of them) or JSON valid against its schema;
     so the call's arguments are valid by construction. `tags` spell <tool_call>, </tool_call>,
-    <arg_key>, </arg_key>, <arg_value> and </arg_value> as the grammar must (special tokens)."""
-    rules, calls = [], []
+    <arg_key>, </arg_key>, <arg_value> and </arg_value> as the grammar must (special tokens);
+    `lines`: GLM-4.5's newline after the name and each key and value, else GLM-4.7's none."""
+    rules, calls, nl = [], [], '"\\n"' if lines else ""
     for i, tool in enumerate(tools):
         fn = tool["function"]
         params = fn.get("parameters") or {}
         required, args = set(params.get("required") or ()), []
         for j, (key, schema) in enumerate((params.get("properties") or {}).items()):
-            rules.append(f'arg_{i}_{j}: {tags["<arg_key>"]} {json.dumps(key)} {tags["</arg_key>"]} "\\n" '
-                         f'{tags["<arg_value>"]} {_glm_value(schema)} {tags["</arg_value>"]} "\\n"')
+            rules.append(f'arg_{i}_{j}: {tags["<arg_key>"]} {json.dumps(key)} {tags["</arg_key>"]} {nl} '
+                         f'{tags["<arg_value>"]} {_glm_value(schema)} {tags["</arg_value>"]} {nl}')
             args.append(f"arg_{i}_{j}" if key in required else f"arg_{i}_{j}?")
-        rules.append(f'call_{i}: {json.dumps(fn["name"])} "\\n" {" ".join(args)}')
+        rules.append(f'call_{i}: {json.dumps(fn["name"])} {nl} {" ".join(args)}')
         calls.append(f"call_{i}")
     lark = f'start: {tags["<tool_call>"]} ({" | ".join(calls)}) {tags["</tool_call>"]}\n' + "\n".join(rules) + "\n"
     return _llguidance().grammar_from("lark", lark)

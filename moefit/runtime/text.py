@@ -40,6 +40,15 @@ def _token_text(v) -> str | None:
     return v.get("content") if isinstance(v, dict) else v
 
 
+def _tool_call_style(template: str | None) -> str:
+    """How a chat template teaches tool calls (serve/toolparse.py): Qwen's JSON ("json"), GLM-4.5's
+    <arg_key> / <arg_value> pairs a line each ("glm"), or GLM-4.7's with nothing between them
+    ("glm-compact")."""
+    if not template or "<arg_key>" not in template:
+        return "json"
+    return "glm" if "</arg_value>\n" in template else "glm-compact"
+
+
 class TextCodec:
     """Usage: codec = TextCodec.load(pack.tokenizer_dir); ids = codec.encode("hi")"""
 
@@ -47,8 +56,7 @@ class TextCodec:
         self.tokenizer = tokenizer
         self.config = config
         self.template = _template_env().from_string(template) if template else None
-        # how the template teaches tool calls (serve/toolparse.py): GLM's <arg_key> pairs or JSON
-        self.tool_call_style = "glm" if template and "<arg_key>" in template else "json"
+        self.tool_call_style = _tool_call_style(template)
         self.bos_token = _token_text(config.get("bos_token"))
         self.eos_token = _token_text(config.get("eos_token"))
 

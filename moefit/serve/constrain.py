@@ -10,8 +10,9 @@ from moefit.serve.protocol import ApiError
 def chat_grammar(req, codec) -> str | None:
     from moefit.runtime import grammar as G
     tools = _forced_tools(req)
-    if tools and codec.tool_call_style == "glm":
-        return G.glm_tool_call_grammar(tools, {t: _tag(codec, t) for t in G.GLM_TAGS})
+    if tools and codec.tool_call_style.startswith("glm"):
+        return G.glm_tool_call_grammar(tools, {t: _tag(codec, t) for t in G.GLM_TAGS},
+                                       lines=codec.tool_call_style == "glm")
     if tools:
         return G.tool_call_grammar(tools, _tag(codec, "<tool_call>"), _tag(codec, "</tool_call>"))
     fmt = req.response_format or {}
