@@ -28,7 +28,8 @@ def causal_mask(start: int, t: int, window: int | None, device) -> torch.Tensor 
 
 
 def attend_state(state, i: int, q: torch.Tensor, start: int, mask: torch.Tensor | None,
-                 scale: float | None = None, keys=None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                 scale: float | None = None, keys=None, sinks: torch.Tensor | None = None,
+                 turned: bool = True) -> torch.Tensor:
     """q [H, T, D] (positions start..start+T) against layer i's keys 0..start+T as the
     sequence state holds them (runtime/state.py) -> [T, H*Dv]. One contiguous part is a decode
     step read as stored (kernels/kv.h), a short forward's keys before it so too and its own rows
@@ -36,12 +37,13 @@ def attend_state(state, i: int, q: torch.Tensor, start: int, mask: torch.Tensor 
     merged by log-sum-exp. `scale` overrides 1/sqrt(D); `keys(k, v) -> (k, v)` builds the
     attended rows from the stored ones (MLA keeps a latent and a rope key per token). `sinks` [H]
     (gpt-oss) are logits of a virtual key with a zero value in every head's softmax: they scale
-    the output by sigmoid(lse - sink)."""
+    the output by sigmoid(lse - sink). `turned` False: the caller turns q and the output for rows
+    stored rotated (MLA, whose keys are two stores)."""
     t = q.shape[1]
     parts = state.parts(i, start + t, stored=keys is None)
     if keys is not None:
         parts = [(*keys(k, v), pos) for k, v, pos in parts]
-    rk, rv = state.rotations(i)
+    rk, rv = state.rotations(i) if turned else (None, None)
     if rk is not None:
         q = q @ rk.to(device=q.device, dtype=q.dtype)
     if state.own_window(i) and parts[0][2] is None:               # this layer's own window, not the shared mask

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import torch
 
-from moefit.errors import MoefitError
 from moefit.families.deepseek_v3 import absorbs, dims
 from moefit.models.glm4_moe import Glm4Moe
 from moefit.models.attention import attend_latent, attend_state
@@ -56,8 +55,6 @@ class DeepseekV3(Glm4Moe):
 
     def attention(self, i, layer, x, start, cos, sin, mask, kv) -> torch.Tensor:
         c, t = self.cfg, x.shape[0]
-        if any(r is not None for r in kv.rotations(i)):
-            raise MoefitError("--kv-dtype q4 / k8v4 rotate rows; MLA's latent is not rotated yet: use int8 or a float")
         q_in = rms_norm(linear(x, layer["q_a"]), layer["q_norm"], c.rms_norm_eps) if self.q_rank else x
         if "q_abs" in layer:
             q = linear(q_in, layer["q_abs"]).view(t, c.num_heads, self.rank + self.dr).transpose(0, 1)
@@ -69,15 +66,23 @@ class DeepseekV3(Glm4Moe):
         latent, k_rope = linear(x, layer["kv_a"]).split([self.rank, self.dr], dim=-1)
         latent = rms_norm(latent, layer["kv_norm"], c.rms_norm_eps)
         kv.write(i, start, self.rotate(k_rope[None], cos, sin), latent[None])          # one "head": [1, T, .]
-        q_abs = torch.cat((q_latent, self.rotate(q_rope, cos, sin)), dim=-1)
+        rk, rv = kv.rotations(i)                     # q4 rows: rope keys and latents each turned (kv_codecs)
+        q_abs = torch.cat((_turned(q_latent, rv), _turned(self.rotate(q_rope, cos, sin), rk)), dim=-1)
         out = attend_latent(kv, i, q_abs, start, self.softmax_scale)                  # [T, H*r]
         if out is None:
-            out = attend_state(kv, i, q_abs, start, mask, scale=self.softmax_scale,
+            out = attend_state(kv, i, q_abs, start, mask, scale=self.softmax_scale, turned=False,
                                keys=lambda k_r, c_kv: (torch.cat((c_kv, k_r), dim=-1), c_kv))
+        if rv is not None:                           # the values were turned latents: turn the output back
+            out = (out.view(t, c.num_heads, self.rank) @ rv.to(device=out.device, dtype=out.dtype).T).reshape(t, -1)
         if "o_abs" in layer:
             return linear(out, layer["o_abs"])
         out = torch.einsum("htr,hvr->thv", out.view(t, c.num_heads, self.rank).transpose(0, 1), layer["w_uv"])
         return linear(out.reshape(t, -1), layer["o"])
+
+
+def _turned(x: torch.Tensor, rotation: torch.Tensor | None) -> torch.Tensor:
+    """A query part in its stored rows' rotated space: (x R) . (y R) = x . y for orthonormal R."""
+    return x if rotation is None else x @ rotation.to(device=x.device, dtype=x.dtype)
 
 
 def absorbed_query(q_proj: torch.Tensor, w_uk: torch.Tensor, dr: int) -> torch.Tensor:
