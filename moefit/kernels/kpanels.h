@@ -1,4 +1,4 @@
-/* Q4_K and Q5_K rows eight at a time (included by moe.c after ktiles.h; the layout: kquants.h).
+/* Q4_K, Q5_K and IQ4_XS rows eight at a time (included by moe.c after ktiles.h; the layout: kquants.h).
  *
  * As panels.h does for int4: eight rows' bytes are transposed in registers (block_quads) so that
  * a lane is a row, and each quad of codes meets four activations broadcast; a sub-block's sums
@@ -103,26 +103,92 @@ static inline void panel_prefetch(const uint8_t *w, int64_t row_bytes, int64_t s
         for (int t = 0; t < NT; t++) _mm256_storeu_ps(a[t].y + r, acc[t]);                          \
     }
 
+/* eight IQ4_XS rows' super-block headers -> per sub-block j: d (ls_j - 32), a lane a row (iq4_scales') */
+__attribute__((target("avx2,fma,f16c"))) static inline void iq4_panel_scales(const uint8_t *blk, int64_t row_bytes,
+                                                                            __m256 dsc[8]) {
+    __m256i head[4];                                   /* d scales_h | scales_l | codes, a lane a row */
+    block_quads(blk, row_bytes, head);
+    const __m256i halves = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(head[0], _mm256_setr_epi8(
+        0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15, 0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15)), 0xd8);
+    const __m256 d = _mm256_cvtph_ps(_mm256_castsi256_si128(halves));
+    const __m256i high = _mm256_cvtepu16_epi32(_mm256_extracti128_si256(halves, 1)), low = head[1];
+    for (int j = 0; j < 8; j++) {                      /* ls_j: nibble j of scales_l, bits 2j, 2j + 1 of scales_h */
+        const __m256i ls = _mm256_or_si256(
+            _mm256_and_si256(_mm256_srl_epi32(low, _mm_cvtsi32_si128(4 * j)), _mm256_set1_epi32(15)),
+            _mm256_slli_epi32(_mm256_and_si256(_mm256_srl_epi32(high, _mm_cvtsi32_si128(2 * j)), _mm256_set1_epi32(3)), 4));
+        dsc[j] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(ls, _mm256_set1_epi32(32))), d);
+    }
+}
+
+/* one quad of IQ4_XS values (v) against four activations broadcast (x), into int32 lanes s. VNNI:
+ * the values offset by 128 (the table's bytes xor 0x80: unsigned, as dpbusd wants), the offset's
+ * 128 sum(x) taken off a sub-block's sums once; AVX2: |v| against x with v's sign (ktiles.h's
+ * SIGNED_DOT: maddubs of 128 + v could saturate int16). The same integers either way. */
+#define IQ4_ADD_AVX2(s, v, x) (s = _mm256_add_epi32(s, SIGNED_DOT(DOT_AVX2, v, x)))
+#define IQ4_ADD_VNNI256(s, v, x) (s = _mm256_dpbusd_epi32(s, v, x))
+#define IQ4_ADD_AVXVNNI(s, v, x) (s = _mm256_dpbusd_avx_epi32(s, v, x))
+
+/* eight IQ4_XS rows against NT tokens: each quad of codes looked up in the table, met by four
+ * activations broadcast (IQ4_ADD: OFFSET 128 for VNNI's unsigned values, 0 for AVX2's signed), a
+ * sub-block's int32 sums in their lanes scaled by the eight rows' d (ls - 32) */
+#define IQ4_PANEL(NAME, TARGET, ADD, OFFSET, NT)                                                    \
+    __attribute__((target(TARGET))) static void NAME(const uint8_t *w, int64_t row_bytes, int64_t n, \
+                                                     const tile_row *a, int64_t r) {                \
+        const __m256i table = _mm256_xor_si256(TABLE(IQ4NL), _mm256_set1_epi8(OFFSET ? (char)0x80 : 0)); \
+        const __m256i low = _mm256_set1_epi8(15);                                                   \
+        ZEROED(acc, NT);                                                                            \
+        for (int64_t sb = 0; sb < n / QK_K; sb++) {                                                 \
+            const uint8_t *blk = w + sb * 136;                                                      \
+            panel_prefetch(w, row_bytes, sb, 136);                                                  \
+            __m256 dsc[8];                                                                          \
+            iq4_panel_scales(blk, row_bytes, dsc);                                                  \
+            for (int j = 0; j < 8; j++) {                                                           \
+                __m256i v[4], s[NT];                                                                \
+                block_quads(blk + 8 + 16 * j, row_bytes, v);                                        \
+                for (int t = 0; t < NT; t++) s[t] = _mm256_setzero_si256();                         \
+                for (int k = 0; k < 4; k++) {                                                       \
+                    const __m256i lo = _mm256_shuffle_epi8(table, _mm256_and_si256(v[k], low));     \
+                    const __m256i hi = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(v[k], 4), low)); \
+                    for (int t = 0; t < NT; t++) {                                                  \
+                        const int8_t *x = a[t].q + (sb * 8 + j) * QK + 4 * k;                       \
+                        ADD(s[t], lo, BROADCAST4(x));                                               \
+                        ADD(s[t], hi, BROADCAST4(x + 16));                                          \
+                    }                                                                               \
+                }                                                                                   \
+                for (int t = 0; t < NT; t++) {                                                      \
+                    const int64_t b = sb * 8 + j;                                                   \
+                    const __m256i sum = _mm256_sub_epi32(s[t], _mm256_set1_epi32(OFFSET * a[t].sum[b])); \
+                    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(dsc[j], _mm256_set1_ps(a[t].s[b])), \
+                                             acc[t]);                                               \
+                }                                                                                   \
+            }                                                                                       \
+        }                                                                                           \
+        for (int t = 0; t < NT; t++) _mm256_storeu_ps(a[t].y + r, acc[t]);                          \
+    }
+
 typedef void (*kpanel_fn)(const uint8_t *w, int64_t row_bytes, int64_t n, const tile_row *a, int64_t r);
-/* per instruction set: [0] Q4_K's panels, [1] Q5_K's, by token count */
-#define KP_TILES(ISA, TARGET, ADD, FINISH)                                                          \
+/* per instruction set: [0] Q4_K's panels, [1] Q5_K's, [2] IQ4_XS's, by token count */
+#define KP_TILES(ISA, TARGET, ADD, FINISH, IQ4_ADD, OFFSET)                                         \
     Q45K_PANEL(q4k_panel1_##ISA, TARGET, ADD, FINISH, 0, 1) Q45K_PANEL(q4k_panel2_##ISA, TARGET, ADD, FINISH, 0, 2) \
     Q45K_PANEL(q4k_panel3_##ISA, TARGET, ADD, FINISH, 0, 3) Q45K_PANEL(q4k_panel4_##ISA, TARGET, ADD, FINISH, 0, 4) \
     Q45K_PANEL(q5k_panel1_##ISA, TARGET, ADD, FINISH, 1, 1) Q45K_PANEL(q5k_panel2_##ISA, TARGET, ADD, FINISH, 1, 2) \
     Q45K_PANEL(q5k_panel3_##ISA, TARGET, ADD, FINISH, 1, 3) Q45K_PANEL(q5k_panel4_##ISA, TARGET, ADD, FINISH, 1, 4) \
-    static const kpanel_fn kpanels_##ISA[2][KQ_TOKENS + 1] = {                                     \
+    IQ4_PANEL(iq4_panel1_##ISA, TARGET, IQ4_ADD, OFFSET, 1) IQ4_PANEL(iq4_panel2_##ISA, TARGET, IQ4_ADD, OFFSET, 2) \
+    IQ4_PANEL(iq4_panel3_##ISA, TARGET, IQ4_ADD, OFFSET, 3) IQ4_PANEL(iq4_panel4_##ISA, TARGET, IQ4_ADD, OFFSET, 4) \
+    static const kpanel_fn kpanels_##ISA[3][KQ_TOKENS + 1] = {                                     \
         {NULL, q4k_panel1_##ISA, q4k_panel2_##ISA, q4k_panel3_##ISA, q4k_panel4_##ISA},            \
-        {NULL, q5k_panel1_##ISA, q5k_panel2_##ISA, q5k_panel3_##ISA, q5k_panel4_##ISA}};
-KP_TILES(avx2, "avx2,fma,f16c", KP_ADD_AVX2, KP_FINISH_AVX2)
-KP_TILES(vnni256, AVX512, KP_ADD_VNNI256, KP_FINISH_VNNI)
+        {NULL, q5k_panel1_##ISA, q5k_panel2_##ISA, q5k_panel3_##ISA, q5k_panel4_##ISA},            \
+        {NULL, iq4_panel1_##ISA, iq4_panel2_##ISA, iq4_panel3_##ISA, iq4_panel4_##ISA}};
+KP_TILES(avx2, "avx2,fma,f16c", KP_ADD_AVX2, KP_FINISH_AVX2, IQ4_ADD_AVX2, 0)
+KP_TILES(vnni256, AVX512, KP_ADD_VNNI256, KP_FINISH_VNNI, IQ4_ADD_VNNI256, 128)
 #ifdef HAVE_AVXVNNI
-KP_TILES(avxvnni, "avx2,fma,f16c,avxvnni", KP_ADD_AVXVNNI, KP_FINISH_VNNI)
+KP_TILES(avxvnni, "avx2,fma,f16c,avxvnni", KP_ADD_AVXVNNI, KP_FINISH_VNNI, IQ4_ADD_AVXVNNI, 128)
 #endif
 static const kpanel_fn (*kpanels)[KQ_TOKENS + 1];   /* choose_isa's, with ktiles */
 
 /* Rows [r0, r1) of a Q4_K, Q5_K, Q6_K, IQ4_XS or MXFP4 matrix against every activation row of A, KQ_TOKENS
  * tokens a tile; KQ_ROWS rows (a few KiB each) at a time, read again from the cache by each tile.
- * Q4_K's and Q5_K's rows eight at a time where eight are left in the block (KQ_ROWS and the tasks' rows are
+ * Q4_K's, Q5_K's and IQ4_XS's rows eight at a time where eight are left in the block (KQ_ROWS and the tasks' rows are
  * multiples of 16, so whether a row is in a panel depends only on the matrix's rows). */
 #define KQ_ROWS 16
 static void kquant_rows(int quant, const uint8_t *w, int64_t cols, int64_t r0, int64_t r1, const act_rows *A) {
@@ -134,8 +200,8 @@ static void kquant_rows(int quant, const uint8_t *w, int64_t cols, int64_t r0, i
             const int nt = tile_of(A, i, KQ_TOKENS, cols, 0, a);
             const krow_fn tile = ktiles[quant - 10][nt];
             int64_t r = first;
-            if (quant <= 11)                                       /* Q4_K, Q5_K: whole panels of eight rows */
-                for (; r + 8 <= last; r += 8) kpanels[quant - 10][nt](w + r * bytes, (int64_t)bytes, cols, a, r);
+            const kpanel_fn panel = quant <= 11 || quant == 13 ? kpanels[quant == 13 ? 2 : quant - 10][nt] : NULL;
+            for (; panel && r + 8 <= last; r += 8) panel(w + r * bytes, (int64_t)bytes, cols, a, r);  /* whole panels */
             for (; r < last; r++) tile(w + r * bytes, cols, a, r);
         }
     }
