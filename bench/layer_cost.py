@@ -31,6 +31,8 @@ def build(family: str, layers: int, work: Path) -> Path:
     over = dict(num_hidden_layers=layers, head_dim=32)    # the native steps take head dims of 16s
     if family == "qwen3_moe":
         over["mlp_only_layers"] = []
+    if family == "glm4_moe_lite":
+        over["mlp_layer_types"] = ["dense"] + ["sparse"] * (layers - 1)
     if family == "qwen3_5_moe":
         over["layer_types"] = (["linear_attention"] * 3 + ["full_attention"]) * (layers // 4)
     tiny.build_checkpoint(family, out / "hf", **over)

@@ -143,15 +143,22 @@ def sigmoid_group_topk(logits: torch.Tensor, bias: torch.Tensor, top_k: int, gro
     and scaled. logits [T, N] fp32 -> (weights [T, k], ids [T, k])."""
     scores = logits.sigmoid()
     choice = scores + bias.float()
-    t, n = choice.shape
-    group_best = choice.view(t, groups, n // groups).topk(2, dim=-1).values.sum(dim=-1)       # [T, G]
-    keep = torch.zeros_like(group_best).scatter_(1, group_best.topk(top_groups, dim=-1).indices, 1.0)
-    keep = keep.bool().repeat_interleave(n // groups, dim=1)                                   # [T, N]
-    ids = choice.masked_fill(~keep, float("-inf")).topk(top_k, dim=-1).indices
+    if top_groups >= groups:                   # every group kept (GLM-4.5, GLM-4.7-Flash: one group): no mask
+        ids = choice.topk(top_k, dim=-1).indices
+    else:
+        ids = choice.masked_fill(~_kept_groups(choice, groups, top_groups), float("-inf")).topk(top_k, dim=-1).indices
     weights = scores.gather(1, ids)
     if normalise:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     return weights * scale, ids
+
+
+def _kept_groups(choice: torch.Tensor, groups: int, top_groups: int) -> torch.Tensor:
+    """[T, N] True where an expert's group is among the `top_groups` whose two best scores sum highest."""
+    t, n = choice.shape
+    group_best = choice.view(t, groups, n // groups).topk(2, dim=-1).values.sum(dim=-1)       # [T, G]
+    keep = torch.zeros_like(group_best).scatter_(1, group_best.topk(top_groups, dim=-1).indices, 1.0)
+    return keep.bool().repeat_interleave(n // groups, dim=1)
 
 
 class DecoderModel:
