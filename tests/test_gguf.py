@@ -270,7 +270,8 @@ def _tokenizer_only_gguf(tok_dir, path, pre: str):
     return path
 
 
-@pytest.mark.parametrize("name,pre", [("qwen-3", "qwen2"), ("glm-4.5v", "glm4"), ("deepseek-v3", "deepseek-v3")])
+@pytest.mark.parametrize("name,pre", [("qwen-3", "qwen2"), ("qwen-3.5", "qwen35"), ("glm-4.5v", "glm4"),
+                                      ("glm-4.7-flash", "glm4"), ("deepseek-v3", "deepseek-v3")])
 def test_a_gguf_tokenizer_splits_and_merges_as_its_own_tokenizer_json(name, pre, tmp_path):
     """GLM's digits in threes and whole-word lookups, DeepSeek-V3's three splits: the tokenizer
     moefit rebuilds from a GGUF file encodes as the model's own tokenizer.json does."""
@@ -280,5 +281,6 @@ def test_a_gguf_tokenizer_splits_and_merges_as_its_own_tokenizer_json(name, pre,
     GGUFSource(_tokenizer_only_gguf(tok_dir, tmp_path / "tok.gguf", pre)).write_tokenizer(tmp_path / "out")
     ours, theirs = (Tokenizer.from_file(str(d / "tokenizer.json")) for d in (tmp_path / "out", tok_dir))
     for text in ("The year 2026 had 1234567 tokens; I'LL say it's 3.14159!", "def f(x):\n\treturn x**2  # ok\r\n",
-                 "模型在本地运行。ひらがなとカタカナ", "   leading and trailing   ", "<|endoftext|> e-mail: a@b.c"):
+                 "模型在本地运行。ひらがなとカタカナ", "   leading and trailing   ", "<|endoftext|> e-mail: a@b.c",
+                 "café naïve ñ हिन्दी"):
         assert ours.encode(text, add_special_tokens=False).ids == theirs.encode(text, add_special_tokens=False).ids, text

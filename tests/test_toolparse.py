@@ -100,6 +100,15 @@ def test_a_forced_call_on_a_glm_template_is_glm_s_spelling_and_valid_for_its_sch
     assert codec.tool_call_style == "glm" and f"<[{codec.token_id('<arg_key>')}]>" in grammar
 
 
+def test_the_glm_templates_teach_their_own_spacing(tmp_path):
+    """GLM-4.5's template writes a call a line a key and value, GLM-4.7-Flash's all on one line."""
+    import tiny
+    from moefit.runtime.text import TextCodec
+    styles = [TextCodec.load(tiny.real_tokenizer(name, tmp_path / name)).tool_call_style
+              for name in ("glm-4.5v", "glm-4.7-flash", "qwen-3")]
+    assert styles == ["glm", "glm-compact", "json"]
+
+
 def test_the_template_says_which_spelling_a_forced_call_takes():
     pytest.importorskip("llguidance")
     from moefit.runtime.grammar import glm_tool_call_grammar
