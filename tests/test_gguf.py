@@ -284,3 +284,15 @@ def test_a_gguf_tokenizer_splits_and_merges_as_its_own_tokenizer_json(name, pre,
                  "模型在本地运行。ひらがなとカタカナ", "   leading and trailing   ", "<|endoftext|> e-mail: a@b.c",
                  "café naïve ñ हिन्दी"):
         assert ours.encode(text, add_special_tokens=False).ids == theirs.encode(text, add_special_tokens=False).ids, text
+
+
+def test_gpt_oss_s_pre_tokenizer_splits_as_o200k_does(tmp_path):
+    """No o200k tokenizer.json ships offline: its documented splits instead (case changes, a
+    contraction with its word, digits in threes, "/" kept after punctuation)."""
+    from tokenizers import Tokenizer
+    from moefit.pack.gguf_source import GGUFSource
+    tok_dir = tiny.real_tokenizer("qwen-3", tmp_path / "qwen")
+    GGUFSource(_tokenizer_only_gguf(tok_dir, tmp_path / "tok.gguf", "gpt-4o")).write_tokenizer(tmp_path / "out")
+    split = Tokenizer.from_file(str(tmp_path / "out" / "tokenizer.json")).pre_tokenizer.pre_tokenize_str
+    words = [w.replace("Ġ", " ") for w, _ in split("HelloWorld they'RE at 1234567 https://x")]
+    assert words == ["Hello", "World", " they'RE", " at", " ", "123", "456", "7", " https", "://", "x"]

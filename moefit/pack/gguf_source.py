@@ -46,6 +46,11 @@ PRE_TOKENIZERS = {
                      "| ?[\\p{P}\\p{S}]+[\r\n]*|\\s*[\r\n]+|\\s+(?!\\S)|\\s+"], False),
 }
 PRE_TOKENIZERS["glm5"] = PRE_TOKENIZERS["glm4"]                 # llama.cpp reads both as ChatGLM-4's
+# gpt-oss (o200k): words split where the case changes, a contraction kept with its word, digits in threes
+PRE_TOKENIZERS["gpt-4o"] = ([
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"], False)
 
 
 SPLIT = re.compile(r"^(.*)-(\d{5})-of-(\d{5})\.gguf$")
