@@ -23,7 +23,8 @@ MLA = ("deepseek_v3", "glm4_moe_lite")
 EXPERT_TENSORS = (gguf.MODEL_TENSOR.FFN_GATE_EXP, gguf.MODEL_TENSOR.FFN_UP_EXP, gguf.MODEL_TENSOR.FFN_DOWN_EXP)
 
 
-def write_gguf(hf_dir: Path, path: Path, family: str, expert_type=None, down_type=None, gating: bool = True) -> Path:
+def write_gguf(hf_dir: Path, path: Path, family: str, expert_type=None, down_type=None, gating: bool = True,
+               pre: str | None = None) -> Path:
     """`expert_type`: the experts' GGUF type (None: F32); `down_type`: down's, when it differs (a
     Q4_K_M file's Q6_K). gguf.quants cannot make K-quants or IQ4_XS: those experts are random
     super-blocks (super_blocks), a valid file whose weights tests read back bit for bit."""
@@ -35,7 +36,7 @@ def write_gguf(hf_dir: Path, path: Path, family: str, expert_type=None, down_typ
     n = cfg["num_hidden_layers"]
     w = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
     _metadata(w, cfg, family, gating)
-    _tokenizer(w, hf_dir, "glm4" if family == "glm4_moe_lite" else "gpt-2")
+    _tokenizer(w, hf_dir, pre or ("glm4" if family == "glm4_moe_lite" else "gpt-2"))
     names = gguf.get_tensor_name_map(arch, n)
     for key in src.dense_keys:
         for name, t in _converted(key, src.get(key).float(), cfg, family):

@@ -40,6 +40,7 @@ def describe(header: dict) -> str:
     source = header["model_config"].get("moefit_source")
     origin = ("  from " + source["gguf"] + ": " + ", ".join(f"{n} x {k}" for k, n in sorted(source["types"].items()))
               + "\n") if source else ""
+    origin += _unknown_pre_tokenizer(source) if source else ""
     layers = sorted({row[0] for row in index})
     mtp = (header.get("mtp") or {}).get("layers", 0)
     if mtp:
@@ -51,3 +52,13 @@ def describe(header: dict) -> str:
             + f", dense {q['dense_dtype']}\n"
             f"  dense {mib(dense):.1f} MiB; experts {mib(sum(sizes)):.1f} MiB in {len(sizes)} blobs "
             f"({min(sizes) / 1024:.1f}-{max(sizes) / 1024:.1f} KiB each)\n{origin}  pack id {header['pack_id']}")
+
+
+def _unknown_pre_tokenizer(source: dict) -> str:
+    """A GGUF file's pre-tokenizer moefit has no splits for: said, since GPT-2's stand in for it."""
+    from moefit.pack.gguf_source import PRE_TOKENIZERS
+    pre = source.get("pre_tokenizer", "gpt-2")
+    if pre in PRE_TOKENIZERS:
+        return ""
+    return (f"  warning: its pre-tokenizer {pre!r} is not one moefit knows: words are split as GPT-2's are, which "
+            f"may not be how the model was trained (known: {', '.join(PRE_TOKENIZERS)})\n")

@@ -119,6 +119,7 @@ class GGUFSource:
                 "eos_token_id": self.meta("tokenizer.ggml.eos_token_id"),
                 "moefit_source": {"gguf": self.path.name, "files": [f.name for f in self.files],
                                   "sha256": self.sha256(), "types": self.type_summary(),
+                                  "pre_tokenizer": self.meta("tokenizer.ggml.pre", "gpt-2"),
                                   "tensor_types": {n: t.tensor_type.name for n, t in self.tensors.items()}}}
 
     def sha256(self) -> str:
