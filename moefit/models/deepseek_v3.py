@@ -12,7 +12,8 @@ which is one-kv-head attention over [c, k_r] with values c: the stored latent is
 expanded to H heads (a decode step reads it as stored: attention.attend_latent, kernels/kv.h).
 Under --dense-quant the two per-head products are folded into the projections around them once
 at load (absorbed_query: q_b then W_uk; absorbed_output: W_uv then o_proj) and quantised, where
-the slices of kv_b would stay in the compute dtype (families/deepseek_v3.absorbs). Queries go through the low-rank q_a / q_b pair when q_lora_rank is set;
+the slices of kv_b would stay in the compute dtype (families/deepseek_v3.absorbs). Queries go
+through the low-rank q_a / q_b pair when q_lora_rank is set;
 RoPE pairs channels (x0, x1), ... (rope_interleave); the softmax scale is (dn + dr)^-1/2,
 times YaRN's mscale^2 when the RoPE is scaled.
 
