@@ -32,7 +32,8 @@ def build(family: str, layers: int, work: Path) -> Path:
     if family == "qwen3_moe":
         over["mlp_only_layers"] = []
     if family == "glm4_moe_lite":
-        over["mlp_layer_types"] = ["dense"] + ["sparse"] * (layers - 1)
+        over.update(mlp_layer_types=["dense"] + ["sparse"] * (layers - 1), qk_rope_head_dim=16, kv_lora_rank=32,
+                    q_lora_rank=64)                    # dims kernels/mla.h takes
     if family == "qwen3_5_moe":
         over["layer_types"] = (["linear_attention"] * 3 + ["full_attention"]) * (layers // 4)
     tiny.build_checkpoint(family, out / "hf", **over)

@@ -104,6 +104,24 @@ def test_a_router_tie_goes_to_the_lower_expert():
     assert ids.tolist() == [[2, 4, 0]] and weights[0, 0] == weights[0, 1]
 
 
+@pytest.mark.parametrize("tokens,experts,k,groups,top_groups", [(1, 64, 4, 1, 1), (3, 256, 8, 8, 4), (2, 64, 6, 4, 2),
+                                                               (4, 16, 16, 2, 2)])
+@pytest.mark.parametrize("normalise", [True, False])
+def test_a_sigmoid_router_picks_and_weighs_like_torch(tokens, experts, k, groups, top_groups, normalise):
+    """DeepSeek-V3's router, GLM's with one group: the experts torch's sigmoid_group_topk picks, in
+    its order, and their weights."""
+    from moefit.models.layers import sigmoid_group_topk
+    g = torch.Generator().manual_seed(tokens * experts + k)
+    x, w = torch.randn(tokens, 256, generator=g), torch.randn(experts, 256, generator=g) * 0.1
+    bias = torch.randn(experts, generator=g) * 0.3
+    weights, ids = rows.sigmoid_topk(x, w, bias, k, groups, top_groups, normalise, 2.5)
+    want_w, want_ids = sigmoid_group_topk(x.double() @ w.double().T, bias, k, groups, top_groups, normalise, 2.5)
+    assert torch.equal(ids, want_ids)
+    assert close(weights, want_w) < 1e-5
+    if top_groups < groups:                                      # every pick from a kept group
+        assert all(len(set(row)) <= top_groups for row in (ids // (experts // groups)).tolist())
+
+
 def test_attention_does_not_depend_on_the_thread_count():
     q, k, v = torch.randn(32, 1, 128), torch.randn(4, 1300, 128), torch.randn(4, 1300, 128)   # three key ranges
     outs = []
@@ -122,6 +140,7 @@ def check_every_op() -> str:
     for keys in (1, 33, 200):
         test_one_position_attends_like_softmax(keys, 32, 4, 128, 128)
     test_a_softmax_router_picks_and_weighs_like_torch(5, 64, 8, True)
+    test_a_sigmoid_router_picks_and_weighs_like_torch(3, 256, 8, 8, 4, True)
     return kernels.isa()
 
 

@@ -163,3 +163,50 @@ int moe_softmax_topk(const float *x, int64_t T, int64_t E, const float *w, int64
     free(logits);
     return 0;
 }
+
+/* the k largest of v [N] not yet in `out` (out[n] nonzero), largest first, the lower index first
+ * on a tie -> ids [k]; each one picked is marked in out */
+static void pick_largest(const float *v, int64_t N, int64_t k, uint8_t *out, int64_t *ids) {
+    for (int64_t j = 0; j < k; j++) {
+        int64_t best = -1;
+        for (int64_t n = 0; n < N; n++)
+            if (!out[n] && (best < 0 || v[n] > v[best])) best = n;
+        ids[j] = best, out[best] = 1;
+    }
+}
+
+/* DeepSeek-V3's router (GLM-4.5, GLM-4.7-Flash; models/layers.sigmoid_group_topk): scores =
+ * sigmoid(x [T, E] . w [N, E]); experts chosen by score + bias [N] among the `top_groups` of
+ * `groups` groups whose two best biased scores sum highest -> ids [T, k] (as pick_largest), weights
+ * [T, k] their unbiased scores, divided by their sum (+ 1e-20) when normalise, times scale.
+ * Returns -1 for E not a multiple of 16, k not in 1..N or N not a multiple of groups. */
+int moe_sigmoid_topk(const float *x, int64_t T, int64_t E, const float *w, const float *bias, int64_t N, int64_t k,
+                     int64_t groups, int64_t top_groups, int normalise, float scale, int64_t *ids, float *weights) {
+    if (E % 16 || k < 1 || k > N || groups < 1 || N % groups) return -1;
+    choose_rows_isa();
+    const int64_t per = N / groups;
+    float *scores = malloc(sizeof(float) * T * N), *choice = malloc(sizeof(float) * (N + groups));
+    uint8_t *out = malloc(N + groups);
+    router_args R = {x, w, T, E, N, scores};
+    parallel(router_task, &R, (N + 15) / 16);
+    for (int64_t t = 0; t < T; t++) {
+        float *s = scores + t * N, *best = choice + N, kept = 0.0f;
+        for (int64_t n = 0; n < N; n++) s[n] = 1.0f / (1.0f + expf(-s[n])), choice[n] = s[n] + bias[n];
+        memset(out, 0, N + groups);
+        if (top_groups < groups) {
+            for (int64_t g = 0; g < groups; g++) {          /* each group's two best choices, summed */
+                int64_t two[2] = {0, 0};
+                pick_largest(choice + g * per, per, 2 < per ? 2 : per, out + g * per, two);
+                best[g] = choice[g * per + two[0]] + (per > 1 ? choice[g * per + two[1]] : 0.0f);
+            }
+            for (int64_t j = 0, g; j < top_groups; j++) pick_largest(best, groups, 1, out + N, &g);
+            for (int64_t n = 0; n < N; n++) out[n] = !out[N + n / per];   /* only the kept groups' experts */
+        }
+        pick_largest(choice, N, k, out, ids + t * k);
+        for (int64_t j = 0; j < k; j++) weights[t * k + j] = s[ids[t * k + j]], kept += weights[t * k + j];
+        for (int64_t j = 0; j < k; j++)
+            weights[t * k + j] = (normalise ? weights[t * k + j] / (kept + 1e-20f) : weights[t * k + j]) * scale;
+    }
+    free(scores), free(choice), free(out);
+    return 0;
+}

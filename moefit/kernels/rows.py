@@ -17,11 +17,14 @@ SIGNATURES = {
     "moe_rms_norm": [c_ptr, c_i64, c_i64, c_i64, c_ptr, c_f, c_ptr],
     "moe_head_rows": [c_ptr, c_i64, c_i64, c_i64, c_i64, c_i64, c_ptr, c_f, c_ptr, c_ptr, c_i64, c_ptr],
     "moe_softmax_topk": [c_ptr, c_i64, c_i64, c_ptr, c_i64, c_i64, ctypes.c_int, c_ptr, c_ptr],
+    "moe_sigmoid_topk": [c_ptr, c_i64, c_i64, c_ptr, c_ptr, c_i64, c_i64, c_i64, c_i64, ctypes.c_int, c_f, c_ptr,
+                         c_ptr],
     "moe_attention_step": [c_ptr, c_ptr, c_i64, c_ptr, c_ptr, c_i64, c_ptr, c_ptr, c_i64, c_ptr],
     "moe_attend_one": [c_ptr, c_ptr, c_ptr, c_i64, c_i64, c_i64, c_i64, c_i64, c_i64, c_i64, c_f, c_ptr],
     "moe_delta_step": [c_ptr, c_ptr, c_ptr, c_ptr, c_ptr],
     "moe_attend_stored": [c_ptr, c_i64, c_i64, c_i64, c_ptr, c_ptr, c_f, c_ptr, c_ptr],
     "moe_attend_latent": [c_ptr, c_i64, c_i64, c_i64, c_ptr, c_ptr, c_f, c_ptr, c_ptr],
+    "moe_mla_step": [c_ptr, c_ptr, c_i64, c_ptr, c_ptr, c_ptr, c_ptr, c_ptr],
 }
 
 
@@ -131,6 +134,20 @@ def softmax_topk(x: torch.Tensor, w: torch.Tensor, k: int, renorm: bool) -> tupl
     t, n = x.shape[0], w.shape[0]
     ids, weights = torch.empty(t, k, dtype=torch.int64), torch.empty(t, k, dtype=F32)
     ok = fn(_p(x), t, x.shape[1], _p(w), n, k, int(renorm), _p(ids), _p(weights))
+    return (weights, ids) if ok == 0 else None
+
+
+def sigmoid_topk(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, k: int, groups: int, top_groups: int,
+                 normalise: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """DeepSeek-V3's router (models/layers.sigmoid_group_topk) from x [T, E] and w [N, E]:
+    (weights [T, k] fp32, ids [T, k] int64)."""
+    fn = _fn("moe_sigmoid_topk")
+    if fn is None or not all(_host_fp32(t) and t.is_contiguous() for t in (x, w, bias)):
+        return None
+    t, n = x.shape[0], w.shape[0]
+    ids, weights = torch.empty(t, k, dtype=torch.int64), torch.empty(t, k, dtype=F32)
+    ok = fn(_p(x), t, x.shape[1], _p(w), _p(bias), n, k, groups, top_groups, int(normalise), scale, _p(ids),
+            _p(weights))
     return (weights, ids) if ok == 0 else None
 
 

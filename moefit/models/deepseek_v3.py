@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from moefit.families.deepseek_v3 import absorbs, dims
+from moefit.kernels.latent import LatentStep
 from moefit.models.glm4_moe import Glm4Moe
 from moefit.models.attention import attend_latent, attend_state
 from moefit.models.layers import RopeTable, Weights, apply_rope, apply_rope_interleaved, linear, rms_norm, yarn_mscale
@@ -55,6 +56,9 @@ class DeepseekV3(Glm4Moe):
                         "w_uv": w.place(a + "kv_b_proj.weight", kv_b[:, self.dn:].contiguous())}     # [H, dv, r]
 
     def attention(self, i, layer, x, start, cos, sin, mask, kv) -> torch.Tensor:
+        step = self.latent_step(layer, x, start, cos, sin, mask, kv.writable_rows(i))
+        if step is not None:                                                            # a decode step on the host
+            return linear(step, layer["o_abs"])
         c, t = self.cfg, x.shape[0]
         q_in = rms_norm(linear(x, layer["q_a"]), layer["q_norm"], c.rms_norm_eps) if self.q_rank else x
         if "q_abs" in layer:
@@ -79,6 +83,19 @@ class DeepseekV3(Glm4Moe):
             return linear(out, layer["o_abs"])
         out = torch.einsum("htr,hvr->thv", out.view(t, c.num_heads, self.rank).transpose(0, 1), layer["w_uv"])
         return linear(out.reshape(t, -1), layer["o"])
+
+
+    def latent_step(self, layer, x, start, cos, sin, mask, rows) -> torch.Tensor | None:
+        """The absorbed layer's attention for one token in one native call (kernels/mla.h): [1, H*r]
+        before o_abs, its rope key and latent written to rows (the state's, where a native step may
+        write them); None where it does not apply (more tokens, a mask, not absorbed, a card's or a
+        ring's or q4 rows), and the layer is computed op by op."""
+        if x.shape[0] != 1 or mask is not None or "q_abs" not in layer or rows is None:
+            return None
+        step = self.native_step(layer, lambda: LatentStep(
+            layer.get("q_a"), layer["q_abs"], layer["kv_a"], layer.get("q_norm"), layer["kv_norm"], self.cfg.num_heads,
+            self.rank, self.dr, self.cfg.rms_norm_eps, self.softmax_scale, self.rotate is apply_rope_interleaved))
+        return step(x, start, cos, sin, *rows)
 
 
 def _turned(x: torch.Tensor, rotation: torch.Tensor | None) -> torch.Tensor:

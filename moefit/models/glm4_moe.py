@@ -9,11 +9,10 @@ Legend: T tokens, E hidden, H heads, K kv heads, D head dim, N experts, k top-k.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from moefit.models.attention import attend_state
 from moefit.models.layers import (DecoderModel, RopeTable, Weights, linear, normed_heads, output_weights,
-                                  sigmoid_group_topk, swiglu)
+                                  sigmoid_router, swiglu)
 
 
 class Glm4Moe(DecoderModel):
@@ -77,7 +76,6 @@ class Glm4Moe(DecoderModel):
     def mlp(self, i, layer, x, experts) -> torch.Tensor:
         if "router" not in layer:
             return swiglu(x, layer["gate_up"], layer["down"])
-        logits = F.linear(x.float(), layer["router"].float())                            # [T, N]
-        weights, ids = sigmoid_group_topk(logits, layer["bias"], self.cfg.top_k, self.groups, self.top_groups,
-                                          self.cfg.norm_topk_prob, self.scale)
+        weights, ids = sigmoid_router(x, layer["router"], layer["bias"], self.cfg.top_k, self.groups,
+                                      self.top_groups, self.cfg.norm_topk_prob, self.scale)
         return experts.run(i, x, ids, weights.to(x.dtype)) + swiglu(x, layer["shared_gate_up"], layer["shared_down"])

@@ -135,6 +135,16 @@ def softmax_topk(x: torch.Tensor, router: torch.Tensor, top_k: int, renorm: bool
     return (weights / weights.sum(dim=-1, keepdim=True) if renorm else weights), ids
 
 
+def sigmoid_router(x: torch.Tensor, router: torch.Tensor, bias: torch.Tensor, top_k: int, groups: int,
+                   top_groups: int, normalise: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """sigmoid_group_topk of x [T, E] through the router [N, E] in fp32: on the host one native call."""
+    routed = native.sigmoid_topk(x, router, bias, top_k, groups, top_groups, normalise, scale)
+    if routed is not None:
+        return routed
+    logits = F.linear(x.float(), router.float())                                     # [T, N]
+    return sigmoid_group_topk(logits, bias, top_k, groups, top_groups, normalise, scale)
+
+
 def sigmoid_group_topk(logits: torch.Tensor, bias: torch.Tensor, top_k: int, groups: int, top_groups: int,
                        normalise: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V3's router (GLM-4.5 too): sigmoid scores; the choice adds a per-expert bias
@@ -191,13 +201,18 @@ class DecoderModel:
         cache = kv.plain_fp32(i)
         if cache is None:
             return None
-        if self.steps is None:
-            self.steps = {}
         c = self.cfg
-        step = made_once(self.steps, layer, lambda: native.AttentionStep(
+        step = self.native_step(layer, lambda: native.AttentionStep(
             layer["qkv"].parts, layer["qkv"].quant, c.num_heads, c.num_kv_heads, c.head_dim, layer.get("qkv_bias"),
             q_norm, k_norm, c.rms_norm_eps, gated))
         return step(x, start, cos, sin, *cache)
+
+
+    def native_step(self, layer: dict, make):
+        """The layer's native decode step (kernels/step.h, mla.h), made by make() on first use."""
+        if self.steps is None:
+            self.steps = {}
+        return made_once(self.steps, layer, make)
 
 
 def made_once(cache: dict, layer: dict, make):

@@ -30,6 +30,7 @@ from moefit.runtime.kv_codecs import FloatRows, StoredRows, codec
 from moefit.runtime.placement import DeviceMemory
 
 LINE = "sequence state"
+WRITTEN_NATIVELY = (0, 3)          # kv_codecs' native numbers a native step writes: fp32, int8
 INVALID = 1 << 62
 
 
@@ -48,8 +49,10 @@ class AttentionState:
         alloc = lambda shape, dtype: mem.empty(line, shape, dtype).zero_()  # noqa: E731  (masked rows meet 0 * row)
         self.k, self.v = self.kc.empty(alloc, decl.kv_heads, held), self.vc.empty(alloc, decl.kv_heads, held)
         self.slot_pos = torch.full((held,), INVALID, dtype=torch.long) if held < ctx else None
+        direct = self.slot_pos is None and self.window is None and self.k["x"].is_cpu     # row p is position p
         plain = all(type(c) is FloatRows and c.dtype == torch.float32 for c in (self.kc, self.vc))
-        self._plain = plain and self.slot_pos is None and self.window is None and self.k["x"].is_cpu
+        self._plain = plain and direct
+        self._writable = direct and all(c.native in WRITTEN_NATIVELY for c in (self.kc, self.vc))
         self.host, self._copied = None, None
         if self.slot_pos is not None and decl.streams:
             pin = mem.torch_device.type == "cuda"
@@ -68,6 +71,14 @@ class AttentionState:
         by position (no ring, no window, no codec): what a native decode step may write and read
         directly (kernels/step.h); None otherwise."""
         return (self.k["x"], self.v["x"]) if self._plain else None
+
+    def writable_rows(self) -> tuple[StoredRows, StoredRows] | None:
+        """(k, v) as StoredRows over every slot, where a native decode step may write row `pos` itself
+        and read the rows before it (kernels/mla.h): host rows indexed by position in a codec it
+        writes (fp32, int8), no ring, window or rotation; None otherwise."""
+        if not self._writable:
+            return None
+        return StoredRows(self.kc, self.k, self.capacity), StoredRows(self.vc, self.v, self.capacity)
 
     def write(self, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """k [K, T, Dk], v [K, T, Dv] for positions start..start+T."""
@@ -274,6 +285,10 @@ class SequenceState:
     def plain_fp32(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         state = self.layers[layer]
         return state.plain_fp32() if isinstance(state, AttentionState) else None
+
+    def writable_rows(self, layer: int) -> tuple[StoredRows, StoredRows] | None:
+        state = self.layers[layer]
+        return state.writable_rows() if isinstance(state, AttentionState) else None
 
     def parts(self, layer: int, end: int, stored: bool = False):
         return self.layers[layer].parts(end, stored)

@@ -1,0 +1,95 @@
+/* One position of MLA's attention on the host in one call (a decode step of models/deepseek_v3.py
+ * with its projections absorbed, --dense-quant), to the output projection's input:
+ *
+ *   c_q = RMSNorm(W_qa x)                 the query's low rank (q_lora_rank; without it c_q = x)
+ *   q = W_q c_q  [H, r + dr]              each head's absorbed latent query, then its rope query
+ *   c, k_r = W_kva x  [r], [dr]           the token's latent, RMS-normed, and its rope key
+ *   q_r, k_r rotated                      RoPE on pairs (x0, x1), ... written out de-interleaved,
+ *                                         or rotate-half: what the family's `rotate` does
+ *   the stores' row pos = k_r, c          fp32, or int8 codes and a scale (runtime/kv_codecs.py)
+ *   out [H, r] = moe_attend_latent(q, the stores' rows 0..pos)
+ *
+ * The torch route was about twenty operations between these, each with cold caches after the
+ * matrices streamed through (bench/layer_cost.py: ~390 us a layer against GQA's ~75 in one call). */
+
+typedef struct {
+    int quant;                          /* as moe_linear takes it */
+    int64_t group;
+    const void *w, *scales;
+} mla_matrix;
+
+typedef struct {
+    int64_t E, H, r, dr, q_rank;        /* hidden, heads, latent rank, rope dim, query rank (0: none) */
+    mla_matrix q_a, q, kv_a;
+    const float *q_norm, *kv_norm;
+    float eps, scale;
+    int interleaved;                    /* DeepSeek's rope_interleave */
+} mla_step;
+
+/* x [n] rotated in place by cos, sin [n] (the position's row of the table) */
+static void mla_rope(float *x, int64_t n, const float *cos, const float *sin, int interleaved) {
+    const int64_t half = n / 2;
+    float t[n];
+    for (int64_t i = 0; i < half; i++) {
+        const float a = interleaved ? x[2 * i] : x[i], b = interleaved ? x[2 * i + 1] : x[i + half];
+        t[i] = a * cos[i] - b * sin[i];
+        t[i + half] = b * cos[i + half] + a * sin[i + half];
+    }
+    memcpy(x, t, sizeof(float) * n);
+}
+
+/* row pos of a store written from x [n], as its codec's put writes it: 0 fp32, 3 int8 (a scale of
+ * max|x| / 127, codes rounded half to even) */
+static void mla_store(const kv_rows *s, int64_t pos, const float *x) {
+    if (s->codec == 0) {
+        memcpy((float *)s->x + pos * s->n, x, sizeof(float) * s->n);
+        return;
+    }
+    float top = 0.0f;
+    for (int64_t i = 0; i < s->n; i++) top = fabsf(x[i]) > top ? fabsf(x[i]) : top;
+    const float scale = (top > 1e-8f ? top : 1e-8f) / 127.0f;
+    int8_t *codes = (int8_t *)s->x + pos * s->n;
+    for (int64_t i = 0; i < s->n; i++) {
+        const float c = nearbyintf(x[i] / scale);
+        codes[i] = (int8_t)(c > 127.0f ? 127.0f : c < -127.0f ? -127.0f : c);
+    }
+    ((float *)s->s)[pos] = scale;
+}
+
+static int mla_linear(const mla_matrix *m, const float *x, int64_t cols, int64_t rows, float *y) {
+    return moe_linear(x, 1, cols, rows, m->quant, m->group, m->w, m->scales, y);
+}
+
+/* x [E] at position pos; cos, sin [dr]; k, v: the layer's rope keys [C, dr] and latents [C, r]
+ * (one head, codec 0 or 3), row pos written -> out [H, r]. Returns -1 for shapes or codecs it does
+ * not take, before writing anything. */
+int moe_mla_step(const mla_step *A, const float *x, int64_t pos, const float *cos, const float *sin,
+                 const kv_rows *k, const kv_rows *v, float *out) {
+    const int64_t width = A->r + A->dr, in = A->q_rank ? A->q_rank : A->E;
+    for (const kv_rows *s = k; s; s = s == k ? v : NULL)
+        if ((s->codec != 0 && s->codec != 3) || pos >= s->capacity) return -1;
+    if (k->n != A->dr || v->n != A->r || A->r % 16 || A->dr % 16 || (A->q_rank % 16)) return -1;
+    choose_rows_isa();
+    float *c_q = malloc(sizeof(float) * in), *q = malloc(sizeof(float) * A->H * width),
+          *kv = malloc(sizeof(float) * width), *latent = malloc(sizeof(float) * A->r);
+    int rc = 0;
+    if (A->q_rank) {
+        rc = mla_linear(&A->q_a, x, A->E, A->q_rank, c_q);
+        if (rc == 0) rms_row(c_q, A->q_rank, A->q_norm, A->eps, c_q);
+    } else
+        memcpy(c_q, x, sizeof(float) * A->E);
+    if (rc == 0) rc = mla_linear(&A->q, c_q, in, A->H * width, q);
+    if (rc == 0) rc = mla_linear(&A->kv_a, x, A->E, width, kv);
+    if (rc == 0) {
+        rms_row(kv, A->r, A->kv_norm, A->eps, latent);
+        mla_rope(kv + A->r, A->dr, cos, sin, A->interleaved);
+        for (int64_t h = 0; h < A->H; h++) mla_rope(q + h * width + A->r, A->dr, cos, sin, A->interleaved);
+        mla_store(k, pos, kv + A->r);
+        mla_store(v, pos, latent);
+        float *lse = malloc(sizeof(float) * A->H);
+        rc = moe_attend_latent(q, 1, A->H, pos + 1, k, v, A->scale, out, lse);
+        free(lse);
+    }
+    free(c_q), free(q), free(kv), free(latent);
+    return rc;
+}

@@ -1,0 +1,94 @@
+"""MLA's decode step in one native call (kernels/mla.h, DeepseekV3.latent_step) against the same
+layer computed op by op: the same logits to fp32 rounding and the same stored rows, for
+DeepSeek-V3 and GLM-4.7-Flash with their projections absorbed (--dense-quant), with and without
+a query rank, on fp32 and int8 rows; and the layers it must leave to the op-by-op path."""
+
+import pytest
+import torch
+
+from moefit import kernels
+from moefit.config import ServeConfig
+from moefit.models.deepseek_v3 import DeepseekV3
+from moefit.pack.convert import convert
+from moefit.runtime.engine import Engine
+
+import tiny
+
+pytestmark = pytest.mark.skipif(kernels.library() is None, reason="the native kernel is not built")
+PROMPT = [5, 9, 13, 2, 7, 11, 3, 8, 21, 4]
+FORCED = [6, 17, 2, 9, 30, 12, 1]
+DIMS = dict(qk_rope_head_dim=16, kv_lora_rank=32, q_lora_rank=64)          # dims the kernel takes
+
+
+def decode(engine: Engine) -> torch.Tensor:
+    engine.kv_tokens = []
+    engine.prefill(PROMPT)
+    return torch.stack([engine.decode_step(t, len(PROMPT) + i) for i, t in enumerate(FORCED)])
+
+
+def stored(engine: Engine, layer: int) -> list[torch.Tensor]:
+    k, v = engine.loaded.kv.layers[layer].k, engine.loaded.kv.layers[layer].v
+    n = len(PROMPT) + len(FORCED)
+    return [t[:, :n].clone() for store in (k, v) for t in store.values()]
+
+
+def open_pack(tmp_path, family: str, **over) -> tuple:
+    hf = tiny.build_checkpoint(family, tmp_path / "hf", **(DIMS | over))
+    convert(hf, tmp_path / "pack", "int8", progress=False)
+    return lambda **cfg: Engine.open(tmp_path / "pack", ServeConfig(ctx=64, **cfg))
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe_lite"])
+@pytest.mark.parametrize("dense", ["int8", "int4"])
+@pytest.mark.parametrize("kv_dtype", ["fp32", "int8"])
+def test_one_call_gives_the_op_by_op_logits_and_rows(family, dense, kv_dtype, tmp_path, monkeypatch):
+    engine = open_pack(tmp_path, family)(dense_quant=dense, kv_dtype=kv_dtype)
+    native = decode(engine)
+    assert len(engine.model.steps) == engine.model.cfg.num_layers               # every layer took the one call
+    rows = stored(engine, 1)
+    monkeypatch.setattr(DeepseekV3, "latent_step", lambda *a, **k: None)
+    ops = decode(engine)
+    assert float((native - ops).abs().max() / ops.abs().max()) < 1e-5
+    for got, want in zip(rows, stored(engine, 1)):
+        if got.dtype == torch.int8:                          # a code may round the other way at a half
+            assert int((got.int() - want.int()).abs().max()) <= 1 and float((got != want).float().mean()) < 0.01
+        else:
+            assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_without_a_query_rank(tmp_path, monkeypatch):
+    """DeepSeek-V2-Lite's layout: the absorbed query projection reads the layer's input itself."""
+    engine = open_pack(tmp_path, "deepseek_v3", q_lora_rank=None)(dense_quant="int8")
+    native = decode(engine)
+    assert "q_a" not in engine.model.layers[0] and len(engine.model.steps) == engine.model.cfg.num_layers
+    monkeypatch.setattr(DeepseekV3, "latent_step", lambda *a, **k: None)
+    ops = decode(engine)
+    assert float((native - ops).abs().max() / ops.abs().max()) < 1e-5
+
+
+@pytest.mark.parametrize("config", [dict(dense_quant="off"), dict(dense_quant="int8", kv_dtype="k8v4"),
+                                    dict(dense_quant="int8", kv_dtype="fp16"),
+                                    dict(dense_quant="int8", kv_resident="16", prefill_chunk=8)])
+def test_what_it_does_not_take_runs_op_by_op(config, tmp_path):
+    """Projections not absorbed, rows it does not write (q4 latents, rotated; fp16), a ring (KV
+    streaming): no native step, the same greedy tokens as ever."""
+    engine = open_pack(tmp_path, "glm4_moe_lite")(**config)
+    decode(engine)
+    assert not engine.model.steps
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe", "glm4_moe_lite"])
+def test_the_sigmoid_router_runs_natively_with_torchs_choices(family, tmp_path, monkeypatch):
+    """DeepSeek-V3's router (groups), GLM's (one group): every MoE layer of a decode step routes
+    in one native call (kernels/rows.h), and the logits equal those of torch's router."""
+    from moefit.kernels import rows
+    from moefit.models import layers
+    engine = open_pack(tmp_path, family)(dense_quant="int8")
+    calls, real = [], rows.sigmoid_topk
+    monkeypatch.setattr(layers.native, "sigmoid_topk", lambda *a: calls.append(1) or real(*a))
+    native = decode(engine)
+    moe_layers = sum("router" in layer for layer in engine.model.layers)
+    assert moe_layers and len(calls) == moe_layers * (len(FORCED) + 1)           # the prompt, then each step
+    monkeypatch.setattr(layers.native, "sigmoid_topk", lambda *a: None)
+    ops = decode(engine)
+    assert float((native - ops).abs().max() / ops.abs().max()) < 1e-5
