@@ -122,6 +122,27 @@ def test_a_sigmoid_router_picks_and_weighs_like_torch(tokens, experts, k, groups
         assert all(len(set(row)) <= top_groups for row in (ids // (experts // groups)).tolist())
 
 
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_a_swiglu_in_one_call_equals_it_op_by_op(quant, tokens, monkeypatch):
+    """A shared expert's or a dense layer's MLP through two quantised matrices (--dense-quant): one
+    native call (kernels/linear.h) against the two products and torch's silu between them."""
+    import torch.nn.functional as F
+    from moefit.models.layers import Weights, linear, swiglu
+    g = torch.Generator().manual_seed(7)
+    mats = {"gu.weight": torch.randn(2 * 96, 128, generator=g) * 0.1,
+            "down.weight": torch.randn(128, 96, generator=g) * 0.1}
+    w = Weights(list(mats), mats.__getitem__, lambda name, t, keep=False: t, dense_quant=quant)
+    gate_up, down = w.get("gu.weight"), w.get("down.weight")
+    x = torch.randn(tokens, 128, generator=g)
+    gate, up = linear(x, gate_up).chunk(2, dim=-1)
+    want = linear(F.silu(gate) * up, down)
+    calls, real = [], kernels.swiglu
+    monkeypatch.setattr(kernels, "swiglu", lambda *a: calls.append(real(*a)) or calls[-1])
+    assert close(swiglu(x, gate_up, down), want) < 1e-5
+    assert len(calls) == 1 and calls[0] is not None                   # layers.swiglu took the one call
+
+
 def test_attention_does_not_depend_on_the_thread_count():
     q, k, v = torch.randn(32, 1, 128), torch.randn(4, 1300, 128), torch.randn(4, 1300, 128)   # three key ranges
     outs = []

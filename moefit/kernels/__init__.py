@@ -171,6 +171,23 @@ class BoundMatrix:
         return y if self.fn(x.data_ptr(), x.shape[0], *self.args, y.data_ptr()) == 0 else None
 
 
+def swiglu(x: torch.Tensor, gate_up: BoundMatrix, down: BoundMatrix) -> torch.Tensor | None:
+    """A SwiGLU MLP of two bound host matrices in one call (moe_swiglu): x [T, E] fp32 -> [T, E],
+    or None where it does not apply (then the caller runs it op by op)."""
+    lib = library()
+    if gate_up.fn is None or down.fn is None or not hasattr(lib, "moe_swiglu") or x.dtype is not torch.float32 \
+            or not x.is_cpu or not x.is_contiguous() or x.shape[-1] != gate_up.cols or down.cols * 2 != gate_up.rows:
+        return None
+    if lib.moe_swiglu.argtypes is None:
+        lib.moe_swiglu.argtypes = [c_ptr, c_i64, c_i64, c_i64, ctypes.c_int, c_i64, c_ptr, c_ptr, ctypes.c_int, c_i64,
+                                   c_ptr, c_ptr, c_ptr]
+        lib.moe_swiglu.restype = ctypes.c_int
+    y = torch.empty(x.shape[0], down.rows, dtype=torch.float32)
+    ok = lib.moe_swiglu(x.data_ptr(), x.shape[0], gate_up.cols, down.cols, *gate_up.args[2:], *down.args[2:],
+                        y.data_ptr())
+    return y if ok == 0 else None
+
+
 def dequantize(parts: dict, name: str, quant: str, out: torch.Tensor | None = None) -> torch.Tensor | None:
     """The quantised matrix `name` (any of Q's quants) as fp32 [R, C] (into out, contiguous, when
     given), each weight as pack/quant.py's dequantize computes it, over the pool; None where the

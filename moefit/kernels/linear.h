@@ -35,3 +35,22 @@ int moe_linear(const float *x, int64_t T, int64_t C, int64_t R, int quant, int64
     free(xq), free(xs), free(xsum);
     return 0;
 }
+
+/* A SwiGLU MLP in one call (a dense layer's, a shared expert's): [g | u] = W_gu x, y [T, E] =
+ * W_down (silu(g) * u), both matrices as moe_linear takes them (W_gu [2I, E], W_down [E, I]).
+ * torch spent more on the chunk, the silu and the product between them than on the two small
+ * products at one token (bench/layer_cost.py). Returns as moe_linear. */
+int moe_swiglu(const float *x, int64_t T, int64_t E, int64_t I, int gu_quant, int64_t gu_group, const void *gu,
+               const void *gu_scales, int down_quant, int64_t down_group, const void *down, const void *down_scales,
+               float *y) {
+    float *gate_up = malloc(sizeof(float) * T * 2 * I), *h = malloc(sizeof(float) * T * I);
+    int rc = moe_linear(x, T, E, 2 * I, gu_quant, gu_group, gu, gu_scales, gate_up);
+    for (int64_t t = 0; rc == 0 && t < T; t++)
+        for (int64_t i = 0; i < I; i++) {
+            const float g = gate_up[t * 2 * I + i];
+            h[t * I + i] = g / (1.0f + expf(-g)) * gate_up[t * 2 * I + I + i];
+        }
+    if (rc == 0) rc = moe_linear(h, T, I, E, down_quant, down_group, down, down_scales, y);
+    free(gate_up), free(h);
+    return rc;
+}

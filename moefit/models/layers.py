@@ -263,7 +263,12 @@ def output_weights(cfg, w: "Weights") -> tuple[torch.Tensor, torch.Tensor, torch
 
 
 def swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """Dense SwiGLU MLP with gate and up fused: gate_up [2I, E], down [E, I]."""
+    """Dense SwiGLU MLP with gate and up fused: gate_up [2I, E], down [E, I]; a decode step's
+    through two quantised host matrices is one native call (kernels/linear.h)."""
+    if isinstance(gate_up, QWeight) and isinstance(down, QWeight) and not prompt_sized(x.shape[0]):
+        y = kernels.swiglu(x, gate_up.step, down.step)
+        if y is not None:
+            return y
     gate, up = linear(x, gate_up).chunk(2, dim=-1)
     return linear(F.silu(gate) * up, down)
 
