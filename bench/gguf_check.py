@@ -10,6 +10,10 @@ model's near-ties go either way) and the largest logit difference per file.
 `--quant int4` packs a Q4_0 file's experts as they are (their blocks kept) and runs them through
 moefit's host kernel, which rounds activations to 8 bits as llama.cpp does.
 
+`--reference HF_DIR` adds transformers on the checkpoint the files were made from (fp32): where the
+two engines disagree, it tells a bug in one from a model so sensitive that the file's own
+quantisation moves its logits (each engine's top-1 and largest difference against it).
+
 bench/make_gguf.py makes GGUF files of a random checkpoint with llama.cpp's converter and
 quantiser.
 """
@@ -45,6 +49,13 @@ def moefit_logits(path: Path, tokens: list[int], quant: str) -> np.ndarray:
         return engine.forward(tokens, 0).numpy()
 
 
+def reference_logits(checkpoint: Path, tokens: list[int]) -> np.ndarray:
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    with torch.no_grad():
+        return model(torch.tensor([tokens])).logits[0].numpy()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("files", nargs="+", type=Path)
@@ -53,12 +64,15 @@ def main() -> None:
                     "keep: the file's blocks as they are)")
     ap.add_argument("--tie", type=float, default=0.1, help="a position is decided when llama.cpp's top two "
                     "logits are further apart than this (random weights give near-ties)")
+    ap.add_argument("--reference", type=Path, help="the checkpoint the files were made from: transformers' logits "
+                    "on it too")
     args = ap.parse_args()
     tokens = torch.randint(10, 5000, (args.tokens,), generator=torch.Generator().manual_seed(1)).tolist()
     print(f"{args.tokens} tokens teacher-forced, fp32 compute, moefit pack {args.quant}, "
           f"{torch.get_num_threads()} threads")
     print(f"{'file':<24} {'top-1 agree':>11} {'decided':>8} {'agree there':>12} {'max |dlogit|':>13} "
           f"{'logit range':>12}")
+    ref = reference_logits(args.reference, tokens) if args.reference else None
     for f in args.files:
         a, b = llama_logits(f, tokens), moefit_logits(f, tokens, args.quant)
         same = a.argmax(-1) == b.argmax(-1)
@@ -66,6 +80,10 @@ def main() -> None:
         decided = (top2[:, 1] - top2[:, 0]) > args.tie                 # llama.cpp's own top two further apart
         print(f"{f.name:<24} {float(same.mean()):>11.3f} {int(decided.sum()):>8} {float(same[decided].mean()):>12.3f} "
               f"{float(np.abs(a - b).max()):>13.4f} {float(a.max() - a.min()):>12.2f}")
+        if ref is not None:
+            print(f"  against transformers on {args.reference.name}: " + ", ".join(
+                f"{who} top-1 {float((x.argmax(-1) == ref.argmax(-1)).mean()):.3f} "
+                f"max |d| {float(np.abs(x - ref).max()):.4f}" for who, x in (("llama.cpp", a), ("moefit", b))))
 
 
 if __name__ == "__main__":
