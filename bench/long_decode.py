@@ -7,8 +7,11 @@ same prompt of --prompt tokens, with the KV cache at about the same bits, in one
 PACK and GGUF: the same checkpoint (bench/decode.py builds the hybrid one, bench/make_gguf.py its
 GGUF files). moefit serves PACK with --dense-quant int4 and --kv-dtype; llama.cpp runs the GGUF with
 flash attention and its KV cache in the matching type (int8 -> Q8_0, q4 -> Q4_0, fp16 -> F16;
-fp32 -> F32 without flash attention). Each engine consumes the prompt once (timed) and then
-decodes --new tokens at temperature 2 (timed; spread routing, as bench/decode.py). With
+fp32 -> F32 without flash attention). Each engine first consumes the whole prompt once untimed
+(the warm-up: moefit measures each new product shape's fastest GEMM way the first time it meets
+it, kernels/gemm.py, and a served start keeps those choices in measured.json, so only a host's very
+first prompt pays it), then consumes it again (timed) and decodes --new tokens at temperature 2
+(timed; spread routing, as bench/decode.py). With
 --torch-route moefit runs once more with its native attention declined (kernels/kv.h and
 moe_attend_one returning None): the route a quantised cache took before.
 """
@@ -40,7 +43,7 @@ SPREAD = dict(temperature=2.0, top_k=0, top_p=1.0, seed=7)        # llama.cpp's:
 def time_moefit(pack: Path, prompt: list[int], new: int, threads: int, kv_dtype: str) -> dict:
     engine = Engine.open(pack, ServeConfig(ctx=len(prompt) + new + 8, dense_quant="int4", kv_dtype=kv_dtype,
                                            threads=threads))
-    engine.generate(prompt[:16], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))   # warm-up
+    engine.generate(prompt, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))       # warm-up
     engine.kv_tokens = []
     _, stats, _ = engine.generate(prompt, SamplingParams(max_tokens=new, ignore_eos=True, **SPREAD))
     return {"prefill_tok_s": stats.prefill_tokens_per_s, "decode_tok_s": stats.decode_tokens_per_s}
@@ -51,7 +54,7 @@ def time_llama(gguf: str, prompt: list[int], new: int, threads: int, kv_dtype: s
     kind, flash = LLAMA_KV[kv_dtype]
     llm = Llama(model_path=gguf, n_ctx=len(prompt) + new + 8, n_threads=threads, n_batch=512, verbose=False,
                 flash_attn=flash, type_k=kind, type_v=kind)
-    llm.eval(prompt[:16])                                                    # warm-up
+    llm.eval(prompt)                                                         # warm-up
     llm.reset()
     t0 = time.perf_counter()
     llm.eval(prompt)
