@@ -1,4 +1,4 @@
-/* Q4_K, Q5_K and IQ4_XS rows eight at a time (included by moe.c after ktiles.h; the layout: kquants.h).
+/* Q4_K, Q5_K, IQ4_XS and MXFP4 rows eight at a time (included by moe.c after ktiles.h; the layout: kquants.h).
  *
  * As panels.h does for int4: eight rows' bytes are transposed in registers (block_quads) so that
  * a lane is a row, and each quad of codes meets four activations broadcast; a sub-block's sums
@@ -166,8 +166,50 @@ __attribute__((target("avx2,fma,f16c"))) static inline void iq4_panel_scales(con
         for (int t = 0; t < NT; t++) _mm256_storeu_ps(a[t].y + r, acc[t]);                          \
     }
 
+/* eight MXFP4 rows' block exponents e (row_bytes apart) -> 2^(e - 128), a lane a row (e8m0_half's) */
+__attribute__((target("avx2,fma"))) static inline __m256 mx_panel_scales(const uint8_t *blk, int64_t row_bytes) {
+    const __m256i e = _mm256_setr_epi32(blk[0], blk[row_bytes], blk[2 * row_bytes], blk[3 * row_bytes],
+                                        blk[4 * row_bytes], blk[5 * row_bytes], blk[6 * row_bytes], blk[7 * row_bytes]);
+    const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+    const __m256i tiny = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);          /* e 0, 1: subnormal */
+    return _mm256_castsi256_ps(_mm256_blendv_epi8(tiny, normal, _mm256_cmpgt_epi32(e, _mm256_set1_epi32(1))));
+}
+
+/* eight MXFP4 rows (gpt-oss's experts: blocks of 32, 17 bytes) against NT tokens: IQ4_PANEL's
+ * lookups and sums a block at a time, scaled by the eight rows' 2^(e - 128). Rows of 2,880 (gpt-oss's
+ * hidden size) are not whole groups of eight blocks: the blocks are walked one by one. */
+#define MXFP4_PANEL(NAME, TARGET, ADD, OFFSET, NT)                                                  \
+    __attribute__((target(TARGET))) static void NAME(const uint8_t *w, int64_t row_bytes, int64_t n, \
+                                                     const tile_row *a, int64_t r) {                \
+        const __m256i table = _mm256_xor_si256(TABLE(MXFP4X2), _mm256_set1_epi8(OFFSET ? (char)0x80 : 0)); \
+        const __m256i low = _mm256_set1_epi8(15);                                                   \
+        ZEROED(acc, NT);                                                                            \
+        for (int64_t b = 0; b < n / QK; b++) {                                                      \
+            const uint8_t *blk = w + b * 17;                                                        \
+            if (b % 8 == 0) panel_prefetch(w, row_bytes, b / 8, 136);                               \
+            const __m256 d = mx_panel_scales(blk, row_bytes);                                       \
+            __m256i v[4], s[NT];                                                                    \
+            block_quads(blk + 1, row_bytes, v);                                                     \
+            for (int t = 0; t < NT; t++) s[t] = _mm256_setzero_si256();                             \
+            for (int k = 0; k < 4; k++) {                                                           \
+                const __m256i lo = _mm256_shuffle_epi8(table, _mm256_and_si256(v[k], low));         \
+                const __m256i hi = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(v[k], 4), low)); \
+                for (int t = 0; t < NT; t++) {                                                      \
+                    const int8_t *x = a[t].q + b * QK + 4 * k;                                      \
+                    ADD(s[t], lo, BROADCAST4(x));                                                   \
+                    ADD(s[t], hi, BROADCAST4(x + 16));                                              \
+                }                                                                                   \
+            }                                                                                       \
+            for (int t = 0; t < NT; t++) {                                                          \
+                const __m256i sum = _mm256_sub_epi32(s[t], _mm256_set1_epi32(OFFSET * a[t].sum[b])); \
+                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(d, _mm256_set1_ps(a[t].s[b])), acc[t]); \
+            }                                                                                       \
+        }                                                                                           \
+        for (int t = 0; t < NT; t++) _mm256_storeu_ps(a[t].y + r, acc[t]);                          \
+    }
+
 typedef void (*kpanel_fn)(const uint8_t *w, int64_t row_bytes, int64_t n, const tile_row *a, int64_t r);
-/* per instruction set: [0] Q4_K's panels, [1] Q5_K's, [2] IQ4_XS's, by token count */
+/* per instruction set: [0] Q4_K's panels, [1] Q5_K's, [2] IQ4_XS's, [3] MXFP4's, by token count */
 #define KP_TILES(ISA, TARGET, ADD, FINISH, IQ4_ADD, OFFSET)                                         \
     Q45K_PANEL(q4k_panel1_##ISA, TARGET, ADD, FINISH, 0, 1) Q45K_PANEL(q4k_panel2_##ISA, TARGET, ADD, FINISH, 0, 2) \
     Q45K_PANEL(q4k_panel3_##ISA, TARGET, ADD, FINISH, 0, 3) Q45K_PANEL(q4k_panel4_##ISA, TARGET, ADD, FINISH, 0, 4) \
@@ -175,10 +217,13 @@ typedef void (*kpanel_fn)(const uint8_t *w, int64_t row_bytes, int64_t n, const 
     Q45K_PANEL(q5k_panel3_##ISA, TARGET, ADD, FINISH, 1, 3) Q45K_PANEL(q5k_panel4_##ISA, TARGET, ADD, FINISH, 1, 4) \
     IQ4_PANEL(iq4_panel1_##ISA, TARGET, IQ4_ADD, OFFSET, 1) IQ4_PANEL(iq4_panel2_##ISA, TARGET, IQ4_ADD, OFFSET, 2) \
     IQ4_PANEL(iq4_panel3_##ISA, TARGET, IQ4_ADD, OFFSET, 3) IQ4_PANEL(iq4_panel4_##ISA, TARGET, IQ4_ADD, OFFSET, 4) \
-    static const kpanel_fn kpanels_##ISA[3][KQ_TOKENS + 1] = {                                     \
+    MXFP4_PANEL(mx_panel1_##ISA, TARGET, IQ4_ADD, OFFSET, 1) MXFP4_PANEL(mx_panel2_##ISA, TARGET, IQ4_ADD, OFFSET, 2) \
+    MXFP4_PANEL(mx_panel3_##ISA, TARGET, IQ4_ADD, OFFSET, 3) MXFP4_PANEL(mx_panel4_##ISA, TARGET, IQ4_ADD, OFFSET, 4) \
+    static const kpanel_fn kpanels_##ISA[4][KQ_TOKENS + 1] = {                                     \
         {NULL, q4k_panel1_##ISA, q4k_panel2_##ISA, q4k_panel3_##ISA, q4k_panel4_##ISA},            \
         {NULL, q5k_panel1_##ISA, q5k_panel2_##ISA, q5k_panel3_##ISA, q5k_panel4_##ISA},            \
-        {NULL, iq4_panel1_##ISA, iq4_panel2_##ISA, iq4_panel3_##ISA, iq4_panel4_##ISA}};
+        {NULL, iq4_panel1_##ISA, iq4_panel2_##ISA, iq4_panel3_##ISA, iq4_panel4_##ISA},            \
+        {NULL, mx_panel1_##ISA, mx_panel2_##ISA, mx_panel3_##ISA, mx_panel4_##ISA}};
 KP_TILES(avx2, "avx2,fma,f16c", KP_ADD_AVX2, KP_FINISH_AVX2, IQ4_ADD_AVX2, 0)
 KP_TILES(vnni256, AVX512, KP_ADD_VNNI256, KP_FINISH_VNNI, IQ4_ADD_VNNI256, 128)
 #ifdef HAVE_AVXVNNI
@@ -188,7 +233,7 @@ static const kpanel_fn (*kpanels)[KQ_TOKENS + 1];   /* choose_isa's, with ktiles
 
 /* Rows [r0, r1) of a Q4_K, Q5_K, Q6_K, IQ4_XS or MXFP4 matrix against every activation row of A, KQ_TOKENS
  * tokens a tile; KQ_ROWS rows (a few KiB each) at a time, read again from the cache by each tile.
- * Q4_K's, Q5_K's and IQ4_XS's rows eight at a time where eight are left in the block (KQ_ROWS and the tasks' rows are
+ * All but Q6_K's rows eight at a time where eight are left in the block (KQ_ROWS and the tasks' rows are
  * multiples of 16, so whether a row is in a panel depends only on the matrix's rows). */
 #define KQ_ROWS 16
 static void kquant_rows(int quant, const uint8_t *w, int64_t cols, int64_t r0, int64_t r1, const act_rows *A) {
@@ -200,7 +245,7 @@ static void kquant_rows(int quant, const uint8_t *w, int64_t cols, int64_t r0, i
             const int nt = tile_of(A, i, KQ_TOKENS, cols, 0, a);
             const krow_fn tile = ktiles[quant - 10][nt];
             int64_t r = first;
-            const kpanel_fn panel = quant <= 11 || quant == 13 ? kpanels[quant == 13 ? 2 : quant - 10][nt] : NULL;
+            const kpanel_fn panel = quant != 12 ? kpanels[quant >= 13 ? quant - 11 : quant - 10][nt] : NULL;
             for (; panel && r + 8 <= last; r += 8) panel(w + r * bytes, (int64_t)bytes, cols, a, r);  /* whole panels */
             for (; r < last; r++) tile(w + r * bytes, cols, a, r);
         }
