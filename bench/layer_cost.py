@@ -31,9 +31,12 @@ def build(family: str, layers: int, work: Path) -> Path:
     over = dict(num_hidden_layers=layers, head_dim=32)    # the native steps take head dims of 16s
     if family == "qwen3_moe":
         over["mlp_only_layers"] = []
+    if family in ("glm4_moe_lite", "deepseek_v3"):
+        over.update(qk_rope_head_dim=16, kv_lora_rank=32, q_lora_rank=64)             # dims kernels/mla.h takes
     if family == "glm4_moe_lite":
-        over.update(mlp_layer_types=["dense"] + ["sparse"] * (layers - 1), qk_rope_head_dim=16, kv_lora_rank=32,
-                    q_lora_rank=64)                    # dims kernels/mla.h takes
+        over["mlp_layer_types"] = ["dense"] + ["sparse"] * (layers - 1)
+    if family == "gpt_oss":
+        over["layer_types"] = ["sliding_attention", "full_attention"] * (layers // 2)
     if family == "qwen3_5_moe":
         over["layer_types"] = (["linear_attention"] * 3 + ["full_attention"]) * (layers // 4)
     tiny.build_checkpoint(family, out / "hf", **over)

@@ -97,6 +97,14 @@ def test_a_softmax_router_picks_and_weighs_like_torch(tokens, experts, k, renorm
     assert close(weights, want_w) < 1e-5
 
 
+def test_a_biased_router_renormalised_is_gpt_oss_softmax_of_its_top_k_logits():
+    g = torch.Generator().manual_seed(4)
+    x, w, bias = torch.randn(3, 256, generator=g), torch.randn(32, 256, generator=g) * 0.1, torch.randn(32, generator=g)
+    weights, ids = rows.softmax_topk(x, w, 4, True, bias)
+    top, want_ids = torch.topk(x.double() @ w.double().T + bias.double(), 4, dim=-1)
+    assert torch.equal(ids, want_ids) and close(weights, torch.softmax(top, -1)) < 1e-5
+
+
 def test_a_router_tie_goes_to_the_lower_expert():
     x, w = torch.ones(1, 16), torch.zeros(6, 16)
     w[4] = w[2] = 0.5                                                   # experts 2 and 4 tie, first

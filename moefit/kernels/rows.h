@@ -135,12 +135,12 @@ int moe_head_rows(const float *x, int64_t T, int64_t H, int64_t D, int64_t token
     return 0;
 }
 
-/* A softmax router: probabilities = softmax(x [T, E] . w [N, E]) per token, its k largest
- * (largest first, the lower expert first on a tie) -> ids [T, k], weights [T, k], divided by
- * their sum when renorm. The logits' rows are split over the pool. Returns -1 for E not a
- * multiple of 16 or k not in 1..N. */
-int moe_softmax_topk(const float *x, int64_t T, int64_t E, const float *w, int64_t N, int64_t k, int renorm,
-                     int64_t *ids, float *weights) {
+/* A softmax router: probabilities = softmax(x [T, E] . w [N, E] (+ bias [N] when given: gpt-oss))
+ * per token, its k largest (largest first, the lower expert first on a tie) -> ids [T, k], weights
+ * [T, k], divided by their sum when renorm (gpt-oss's softmax of its top-k logits is that). The
+ * logits' rows are split over the pool. Returns -1 for E not a multiple of 16 or k not in 1..N. */
+int moe_softmax_topk(const float *x, int64_t T, int64_t E, const float *w, const float *bias, int64_t N, int64_t k,
+                     int renorm, int64_t *ids, float *weights) {
     if (E % 16 || k < 1 || k > N) return -1;
     choose_rows_isa();
     float *logits = malloc(sizeof(float) * T * N);
@@ -148,6 +148,7 @@ int moe_softmax_topk(const float *x, int64_t T, int64_t E, const float *w, int64
     parallel(router_task, &R, (N + 15) / 16);
     for (int64_t t = 0; t < T; t++) {
         float *l = logits + t * N, top = -INFINITY, sum = 0.0f, kept = 0.0f;
+        for (int64_t n = 0; bias && n < N; n++) l[n] += bias[n];
         for (int64_t n = 0; n < N; n++) top = l[n] > top ? l[n] : top;
         for (int64_t n = 0; n < N; n++) l[n] = expf(l[n] - top), sum += l[n];
         for (int64_t j = 0; j < k; j++) {

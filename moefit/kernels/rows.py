@@ -16,7 +16,7 @@ c_i64, c_ptr, c_f = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 SIGNATURES = {
     "moe_rms_norm": [c_ptr, c_i64, c_i64, c_i64, c_ptr, c_f, c_ptr],
     "moe_head_rows": [c_ptr, c_i64, c_i64, c_i64, c_i64, c_i64, c_ptr, c_f, c_ptr, c_ptr, c_i64, c_ptr],
-    "moe_softmax_topk": [c_ptr, c_i64, c_i64, c_ptr, c_i64, c_i64, ctypes.c_int, c_ptr, c_ptr],
+    "moe_softmax_topk": [c_ptr, c_i64, c_i64, c_ptr, c_ptr, c_i64, c_i64, ctypes.c_int, c_ptr, c_ptr],
     "moe_sigmoid_topk": [c_ptr, c_i64, c_i64, c_ptr, c_ptr, c_i64, c_i64, c_i64, c_i64, ctypes.c_int, c_f, c_ptr,
                          c_ptr],
     "moe_attention_step": [c_ptr, c_ptr, c_i64, c_ptr, c_ptr, c_i64, c_ptr, c_ptr, c_i64, c_ptr],
@@ -103,10 +103,11 @@ class _KvRows(ctypes.Structure):
 def _kv_rows(rows) -> _KvRows | None:
     """kv.h's description of a StoredRows (runtime/kv_codecs.py), or None where the kernel cannot read it."""
     x, s = rows.store["x"], rows.store.get("s")
-    if not x.is_cpu or not x.is_contiguous() or s is not None and not s.is_contiguous():
+    if not x.is_cpu or not x.is_contiguous() or s is not None and not s.is_contiguous() or \
+            rows.offset + rows.count > x.shape[1]:
         return None
-    n = rows.codec.d
-    return _KvRows(rows.codec.native, _p(x), _ptr(s), x.shape[1], n)
+    first = (lambda t: _p(t) + rows.offset * t.stride(1) * t.element_size())      # row `offset` of each head
+    return _KvRows(rows.codec.native, first(x), None if s is None else first(s), x.shape[1], rows.codec.d)
 
 
 def attend_stored(q: torch.Tensor, k, v, scale: float,
@@ -125,15 +126,16 @@ def attend_stored(q: torch.Tensor, k, v, scale: float,
     return (out, lse) if ok == 0 else None
 
 
-def softmax_topk(x: torch.Tensor, w: torch.Tensor, k: int, renorm: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+def softmax_topk(x: torch.Tensor, w: torch.Tensor, k: int, renorm: bool,
+                 bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """A softmax router: (weights [T, k] fp32, ids [T, k] int64), the k most probable experts of
-    softmax(x [T, E] . w [N, E]) largest first, divided by their sum when renorm."""
+    softmax(x [T, E] . w [N, E] + bias) largest first, divided by their sum when renorm."""
     fn = _fn("moe_softmax_topk")
-    if fn is None or not (_host_fp32(x) and _host_fp32(w)) or not (x.is_contiguous() and w.is_contiguous()):
+    if fn is None or not all(_host_fp32(t) and (t is None or t.is_contiguous()) for t in (x, w, bias)):
         return None
     t, n = x.shape[0], w.shape[0]
     ids, weights = torch.empty(t, k, dtype=torch.int64), torch.empty(t, k, dtype=F32)
-    ok = fn(_p(x), t, x.shape[1], _p(w), n, k, int(renorm), _p(ids), _p(weights))
+    ok = fn(_p(x), t, x.shape[1], _p(w), _ptr(bias), n, k, int(renorm), _p(ids), _p(weights))
     return (weights, ids) if ok == 0 else None
 
 

@@ -40,20 +40,23 @@ def attend_state(state, i: int, q: torch.Tensor, start: int, mask: torch.Tensor 
     the output by sigmoid(lse - sink). `turned` False: the caller turns q and the output for rows
     stored rotated (MLA, whose keys are two stores)."""
     t = q.shape[1]
-    parts = state.parts(i, start + t, stored=keys is None)
-    if keys is not None:
-        parts = [(*keys(k, v), pos) for k, v, pos in parts]
     rk, rv = state.rotations(i) if turned else (None, None)
     if rk is not None:
         q = q @ rk.to(device=q.device, dtype=q.dtype)
-    if state.own_window(i) and parts[0][2] is None:               # this layer's own window, not the shared mask
+    read = _recent_attention(state, i, q, start, scale) if sinks is not None and t == 1 else None
+    parts = state.parts(i, start + t, stored=keys is None) if read is None else None
+    if keys is not None:
+        parts = [(*keys(k, v), pos) for k, v, pos in parts]
+    if parts and state.own_window(i) and parts[0][2] is None:      # this layer's own window, not the shared mask
         mask = causal_mask(start, t, state.window(i), q.device)
-    if _splits(parts, start, t, state.window(i)):
+    if parts and _splits(parts, start, t, state.window(i)):
         parts = _prefix_and_own(parts[0], start, t, q.dtype)
     if sinks is not None:
-        pos = [p if p is not None else torch.arange(_length(k)) for k, _, p in parts]
-        out, lse = attend_parts(q, [(k, v, p) for (k, v, _), p in zip(parts, pos)], torch.arange(start, start + t),
+        if read is None:
+            pos = [p if p is not None else torch.arange(_length(k)) for k, _, p in parts]
+            read = attend_parts(q, [(k, v, p) for (k, v, _), p in zip(parts, pos)], torch.arange(start, start + t),
                                 state.window(i), scale, with_lse=True)
+        out, lse = read
         out = out * torch.sigmoid(lse - sinks.float()[:, None, None]).to(out.dtype)
     elif len(parts) == 1 and parts[0][2] is None:
         k, v, _ = parts[0]
@@ -83,6 +86,23 @@ def attend_latent(state, i: int, q: torch.Tensor, start: int, scale: float) -> t
         return None
     res = native.attend_stored(q.reshape(1, h, d), k, v, scale, latent=True)
     return None if res is None else res[0].to(device=q.device, dtype=q.dtype).reshape(t, -1)
+
+
+def _recent_attention(state, i: int, q: torch.Tensor, start: int, scale: float | None):
+    """A decode step's attention with its log-sum-exp (gpt-oss's sinks need it) over the rows it
+    attends read in place by kernels/kv.h: the context, or a sliding window's positions in its
+    ring (one run of slots or two, merged by log-sum-exp) -> (out [H, 1, Dv] in q's dtype, lse
+    [H, 1, 1]), or None where they are not host rows the kernel reads (then attend_parts)."""
+    runs = state.recent_rows(i, start + 1)
+    if runs is None:
+        return None
+    out = lse = None
+    for k, v in runs:
+        part = _stored_attention(q, k, v, scale) if _reads_natively(k, 1) else None
+        if part is None:
+            return None
+        out, lse = _merge(out, lse, *part)
+    return out.to(q.dtype), lse
 
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,

@@ -22,6 +22,7 @@ from moefit.models.attention import attend_state
 from moefit.models.layers import DecoderModel, RopeTable, Weights, linear, normed_heads, output_weights
 from moefit import kernels
 from moefit.experts.grouped import GroupAct
+from moefit.kernels import rows as native
 from moefit.pack.quant import qlinear
 
 
@@ -62,16 +63,18 @@ class GptOss(DecoderModel):
         return linear(out, layer["o"], layer["o_bias"])
 
     def mlp(self, i, layer, x, experts) -> torch.Tensor:
-        logits = linear(x, layer["router"], layer["router_bias"])                         # [T, N]
-        top, ids = torch.topk(logits, self.cfg.top_k, dim=-1)
-        weights = F.softmax(top.float(), dim=-1)
+        routed = native.softmax_topk(x, layer["router"], self.cfg.top_k, True, layer["router_bias"])
+        if routed is None:                           # the softmax of the top-k logits: softmax_topk renormalised
+            top, ids = torch.topk(linear(x, layer["router"], layer["router_bias"]), self.cfg.top_k, dim=-1)
+            routed = F.softmax(top.float(), dim=-1), ids
+        weights, ids = routed
         return experts.run(i, x, ids, weights.to(x.dtype))
 
     def native_act(self, layer: int, experts: list[int]) -> kernels.GptOssAct:
         """The native call's activation for these experts of a layer (experts/runner.py)."""
-        gate_up, down = self.host_bias[layer]
-        return kernels.GptOssAct(self.alpha, self.limit, [gate_up[e].data_ptr() for e in experts],
-                                 [down[e].data_ptr() for e in experts])
+        (gate_up, step_gu), (down, step_dn) = ((t.data_ptr(), t.stride(0) * 4) for t in self.host_bias[layer])
+        return kernels.GptOssAct(self.alpha, self.limit, [gate_up + e * step_gu for e in experts],
+                                 [down + e * step_dn for e in experts])
 
     def expert(self, layer: int, e: int, x: torch.Tensor, parts: dict, quant: str, linear=qlinear) -> torch.Tensor:
         """One expert on x [T, E] from its blob parts, with its biases and the clamped gate (linear:

@@ -124,7 +124,8 @@ DENSE_GROUP = 32                # --dense-quant int4: one fp16 scale per 32 inpu
 
 def dense_quantizable(name: str, shape: tuple, quant: str) -> bool:
     """Dense matrices worth quantising at load (--dense-quant): not norms, biases or the
-    (precision-sensitive, small) router; for int4 only those whose inputs split into groups."""
-    if len(shape) != 2 or name.endswith("mlp.gate.weight"):
+    (precision-sensitive, small) routers (gpt-oss's is mlp.router); for int4 only those whose inputs
+    split into groups."""
+    if len(shape) != 2 or name.endswith(("mlp.gate.weight", "mlp.router.weight")):
         return False
     return quant == "int8" or shape[1] % DENSE_GROUP == 0

@@ -110,18 +110,20 @@ def codec(dtype: str, d: int):
 
 @dataclass(frozen=True)
 class StoredRows:
-    """Positions 0..count of a store [K, C, ...], not decoded: models/attention.py hands them to the
-    host's native attention as they are, or decodes them (`decode`) where that cannot take them."""
+    """Rows offset..offset+count of a store [K, C, ...] (positions 0..count of a whole-context store;
+    a run of a ring's slots), not decoded: models/attention.py hands them to the host's native
+    attention as they are, or decodes them (`decode`) where that cannot take them."""
     codec: FloatRows
     store: dict
     count: int
+    offset: int = 0
 
     def decode(self, dtype: torch.dtype, start: int = 0) -> torch.Tensor:
-        """Positions start..count in dtype."""
-        return self.codec.get(self.store, slice(start, self.count), dtype)
+        """Rows start..count of these, in dtype."""
+        return self.codec.get(self.store, slice(self.offset + start, self.offset + self.count), dtype)
 
     def first(self, count: int) -> "StoredRows":
-        return StoredRows(self.codec, self.store, count)
+        return StoredRows(self.codec, self.store, count, self.offset)
 
     @property
     def device(self) -> torch.device:

@@ -80,6 +80,25 @@ class AttentionState:
             return None
         return StoredRows(self.kc, self.k, self.capacity), StoredRows(self.vc, self.v, self.capacity)
 
+    def recent_rows(self, end: int) -> list[tuple[StoredRows, StoredRows]] | None:
+        """What a decode step at position end - 1 attends, as runs of rows read in place: the whole
+        context (or its window) from the store, or the window's positions from a ring's slots (one
+        run, or two where they wrap); None where they cannot be read so (a host part, rows on a card,
+        a position the ring no longer holds)."""
+        first = 0 if self.window is None else max(0, end - self.window)
+        if not self.k["x"].is_cpu or self.host is not None:
+            return None
+        if self.slot_pos is None:
+            return [self._run(first, end - first)]
+        if end - first > self.capacity or not bool((self.slot_pos[torch.arange(first, end) % self.capacity] ==
+                                                    torch.arange(first, end)).all()):
+            return None
+        a, b = first % self.capacity, (end - 1) % self.capacity + 1
+        return [self._run(a, b - a)] if a < b else [self._run(a, self.capacity - a), self._run(0, b)]
+
+    def _run(self, offset: int, count: int) -> tuple[StoredRows, StoredRows]:
+        return StoredRows(self.kc, self.k, count, offset), StoredRows(self.vc, self.v, count, offset)
+
     def write(self, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """k [K, T, Dk], v [K, T, Dv] for positions start..start+T."""
         end = start + k.shape[1]
@@ -90,9 +109,11 @@ class AttentionState:
         if k.shape[1] > self.capacity:
             raise ValueError(f"{k.shape[1]} tokens in one forward exceed the {self.capacity}-slot ring")
         pos = torch.arange(start, end)
-        slots = pos % self.capacity
-        self.kc.put(self.k, slots.to(self.k["x"].device), k)
-        self.vc.put(self.v, slots.to(self.v["x"].device), v)
+        first = start % self.capacity
+        slots = slice(first, first + len(pos)) if first + len(pos) <= self.capacity else pos % self.capacity
+        put = slots if isinstance(slots, slice) else slots.to(self.k["x"].device)    # a slice: no index_put
+        self.kc.put(self.k, put, k)
+        self.vc.put(self.v, put, v)
         self.slot_pos[slots] = pos
         if self.host is not None:
             self._write_through(slice(start, end), k, v)
@@ -289,6 +310,10 @@ class SequenceState:
     def writable_rows(self, layer: int) -> tuple[StoredRows, StoredRows] | None:
         state = self.layers[layer]
         return state.writable_rows() if isinstance(state, AttentionState) else None
+
+    def recent_rows(self, layer: int, end: int):
+        state = self.layers[layer]
+        return state.recent_rows(end) if isinstance(state, AttentionState) else None
 
     def parts(self, layer: int, end: int, stored: bool = False):
         return self.layers[layer].parts(end, stored)
