@@ -1,13 +1,15 @@
 """MLA's decode step in one native call (kernels/mla.h, DeepseekV3.latent_step) against the same
 layer computed op by op: the same logits to fp32 rounding and the same stored rows, for
-DeepSeek-V3 and GLM-4.7-Flash with their projections absorbed (--dense-quant), with and without
-a query rank, on fp32 and int8 rows; and the layers it must leave to the op-by-op path."""
+DeepSeek-V3 and GLM-4.7-Flash with their matrices quantised (--dense-quant: kv_b head by head),
+with and without a query rank, on fp32 and int8 rows; the layers it must leave to the op-by-op
+path; and the sigmoid router's native call."""
 
 import pytest
 import torch
 
 from moefit import kernels
 from moefit.config import ServeConfig
+from moefit.kernels.latent import LatentStep
 from moefit.models.deepseek_v3 import DeepseekV3
 from moefit.pack.convert import convert
 from moefit.runtime.engine import Engine
@@ -17,13 +19,21 @@ import tiny
 pytestmark = pytest.mark.skipif(kernels.library() is None, reason="the native kernel is not built")
 PROMPT = [5, 9, 13, 2, 7, 11, 3, 8, 21, 4]
 FORCED = [6, 17, 2, 9, 30, 12, 1]
-DIMS = dict(qk_rope_head_dim=16, kv_lora_rank=32, q_lora_rank=64)          # dims the kernel takes
+DIMS = dict(qk_rope_head_dim=16, kv_lora_rank=32, q_lora_rank=64, qk_nope_head_dim=32, v_head_dim=32)  # the kernel takes these
 
 
 def decode(engine: Engine) -> torch.Tensor:
     engine.kv_tokens = []
     engine.prefill(PROMPT)
     return torch.stack([engine.decode_step(t, len(PROMPT) + i) for i, t in enumerate(FORCED)])
+
+
+def computed(monkeypatch) -> list[bool]:
+    """Whether each LatentStep call computed (a step made but declining would leave every test
+    here comparing the op-by-op path with itself)."""
+    calls, real = [], LatentStep.__call__
+    monkeypatch.setattr(LatentStep, "__call__", lambda self, *a: calls.append(real(self, *a)) or calls[-1])
+    return calls
 
 
 def stored(engine: Engine, layer: int) -> list[torch.Tensor]:
@@ -43,8 +53,9 @@ def open_pack(tmp_path, family: str, **over) -> tuple:
 @pytest.mark.parametrize("kv_dtype", ["fp32", "int8"])
 def test_one_call_gives_the_op_by_op_logits_and_rows(family, dense, kv_dtype, tmp_path, monkeypatch):
     engine = open_pack(tmp_path, family)(dense_quant=dense, kv_dtype=kv_dtype)
+    calls = computed(monkeypatch)
     native = decode(engine)
-    assert len(engine.model.steps) == engine.model.cfg.num_layers               # every layer took the one call
+    assert len(calls) == len(FORCED) * engine.model.cfg.num_layers and all(c is not None for c in calls)
     rows = stored(engine, 1)
     monkeypatch.setattr(DeepseekV3, "latent_step", lambda *a, **k: None)
     ops = decode(engine)
@@ -57,10 +68,11 @@ def test_one_call_gives_the_op_by_op_logits_and_rows(family, dense, kv_dtype, tm
 
 
 def test_without_a_query_rank(tmp_path, monkeypatch):
-    """DeepSeek-V2-Lite's layout: the absorbed query projection reads the layer's input itself."""
+    """DeepSeek-V2-Lite's layout: the query projection reads the layer's input itself."""
     engine = open_pack(tmp_path, "deepseek_v3", q_lora_rank=None)(dense_quant="int8")
+    calls = computed(monkeypatch)
     native = decode(engine)
-    assert "q_a" not in engine.model.layers[0] and len(engine.model.steps) == engine.model.cfg.num_layers
+    assert "q_a" not in engine.model.layers[0] and calls and all(c is not None for c in calls)
     monkeypatch.setattr(DeepseekV3, "latent_step", lambda *a, **k: None)
     ops = decode(engine)
     assert float((native - ops).abs().max() / ops.abs().max()) < 1e-5
@@ -70,7 +82,7 @@ def test_without_a_query_rank(tmp_path, monkeypatch):
                                     dict(dense_quant="int8", kv_dtype="fp16"),
                                     dict(dense_quant="int8", kv_resident="16", prefill_chunk=8)])
 def test_what_it_does_not_take_runs_op_by_op(config, tmp_path):
-    """Projections not absorbed, rows it does not write (q4 latents, rotated; fp16), a ring (KV
+    """kv_b not quantised, rows it does not write (q4 latents, rotated; fp16), a ring (KV
     streaming): no native step, the same greedy tokens as ever."""
     engine = open_pack(tmp_path, "glm4_moe_lite")(**config)
     decode(engine)

@@ -185,7 +185,7 @@ def test_dense_quant_covers_the_mtp_layer_and_its_reserve(family, mtp_packs, car
     cfg = ServeConfig(device=f"sim:{card(64)}", ctx=128, spec="mtp", spec_window=3, vram_reserve_mib=24,
                       dense_quant="int8")
     engine = Engine.open(pack, cfg)
-    attention = engine.mtp.mtp["layer"].get("qkv", engine.mtp.mtp["layer"].get("q_abs"))    # MLA: absorbed
+    attention = engine.mtp.mtp["layer"].get("qkv", engine.mtp.mtp["layer"].get("q"))        # MLA: q
     assert isinstance(attention, QWeight) and isinstance(engine.mtp.mtp["project"], QWeight)
     assert engine.loaded.mem.charged["reserve"] == fp.mtp_bytes(128, engine.plan.kv_dtype, cfg.prefill_chunk)
     unquantised = from_pack_header(json.loads((pack / "moefit-pack.json").read_text()), "fp32")

@@ -151,6 +151,28 @@ def test_a_swiglu_in_one_call_equals_it_op_by_op(quant, tokens, monkeypatch):
     assert len(calls) == 1 and calls[0] is not None                   # layers.swiglu took the one call
 
 
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+@pytest.mark.parametrize("tokens", [1, 3])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_each_head_through_its_own_matrix(quant, tokens, threads):
+    """MLA's per-head products (kernels.linear_heads): H matrices stacked and quantised, head h's
+    rows against head h's activations only, as each head's own product gives them, bit for bit;
+    a head a task (1 thread) or a head's rows split (3 threads, 4 heads)."""
+    from moefit.models.layers import Weights
+    g = torch.Generator().manual_seed(tokens)
+    heads, rows_, cols = 4, 48, 96
+    mats = {"w.weight": torch.randn(heads * rows_, cols, generator=g) * 0.1}
+    w = Weights(list(mats), mats.__getitem__, lambda name, t, keep=False: t, dense_quant=quant).get("w.weight")
+    x = torch.randn(heads, tokens, cols, generator=g)
+    every = torch.stack([w(x[h]) for h in range(heads)])                  # each head's rows through every matrix
+    want = torch.stack([every[h, :, h * rows_:(h + 1) * rows_] for h in range(heads)])
+    kernels.set_threads(threads)
+    try:
+        assert torch.equal(kernels.linear_heads(x, w.step, heads), want)
+    finally:
+        kernels.set_threads(kernels.default_threads())
+
+
 def test_attention_does_not_depend_on_the_thread_count():
     q, k, v = torch.randn(32, 1, 128), torch.randn(4, 1300, 128), torch.randn(4, 1300, 128)   # three key ranges
     outs = []

@@ -50,32 +50,31 @@ def layer_shapes(i: int, m, moe: bool) -> c.Shapes:
             | c.swiglu(c.layer_prefix(i) + "mlp.shared_experts.", m.hidden_size, shared))
 
 
-def absorbs(m, dense_quant: str) -> bool:
-    """Whether --dense-quant holds the attention's projections absorbed through kv_b
-    (models/deepseek_v3.py): where both absorbed matrices are quantised, their inputs (the query
-    rank or the hidden size; H * r) in whole groups. A decode step then reads over a third fewer
-    attention bytes (GLM-4.7-Flash: 16.8 MB a layer at int4, against 26.5 with kv_b's slices in fp32)."""
-    rank, _, _, _, q_rank = dims(m)
-    return dense_quant != "off" and all(dense_quantizable("w", (1, n), dense_quant)
-                                        for n in (q_rank or m.hidden_size, m.num_heads * rank))
+def per_head(m, dense_quant: str) -> bool:
+    """Whether --dense-quant holds kv_b's per-head products quantised (models/deepseek_v3.py): each
+    head's W_uk^T [r, dn] and W_uv [dv, r], stacked, where their inputs (dn, r) split into whole
+    groups. A decode step then reads GLM-4.7-Flash's attention in 12.4 MB a layer at int4, against
+    16.8 with the products absorbed into q_b and o_proj (round 20) and 26.5 with kv_b in fp32."""
+    rank, _, nope, _, _ = dims(m)
+    return dense_quant != "off" and all(dense_quantizable("w", (1, n), dense_quant) for n in (nope, rank))
+
+
+KV_B_VALUES = ".values"         # the name W_uv's stack is charged under: kv_b_proj.weight.values
 
 
 def quantised_shapes(m, shapes: c.Shapes, dense_quant: str) -> c.Shapes:
-    """The attention's matrices as --dense-quant holds them (models/deepseek_v3.py): where it
-    absorbs, the query projection [H * (r + dr), C] and o_proj [E, H * r], and kv_b not kept;
-    elsewhere kv_b's per-head slices [H, dn + dv, r] in the compute dtype (not quantised)."""
-    rank, rope, nope, v, _ = dims(m)
-    absorbed, held = absorbs(m, dense_quant), {}
+    """The attention's matrices as --dense-quant holds them (models/deepseek_v3.py): kv_b as its
+    two stacks of per-head matrices, [H r, dn] and [H dv, r], quantised (per_head); elsewhere its
+    per-head slices [H, dn + dv, r] in the compute dtype (not quantised)."""
+    rank, _, nope, v, _ = dims(m)
+    split, held = per_head(m, dense_quant), {}
     for name, shape in shapes.items():
-        if name.endswith("self_attn.kv_b_proj.weight"):
-            if not absorbed:
-                held[name] = (m.num_heads, nope + v, rank)
-        elif absorbed and name.endswith(("self_attn.q_b_proj.weight", "self_attn.q_proj.weight")):
-            held[name] = (m.num_heads * (rank + rope), shape[1])
-        elif absorbed and name.endswith("self_attn.o_proj.weight"):
-            held[name] = (shape[0], m.num_heads * rank)
-        else:
+        if not name.endswith("self_attn.kv_b_proj.weight"):
             held[name] = shape
+        elif split:
+            held[name], held[name + KV_B_VALUES] = (m.num_heads * rank, nope), (m.num_heads * v, rank)
+        else:
+            held[name] = (m.num_heads, nope + v, rank)
     return held
 
 

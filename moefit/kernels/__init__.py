@@ -172,6 +172,22 @@ class BoundMatrix:
         return y if self.fn(x.data_ptr(), x.shape[0], *self.args, y.data_ptr()) == 0 else None
 
 
+def linear_heads(x: torch.Tensor, w: BoundMatrix, heads: int) -> torch.Tensor | None:
+    """Each head through its own matrix (moe_linear_heads): x [H, T, C] fp32 and the H matrices
+    [R, C] stacked [H R, C] -> [H, T, R], or None where it does not apply."""
+    lib = library()
+    if w.fn is None or not hasattr(lib, "moe_linear_heads") or x.dtype is not torch.float32 or not x.is_cpu \
+            or not x.is_contiguous() or x.dim() != 3 or x.shape[0] != heads or x.shape[2] != w.cols \
+            or w.rows % heads:
+        return None
+    if lib.moe_linear_heads.argtypes is None:
+        lib.moe_linear_heads.argtypes = [c_ptr, c_i64, c_i64, c_i64, c_i64, ctypes.c_int, c_i64, c_ptr, c_ptr, c_ptr]
+        lib.moe_linear_heads.restype = ctypes.c_int
+    y = torch.empty(heads, x.shape[1], w.rows // heads, dtype=torch.float32)
+    ok = lib.moe_linear_heads(x.data_ptr(), heads, x.shape[1], w.cols, w.rows // heads, *w.args[2:], y.data_ptr())
+    return y if ok == 0 else None
+
+
 def swiglu(x: torch.Tensor, gate_up: BoundMatrix, down: BoundMatrix) -> torch.Tensor | None:
     """A SwiGLU MLP of two bound host matrices in one call (moe_swiglu): x [T, E] fp32 -> [T, E],
     or None where it does not apply (then the caller runs it op by op)."""

@@ -1,6 +1,6 @@
 """MLA's decode step in one native call (kernels/mla.h), for models/deepseek_v3.py with its
-projections absorbed: from the layer's normed input to the output projection's input, the
-token's rope key and latent written to the state's rows."""
+matrices quantised: from the layer's normed input to the output projection's input, the token's
+rope key and latent written to the state's rows."""
 
 from __future__ import annotations
 
@@ -19,9 +19,10 @@ class _Matrix(ctypes.Structure):
 
 
 class _LatentWeights(ctypes.Structure):
-    _fields_ = [("E", c_i64), ("H", c_i64), ("r", c_i64), ("dr", c_i64), ("q_rank", c_i64), ("q_a", _Matrix),
-                ("q", _Matrix), ("kv_a", _Matrix), ("q_norm", c_ptr), ("kv_norm", c_ptr), ("eps", c_f),
-                ("scale", c_f), ("interleaved", c_int)]
+    _fields_ = [("E", c_i64), ("H", c_i64), ("r", c_i64), ("dr", c_i64), ("dn", c_i64), ("dv", c_i64),
+                ("q_rank", c_i64), ("q_a", _Matrix), ("q", _Matrix), ("kv_a", _Matrix), ("uk", _Matrix),
+                ("uv", _Matrix), ("q_norm", c_ptr), ("kv_norm", c_ptr), ("eps", c_f), ("scale", c_f),
+                ("interleaved", c_int)]
 
 
 def _matrix(w) -> tuple[_Matrix, int] | None:
@@ -37,32 +38,33 @@ def _matrix(w) -> tuple[_Matrix, int] | None:
 
 class LatentStep:
     """One MLA layer's decode-step attention (mla.h), its weights bound once: q_a (None without a
-    query rank), the absorbed q, kv_a, all quantised (QWeight); the two norms; heads, latent rank
-    and rope dim; the softmax scale; interleaved: DeepSeek's rope_interleave."""
+    query rank), q, kv_a and the heads' stacked W_uk^T and W_uv, all quantised (QWeight); the two
+    norms; heads; dims (r, dr, dn, dv); the softmax scale; interleaved: DeepSeek's rope_interleave."""
 
-    def __init__(self, q_a, q, kv_a, q_norm: torch.Tensor | None, kv_norm: torch.Tensor, heads: int, rank: int,
-                 rope_dim: int, eps: float, scale: float, interleaved: bool):
-        mats = [_matrix(q_a), _matrix(q), _matrix(kv_a)]
+    def __init__(self, q_a, q, kv_a, uk, uv, q_norm: torch.Tensor | None, kv_norm: torch.Tensor, heads: int,
+                 dims: tuple[int, int, int, int], eps: float, scale: float, interleaved: bool):
+        mats = [_matrix(m) for m in (q_a, q, kv_a, uk, uv)]
         self.fn = _fn("moe_mla_step")
         self.usable = self.fn is not None and None not in mats and _host_fp32(kv_norm) and _host_fp32(q_norm)
         if not self.usable:
             return
-        (qa, q_rank), (qm, _), (kva, e) = mats
-        self.keep = (q_a, q, kv_a, q_norm, kv_norm)              # the addresses bound stay theirs
-        self.heads, self.rank = heads, rank
-        self.weights = _LatentWeights(e, heads, rank, rope_dim, 0 if q_a is None else matrix_shape(
-            q_a.parts["w"], q_a.quant)[0], qa, qm, kva, _ptr(q_norm), _p(kv_norm), eps, scale, int(interleaved))
+        (qa, _), (qm, _), (kva, e), (ukm, _), (uvm, _) = mats
+        self.keep = (q_a, q, kv_a, uk, uv, q_norm, kv_norm)      # the addresses bound stay theirs
+        self.heads, self.dv = heads, dims[3]
+        q_rank = 0 if q_a is None else matrix_shape(q_a.parts["w"], q_a.quant)[0]
+        self.weights = _LatentWeights(e, heads, *dims, q_rank, qa, qm, kva, ukm, uvm, _ptr(q_norm), _p(kv_norm), eps,
+                                      scale, int(interleaved))
 
     def __call__(self, x: torch.Tensor, pos: int, cos: torch.Tensor, sin: torch.Tensor, k, v) -> torch.Tensor | None:
         """x [1, E] at position pos, cos / sin [1, dr]; k, v the state's writable rows (rope keys,
-        latents; runtime/state.writable_rows) -> [1, H*r], the token's row written; None where
+        latents; runtime/state.writable_rows) -> [1, H*dv], the token's row written; None where
         the kernel does not take them (then nothing was written)."""
         if not self.usable or not (_host_fp32(x) and x.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()):
             return None
         kr, vr = _kv_rows(k), _kv_rows(v)
         if kr is None or vr is None:
             return None
-        out = torch.empty(1, self.heads * self.rank, dtype=F32)
+        out = torch.empty(1, self.heads * self.dv, dtype=F32)
         ok = self.fn(ctypes.byref(self.weights), _p(x), pos, _p(cos), _p(sin), ctypes.byref(kr), ctypes.byref(vr),
                      _p(out))
         return out if ok == 0 else None

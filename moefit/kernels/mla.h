@@ -1,13 +1,14 @@
 /* One position of MLA's attention on the host in one call (a decode step of models/deepseek_v3.py
- * with its projections absorbed, --dense-quant), to the output projection's input:
+ * with its matrices quantised, --dense-quant), to the output projection's input:
  *
  *   c_q = RMSNorm(W_qa x)                 the query's low rank (q_lora_rank; without it c_q = x)
- *   q = W_q c_q  [H, r + dr]              each head's absorbed latent query, then its rope query
+ *   q = W_q c_q  [H, dn + dr]             each head's nope query, then its rope query
+ *   q_c[h] = W_uk[h]^T q_nope[h]  [r]     the nope query in the latent, head by head (linear.h)
  *   c, k_r = W_kva x  [r], [dr]           the token's latent, RMS-normed, and its rope key
  *   q_r, k_r rotated                      RoPE on pairs (x0, x1), ... written out de-interleaved,
  *                                         or rotate-half: what the family's `rotate` does
  *   the stores' row pos = k_r, c          fp32, or int8 codes and a scale (runtime/kv_codecs.py)
- *   out [H, r] = moe_attend_latent(q, the stores' rows 0..pos)
+ *   o[h] = W_uv[h] moe_attend_latent([q_c | q_r], the stores' rows 0..pos)[h]    [H, dv]
  *
  * The torch route was about twenty operations between these, each with cold caches after the
  * matrices streamed through (bench/layer_cost.py: ~390 us a layer against GQA's ~75 in one call). */
@@ -19,11 +20,11 @@ typedef struct {
 } mla_matrix;
 
 typedef struct {
-    int64_t E, H, r, dr, q_rank;        /* hidden, heads, latent rank, rope dim, query rank (0: none) */
-    mla_matrix q_a, q, kv_a;
+    int64_t E, H, r, dr, dn, dv, q_rank;    /* hidden, heads, latent rank, rope / nope / value dims, query rank */
+    mla_matrix q_a, q, kv_a, uk, uv;        /* uk [H r, dn], uv [H dv, r]: each head's, stacked */
     const float *q_norm, *kv_norm;
     float eps, scale;
-    int interleaved;                    /* DeepSeek's rope_interleave */
+    int interleaved;                        /* DeepSeek's rope_interleave */
 } mla_step;
 
 /* x [n] rotated in place by cos, sin [n] (the position's row of the table) */
@@ -60,18 +61,15 @@ static int mla_linear(const mla_matrix *m, const float *x, int64_t cols, int64_t
     return moe_linear(x, 1, cols, rows, m->quant, m->group, m->w, m->scales, y);
 }
 
-/* x [E] at position pos; cos, sin [dr]; k, v: the layer's rope keys [C, dr] and latents [C, r]
- * (one head, codec 0 or 3), row pos written -> out [H, r]. Returns -1 for shapes or codecs it does
- * not take, before writing anything. */
-int moe_mla_step(const mla_step *A, const float *x, int64_t pos, const float *cos, const float *sin,
-                 const kv_rows *k, const kv_rows *v, float *out) {
-    const int64_t width = A->r + A->dr, in = A->q_rank ? A->q_rank : A->E;
-    for (const kv_rows *s = k; s; s = s == k ? v : NULL)
-        if ((s->codec != 0 && s->codec != 3) || pos >= s->capacity) return -1;
-    if (k->n != A->dr || v->n != A->r || A->r % 16 || A->dr % 16 || (A->q_rank % 16)) return -1;
-    choose_rows_isa();
+static int mla_heads(const mla_matrix *m, const float *x, int64_t H, int64_t cols, int64_t rows, float *y) {
+    return moe_linear_heads(x, H, 1, cols, rows, m->quant, m->group, m->w, m->scales, y);
+}
+
+/* the query [H, r + dr] attention takes: q_c through the heads' W_uk^T, then q_r rotated */
+static int mla_query(const mla_step *A, const float *x, const float *cos, const float *sin, float *q_abs) {
+    const int64_t in = A->q_rank ? A->q_rank : A->E, width = A->dn + A->dr;
     float *c_q = malloc(sizeof(float) * in), *q = malloc(sizeof(float) * A->H * width),
-          *kv = malloc(sizeof(float) * width), *latent = malloc(sizeof(float) * A->r);
+          *nope = malloc(sizeof(float) * A->H * A->dn), *q_c = malloc(sizeof(float) * A->H * A->r);
     int rc = 0;
     if (A->q_rank) {
         rc = mla_linear(&A->q_a, x, A->E, A->q_rank, c_q);
@@ -79,17 +77,42 @@ int moe_mla_step(const mla_step *A, const float *x, int64_t pos, const float *co
     } else
         memcpy(c_q, x, sizeof(float) * A->E);
     if (rc == 0) rc = mla_linear(&A->q, c_q, in, A->H * width, q);
-    if (rc == 0) rc = mla_linear(&A->kv_a, x, A->E, width, kv);
+    for (int64_t h = 0; rc == 0 && h < A->H; h++) memcpy(nope + h * A->dn, q + h * width, sizeof(float) * A->dn);
+    if (rc == 0) rc = mla_heads(&A->uk, nope, A->H, A->dn, A->r, q_c);
+    for (int64_t h = 0; rc == 0 && h < A->H; h++) {
+        float *row = q_abs + h * (A->r + A->dr);
+        memcpy(row, q_c + h * A->r, sizeof(float) * A->r);
+        memcpy(row + A->r, q + h * width + A->dn, sizeof(float) * A->dr);
+        mla_rope(row + A->r, A->dr, cos, sin, A->interleaved);
+    }
+    free(c_q), free(q), free(nope), free(q_c);
+    return rc;
+}
+
+/* x [E] at position pos; cos, sin [dr]; k, v: the layer's rope keys [C, dr] and latents [C, r]
+ * (one head, codec 0 or 3), row pos written -> out [H, dv]. Returns -1 for shapes or codecs it
+ * does not take, before writing anything. */
+int moe_mla_step(const mla_step *A, const float *x, int64_t pos, const float *cos, const float *sin,
+                 const kv_rows *k, const kv_rows *v, float *out) {
+    for (const kv_rows *s = k; s; s = s == k ? v : NULL)
+        if ((s->codec != 0 && s->codec != 3) || pos >= s->capacity) return -1;
+    if (k->n != A->dr || v->n != A->r || A->r % QK || A->dn % QK || A->dr % 16 || A->q_rank % 16 || A->dv % 16)
+        return -1;
+    choose_rows_isa();
+    float *q = malloc(sizeof(float) * A->H * (A->r + A->dr)), *kv = malloc(sizeof(float) * (A->r + A->dr)),
+          *latent = malloc(sizeof(float) * A->r), *att = malloc(sizeof(float) * A->H * A->r);
+    int rc = mla_query(A, x, cos, sin, q);
+    if (rc == 0) rc = mla_linear(&A->kv_a, x, A->E, A->r + A->dr, kv);
     if (rc == 0) {
         rms_row(kv, A->r, A->kv_norm, A->eps, latent);
         mla_rope(kv + A->r, A->dr, cos, sin, A->interleaved);
-        for (int64_t h = 0; h < A->H; h++) mla_rope(q + h * width + A->r, A->dr, cos, sin, A->interleaved);
         mla_store(k, pos, kv + A->r);
         mla_store(v, pos, latent);
         float *lse = malloc(sizeof(float) * A->H);
-        rc = moe_attend_latent(q, 1, A->H, pos + 1, k, v, A->scale, out, lse);
+        rc = moe_attend_latent(q, 1, A->H, pos + 1, k, v, A->scale, att, lse);
         free(lse);
     }
-    free(c_q), free(q), free(kv), free(latent);
+    if (rc == 0) rc = mla_heads(&A->uv, att, A->H, A->r, A->dv, out);
+    free(q), free(kv), free(latent), free(att);
     return rc;
 }

@@ -10,9 +10,9 @@ through its slice of kv_b_proj (q_c = q_nope W_uk), so
 
 which is one-kv-head attention over [c, k_r] with values c: the stored latent is never
 expanded to H heads (a decode step reads it as stored: attention.attend_latent, kernels/kv.h).
-Under --dense-quant the two per-head products are folded into the projections around them once
-at load (absorbed_query: q_b then W_uk; absorbed_output: W_uv then o_proj) and quantised, where
-the slices of kv_b would stay in the compute dtype (families/deepseek_v3.absorbs). Queries go
+Under --dense-quant the two per-head products are quantised too: each head's W_uk^T [r, dn]
+and W_uv [dv, r], stacked, multiplied head by head in one native call (kernels.linear_heads),
+where kv_b's slices would stay in the compute dtype (families/deepseek_v3.per_head). Queries go
 through the low-rank q_a / q_b pair when q_lora_rank is set;
 RoPE pairs channels (x0, x1), ... (rope_interleave); the softmax scale is (dn + dr)^-1/2,
 times YaRN's mscale^2 when the RoPE is scaled.
@@ -26,11 +26,14 @@ from __future__ import annotations
 
 import torch
 
-from moefit.families.deepseek_v3 import absorbs, dims
+from moefit import kernels
+from moefit.families.deepseek_v3 import KV_B_VALUES, dims, per_head
 from moefit.kernels.latent import LatentStep
 from moefit.models.glm4_moe import Glm4Moe
 from moefit.models.attention import attend_latent, attend_state
-from moefit.models.layers import RopeTable, Weights, apply_rope, apply_rope_interleaved, linear, rms_norm, yarn_mscale
+from moefit.models.layers import (QWeight, RopeTable, Weights, apply_rope, apply_rope_interleaved, linear, rms_norm,
+                                  yarn_mscale)
+from moefit.pack.quant import dequantize
 
 
 class DeepseekV3(Glm4Moe):
@@ -41,33 +44,29 @@ class DeepseekV3(Glm4Moe):
         super().__init__(cfg, w, rope)
 
     def _attention_weights(self, w: Weights, i: int) -> dict:
-        a = f"model.layers.{i}.self_attn."
-        kv_b = w.host(a + "kv_b_proj.weight").view(self.cfg.num_heads, self.dn + self.dv, self.rank)
+        a, h = f"model.layers.{i}.self_attn.", self.cfg.num_heads
+        kv_b = w.host(a + "kv_b_proj.weight").view(h, self.dn + self.dv, self.rank)
         q, o = a + ("q_b_proj.weight" if self.q_rank else "q_proj.weight"), a + "o_proj.weight"
-        layer = {"kv_a": w.get(a + "kv_a_proj_with_mqa.weight"), "kv_norm": w.get(a + "kv_a_layernorm.weight")}
+        layer = {"kv_a": w.get(a + "kv_a_proj_with_mqa.weight"), "kv_norm": w.get(a + "kv_a_layernorm.weight"),
+                 "q": w.get(q), "o": w.get(o)}
         if self.q_rank:
             layer.update(q_a=w.get(a + "q_a_proj.weight"), q_norm=w.get(a + "q_a_layernorm.weight"))
-        if absorbs(self.cfg, w.dense_quant):        # absorbed once, then quantised (families/deepseek_v3.py)
-            layer.update(q_abs=w.derived(q, absorbed_query(w.host(q), kv_b[:, :self.dn], self.dr)),
-                         o_abs=w.derived(o, absorbed_output(w.host(o), kv_b[:, self.dn:])))
-            return layer
-        return layer | {"q": w.get(q), "o": w.get(o),
-                        "w_uk": w.place(a + "kv_b_proj.weight", kv_b[:, :self.dn].contiguous()),     # [H, dn, r]
+        if per_head(self.cfg, w.dense_quant):                 # quantised, head by head (families/deepseek_v3.py)
+            return layer | {
+                "w_uk": w.derived(a + "kv_b_proj.weight", kv_b[:, :self.dn].transpose(1, 2).reshape(h * self.rank, -1)),
+                "w_uv": w.derived(a + "kv_b_proj.weight" + KV_B_VALUES, kv_b[:, self.dn:].reshape(h * self.dv, -1))}
+        return layer | {"w_uk": w.place(a + "kv_b_proj.weight", kv_b[:, :self.dn].contiguous()),     # [H, dn, r]
                         "w_uv": w.place(a + "kv_b_proj.weight", kv_b[:, self.dn:].contiguous())}     # [H, dv, r]
 
     def attention(self, i, layer, x, start, cos, sin, mask, kv) -> torch.Tensor:
         step = self.latent_step(layer, x, start, cos, sin, mask, kv.writable_rows(i))
         if step is not None:                                                            # a decode step on the host
-            return linear(step, layer["o_abs"])
+            return linear(step, layer["o"])
         c, t = self.cfg, x.shape[0]
         q_in = rms_norm(linear(x, layer["q_a"]), layer["q_norm"], c.rms_norm_eps) if self.q_rank else x
-        if "q_abs" in layer:
-            q = linear(q_in, layer["q_abs"]).view(t, c.num_heads, self.rank + self.dr).transpose(0, 1)
-            q_latent, q_rope = q.split([self.rank, self.dr], -1)                         # [H, T, r], [H, T, dr]
-        else:
-            q = linear(q_in, layer["q"]).view(t, c.num_heads, self.dn + self.dr).transpose(0, 1)
-            q_nope, q_rope = q.split([self.dn, self.dr], -1)
-            q_latent = torch.einsum("htn,hnr->htr", q_nope, layer["w_uk"])
+        q = linear(q_in, layer["q"]).view(t, c.num_heads, self.dn + self.dr).transpose(0, 1)
+        q_nope, q_rope = q.split([self.dn, self.dr], -1)                               # [H, T, dn], [H, T, dr]
+        q_latent = self.through_heads(q_nope, layer["w_uk"], "htn,hnr->htr")           # [H, T, r]
         latent, k_rope = linear(x, layer["kv_a"]).split([self.rank, self.dr], dim=-1)
         latent = rms_norm(latent, layer["kv_norm"], c.rms_norm_eps)
         kv.write(i, start, self.rotate(k_rope[None], cos, sin), latent[None])          # one "head": [1, T, .]
@@ -77,48 +76,45 @@ class DeepseekV3(Glm4Moe):
         if out is None:
             out = attend_state(kv, i, q_abs, start, mask, scale=self.softmax_scale, turned=False,
                                keys=lambda k_r, c_kv: (torch.cat((c_kv, k_r), dim=-1), c_kv))
+        out = out.view(t, c.num_heads, self.rank)
         if rv is not None:                           # the values were turned latents: turn the output back
-            out = (out.view(t, c.num_heads, self.rank) @ rv.to(device=out.device, dtype=out.dtype).T).reshape(t, -1)
-        if "o_abs" in layer:
-            return linear(out, layer["o_abs"])
-        out = torch.einsum("htr,hvr->thv", out.view(t, c.num_heads, self.rank).transpose(0, 1), layer["w_uv"])
+            out = out @ rv.to(device=out.device, dtype=out.dtype).T
+        out = self.through_heads(out.transpose(0, 1), layer["w_uv"], "htr,hvr->thv")   # [T, H, dv]
         return linear(out.reshape(t, -1), layer["o"])
 
+    def through_heads(self, x: torch.Tensor, w, product: str) -> torch.Tensor:
+        """x [H, T, n] through each head's matrix: quantised stacks (w_uk [H r, dn], w_uv [H dv, r]) in
+        one native call, else (or where it declines) the compute-dtype slices [H, dn, r] / [H, dv, r]
+        by `product`. -> [H, T, m] for the key's product, [T, H, m] for the value's."""
+        if isinstance(w, QWeight):
+            y = kernels.linear_heads(x.float().contiguous(), w.step, self.cfg.num_heads)
+            if y is None:                             # no native library: the stacks dequantised
+                y = torch.einsum("htn,hmn->htm", x.float(), _dequantized(w).view(self.cfg.num_heads, -1, x.shape[-1]))
+            return (y if product.endswith("htr") else y.transpose(0, 1)).to(x.dtype)
+        return torch.einsum(product, x, w)
 
     def latent_step(self, layer, x, start, cos, sin, mask, rows) -> torch.Tensor | None:
-        """The absorbed layer's attention for one token in one native call (kernels/mla.h): [1, H*r]
-        before o_abs, its rope key and latent written to rows (the state's, where a native step may
-        write them); None where it does not apply (more tokens, a mask, not absorbed, a card's or a
+        """The layer's attention for one token in one native call (kernels/mla.h): [1, H*dv] before
+        o_proj, its rope key and latent written to rows (the state's, where a native step may write
+        them); None where it does not apply (more tokens, a mask, kv_b not quantised, a card's or a
         ring's or q4 rows), and the layer is computed op by op."""
-        if x.shape[0] != 1 or mask is not None or "q_abs" not in layer or rows is None:
+        if x.shape[0] != 1 or mask is not None or not isinstance(layer["w_uk"], QWeight) or rows is None:
             return None
         step = self.native_step(layer, lambda: LatentStep(
-            layer.get("q_a"), layer["q_abs"], layer["kv_a"], layer.get("q_norm"), layer["kv_norm"], self.cfg.num_heads,
-            self.rank, self.dr, self.cfg.rms_norm_eps, self.softmax_scale, self.rotate is apply_rope_interleaved))
+            layer.get("q_a"), layer["q"], layer["kv_a"], layer["w_uk"], layer["w_uv"], layer.get("q_norm"),
+            layer["kv_norm"], self.cfg.num_heads, (self.rank, self.dr, self.dn, self.dv), self.cfg.rms_norm_eps,
+            self.softmax_scale, self.rotate is apply_rope_interleaved))
         return step(x, start, cos, sin, *rows)
+
+
+def _dequantized(w: QWeight) -> torch.Tensor:
+    native = kernels.dequantize(w.parts, "w", w.quant)
+    return native if native is not None else dequantize(w.parts, "w", w.quant, torch.float32)
 
 
 def _turned(x: torch.Tensor, rotation: torch.Tensor | None) -> torch.Tensor:
     """A query part in its stored rows' rotated space: (x R) . (y R) = x . y for orthonormal R."""
     return x if rotation is None else x @ rotation.to(device=x.device, dtype=x.dtype)
-
-
-def absorbed_query(q_proj: torch.Tensor, w_uk: torch.Tensor, dr: int) -> torch.Tensor:
-    """The query projection [H * (dn + dr), C] with each head's nope rows taken through its key
-    slice w_uk [H, dn, r] -> [H * (r + dr), C]: head h's rows are W_uk[h]^T Q_nope[h], then its
-    rope rows as they were. One matrix instead of a projection and a per-head product; under
-    --dense-quant it is quantised, where w_uk was kept in the compute dtype."""
-    h, dn, r = w_uk.shape
-    q = q_proj.float().view(h, dn + dr, -1)
-    latent = torch.einsum("hnr,hnc->hrc", w_uk.float(), q[:, :dn])
-    return torch.cat((latent, q[:, dn:]), dim=1).reshape(h * (r + dr), -1)
-
-
-def absorbed_output(o_proj: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
-    """o_proj [E, H * dv] after each head's value slice w_uv [H, dv, r] -> [E, H * r]: the latent
-    attention's output [T, H * r] goes out in one product."""
-    h, dv, r = w_uv.shape
-    return torch.einsum("ehv,hvr->ehr", o_proj.float().view(-1, h, dv), w_uv.float()).reshape(-1, h * r)
 
 
 def _yarn_mscale_squared(rope: dict) -> float:
