@@ -53,8 +53,9 @@ def layer_shapes(i: int, m, moe: bool) -> c.Shapes:
 def per_head(m, dense_quant: str) -> bool:
     """Whether --dense-quant holds kv_b's per-head products quantised (models/deepseek_v3.py): each
     head's W_uk^T [r, dn] and W_uv [dv, r], stacked, where their inputs (dn, r) split into whole
-    groups. A decode step then reads GLM-4.7-Flash's attention in 12.4 MB a layer at int4, against
-    16.8 with the products absorbed into q_b and o_proj (round 20) and 26.5 with kv_b in fp32."""
+    groups. A decode step then reads GLM-4.7-Flash's attention in 12.2 MB a layer at int4, against
+    18.3 with the products absorbed into q_b and o_proj (round 20) and 28.0 with kv_b in fp32
+    (memory/footprint.dense_bytes on configs/glm-4.7-flash.json)."""
     rank, _, nope, _, _ = dims(m)
     return dense_quant != "off" and all(dense_quantizable("w", (1, n), dense_quant) for n in (nope, rank))
 
