@@ -8,6 +8,7 @@ import torch
 
 from moefit import kernels
 from moefit.config import ServeConfig
+from moefit.kernels import rows as native
 from moefit.models.layers import DecoderModel
 from moefit.pack.convert import convert
 from moefit.runtime.engine import Engine
@@ -25,17 +26,26 @@ def decode(engine: Engine) -> torch.Tensor:
     return torch.stack([engine.decode_step(t, len(PROMPT) + i) for i, t in enumerate(FORCED)])
 
 
+def computed(monkeypatch) -> list:
+    """Each AttentionStep call's result (None: it declined, and the layer went op by op): a step
+    made but declining would leave a test here comparing the op-by-op path with itself."""
+    calls, real = [], native.AttentionStep.__call__
+    monkeypatch.setattr(native.AttentionStep, "__call__", lambda self, *a: calls.append(real(self, *a)) or calls[-1])
+    return calls
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "glm4_moe"])
 @pytest.mark.parametrize("dense", ["int8", "int4"])
 def test_one_call_gives_the_op_by_op_logits(family, dense, tmp_path, monkeypatch):
     hf = tiny.build_checkpoint(family, tmp_path / "hf", head_dim=32)            # a head dim the kernel takes
     convert(hf, tmp_path / "pack", "int8", progress=False)
     engine = Engine.open(tmp_path / "pack", ServeConfig(ctx=64, dense_quant=dense))
-    native = decode(engine)
-    assert len(engine.model.steps) == engine.model.cfg.num_layers                # every layer took the one call
+    calls = computed(monkeypatch)
+    one_call = decode(engine)
+    assert len(calls) == len(FORCED) * engine.model.cfg.num_layers and all(c is not None for c in calls)
     k_native = engine.loaded.kv.plain_fp32(0)[0][:, :len(PROMPT) + len(FORCED)].clone()
     monkeypatch.setattr(DecoderModel, "attention_step", lambda *a, **k: None)
-    assert torch.equal(native, decode(engine))
+    assert torch.equal(one_call, decode(engine))
     assert torch.equal(k_native, engine.loaded.kv.plain_fp32(0)[0][:, :len(PROMPT) + len(FORCED)])
 
 
@@ -47,12 +57,14 @@ def test_gated_heads_take_it_in_a_hybrid_stack(family, tmp_path, monkeypatch):
     hf = tiny.build_checkpoint(family, tmp_path / "hf", head_dim=32)
     convert(hf, tmp_path / "pack", "int8", progress=False)
     engine = Engine.open(tmp_path / "pack", ServeConfig(ctx=64, dense_quant="int8"))
-    native = decode(engine)
+    calls = computed(monkeypatch)
+    one_call = decode(engine)
     attention = [layer for layer in engine.model.layers if "linear" not in layer]
     assert sorted(map(id, attention)) == sorted(engine.model.steps)
+    assert len(calls) == len(FORCED) * len(attention) and all(c is not None for c in calls)
     monkeypatch.setattr(DecoderModel, "attention_step", lambda *a, **k: None)
     ops = decode(engine)
-    assert float((native - ops).abs().max() / ops.abs().max()) < 1e-5
+    assert float((one_call - ops).abs().max() / ops.abs().max()) < 1e-5
 
 
 @pytest.mark.parametrize("config", [dict(dense_quant="off"), dict(dense_quant="int8", kv_dtype="int8"),
