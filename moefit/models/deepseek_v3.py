@@ -55,8 +55,8 @@ class DeepseekV3(Glm4Moe):
             return layer | {
                 "w_uk": w.derived(a + "kv_b_proj.weight", kv_b[:, :self.dn].transpose(1, 2).reshape(h * self.rank, -1)),
                 "w_uv": w.derived(a + "kv_b_proj.weight" + KV_B_VALUES, kv_b[:, self.dn:].reshape(h * self.dv, -1))}
-        return layer | {"w_uk": w.place(a + "kv_b_proj.weight", kv_b[:, :self.dn].contiguous()),     # [H, dn, r]
-                        "w_uv": w.place(a + "kv_b_proj.weight", kv_b[:, self.dn:].contiguous())}     # [H, dv, r]
+        return layer | {"w_uk": w.place(a + "kv_b_proj.weight", kv_b[:, :self.dn].transpose(1, 2).contiguous()),
+                        "w_uv": w.place(a + "kv_b_proj.weight", kv_b[:, self.dn:].contiguous())}     # [H, r, dn], [H, dv, r]
 
     def attention(self, i, layer, x, start, cos, sin, mask, kv) -> torch.Tensor:
         step = self.latent_step(layer, x, start, cos, sin, mask, kv.writable_rows(i))
@@ -66,7 +66,7 @@ class DeepseekV3(Glm4Moe):
         q_in = rms_norm(linear(x, layer["q_a"]), layer["q_norm"], c.rms_norm_eps) if self.q_rank else x
         q = linear(q_in, layer["q"]).view(t, c.num_heads, self.dn + self.dr).transpose(0, 1)
         q_nope, q_rope = q.split([self.dn, self.dr], -1)                               # [H, T, dn], [H, T, dr]
-        q_latent = self.through_heads(q_nope, layer["w_uk"], "htn,hnr->htr")           # [H, T, r]
+        q_latent = self.through_heads(q_nope, layer["w_uk"])                           # [H, T, r]
         latent, k_rope = linear(x, layer["kv_a"]).split([self.rank, self.dr], dim=-1)
         latent = rms_norm(latent, layer["kv_norm"], c.rms_norm_eps)
         kv.write(i, start, self.rotate(k_rope[None], cos, sin), latent[None])          # one "head": [1, T, .]
@@ -79,19 +79,18 @@ class DeepseekV3(Glm4Moe):
         out = out.view(t, c.num_heads, self.rank)
         if rv is not None:                           # the values were turned latents: turn the output back
             out = out @ rv.to(device=out.device, dtype=out.dtype).T
-        out = self.through_heads(out.transpose(0, 1), layer["w_uv"], "htr,hvr->thv")   # [T, H, dv]
-        return linear(out.reshape(t, -1), layer["o"])
+        out = self.through_heads(out.transpose(0, 1), layer["w_uv"])                   # [H, T, dv]
+        return linear(out.transpose(0, 1).reshape(t, -1), layer["o"])
 
-    def through_heads(self, x: torch.Tensor, w, product: str) -> torch.Tensor:
-        """x [H, T, n] through each head's matrix: quantised stacks (w_uk [H r, dn], w_uv [H dv, r]) in
-        one native call, else (or where it declines) the compute-dtype slices [H, dn, r] / [H, dv, r]
-        by `product`. -> [H, T, m] for the key's product, [T, H, m] for the value's."""
-        if isinstance(w, QWeight):
-            y = kernels.linear_heads(x.float().contiguous(), w.step, self.cfg.num_heads)
-            if y is None:                             # no native library: the stacks dequantised
-                y = torch.einsum("htn,hmn->htm", x.float(), _dequantized(w).view(self.cfg.num_heads, -1, x.shape[-1]))
-            return (y if product.endswith("htr") else y.transpose(0, 1)).to(x.dtype)
-        return torch.einsum(product, x, w)
+    def through_heads(self, x: torch.Tensor, w) -> torch.Tensor:
+        """x [H, T, n] through each head's matrix [m, n] -> [H, T, m]: W_uk^T (m = r) or W_uv (m = dv),
+        quantised stacks [H m, n] in one native call, else the compute-dtype slices [H, m, n]."""
+        if not isinstance(w, QWeight):
+            return x @ w.transpose(1, 2)
+        y = kernels.linear_heads(x.float().contiguous(), w.step, self.cfg.num_heads)
+        if y is None:                                 # no native library: the stacks dequantised
+            y = x.float() @ _dequantized(w).view(self.cfg.num_heads, -1, x.shape[-1]).transpose(1, 2)
+        return y.to(x.dtype)
 
     def latent_step(self, layer, x, start, cos, sin, mask, rows) -> torch.Tensor | None:
         """The layer's attention for one token in one native call (kernels/mla.h): [1, H*dv] before

@@ -207,7 +207,6 @@ class DecoderModel:
             q_norm, k_norm, c.rms_norm_eps, gated))
         return step(x, start, cos, sin, *cache)
 
-
     def native_step(self, layer: dict, make):
         """The layer's native decode step (kernels/step.h, mla.h), made by make() on first use."""
         if self.steps is None:
