@@ -120,3 +120,27 @@ def test_mtp_drafts_are_the_same_with_the_one_call(tmp_path, monkeypatch):
     assert engine.spec_mode == "mtp" and engine.model.steps and engine.spec_stats.drafted > 0
     monkeypatch.setattr(DecoderModel, "attention_step", lambda *a, **k: None)
     assert run()[1] == tokens
+
+
+@pytest.mark.parametrize("chunk", [4, 512])
+def test_gpt_oss_sinks_and_sliding_rings_take_it(chunk, tmp_path, monkeypatch):
+    """gpt-oss (biases, attention sinks, a sliding window of 8 every other layer): every layer takes
+    the one call, the sliding ones over their window's slots, in a ring of window + chunk slots
+    past its wrap (chunk 4: 12 slots, 22 positions) or a whole-context store (chunk 512), and the
+    logits equal the op-by-op path's to fp32 rounding (the sinks' sigmoid is C's expf there)."""
+    forced = FORCED + [12, 1, 14, 3, 8, 25, 19]
+    hf = tiny.build_checkpoint("gpt_oss", tmp_path / "hf", head_dim=32)
+    convert(hf, tmp_path / "pack", "int8", progress=False)
+    engine = Engine.open(tmp_path / "pack", ServeConfig(ctx=64, dense_quant="int8", prefill_chunk=chunk))
+    assert any(layer.slot_pos is not None for layer in engine.loaded.kv.layers) == (chunk == 4)
+
+    def run():
+        engine.kv_tokens = []
+        engine.prefill(PROMPT)
+        return torch.stack([engine.decode_step(t, len(PROMPT) + i) for i, t in enumerate(forced)])
+    calls = computed(monkeypatch)
+    one_call = run()
+    assert len(calls) == len(forced) * engine.model.cfg.num_layers and all(c is not None for c in calls)
+    monkeypatch.setattr(DecoderModel, "attention_step", lambda *a, **k: None)
+    ops = run()
+    assert float((one_call - ops).abs().max() / ops.abs().max()) < 1e-5

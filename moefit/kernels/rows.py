@@ -19,7 +19,7 @@ SIGNATURES = {
     "moe_softmax_topk": [c_ptr, c_i64, c_i64, c_ptr, c_ptr, c_i64, c_i64, ctypes.c_int, c_ptr, c_ptr],
     "moe_sigmoid_topk": [c_ptr, c_i64, c_i64, c_ptr, c_ptr, c_i64, c_i64, c_i64, c_i64, ctypes.c_int, c_f, c_ptr,
                          c_ptr],
-    "moe_attention_step": [c_ptr, c_ptr, c_i64, c_ptr, c_ptr, c_i64, c_ptr, c_ptr, c_i64, c_ptr],
+    "moe_attention_step": [c_ptr, c_ptr, c_ptr, c_ptr, c_i64, c_ptr, c_ptr, c_i64, c_i64, c_ptr, c_i64, c_ptr],
     "moe_attend_one": [c_ptr, c_ptr, c_ptr, c_i64, c_i64, c_i64, c_i64, c_i64, c_i64, c_i64, c_f, c_ptr],
     "moe_delta_step": [c_ptr, c_ptr, c_ptr, c_ptr, c_ptr],
     "moe_attend_stored": [c_ptr, c_i64, c_i64, c_i64, c_ptr, c_ptr, c_f, c_ptr, c_ptr],
@@ -156,36 +156,38 @@ def sigmoid_topk(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, k: int, g
 class _StepWeights(ctypes.Structure):
     _fields_ = [("E", c_i64), ("H", c_i64), ("K", c_i64), ("D", c_i64), ("Dv", c_i64), ("quant", ctypes.c_int),
                 ("group", c_i64), ("w", c_ptr), ("scales", c_ptr), ("bias", c_ptr), ("q_norm", c_ptr),
-                ("k_norm", c_ptr), ("eps", c_f), ("scale", c_f), ("gated", ctypes.c_int)]
+                ("k_norm", c_ptr), ("eps", c_f), ("scale", c_f), ("gated", ctypes.c_int), ("sinks", c_ptr)]
 
 
 class AttentionStep:
     """One layer's attention for a decode step in one native call (step.h): the quantised qkv
     (parts "w", "w.scale" of `quant`), its bias, the QK-norm weights, the heads, made once. gated:
-    each head's query rows are followed by its output gate's (Qwen3.5 / Next)."""
+    each head's query rows are followed by its output gate's (Qwen3.5 / Next); sinks [H]: gpt-oss's."""
 
     def __init__(self, parts: dict, quant: str, heads: int, kv_heads: int, head_dim: int,
                  bias: torch.Tensor | None, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
-                 gated: bool = False):
+                 gated: bool = False, sinks: torch.Tensor | None = None):
         from moefit.kernels import Q, group_of, matrix_shape
         w, scale = parts["w"], parts["w.scale"]
-        self.keep = (w, scale, bias, q_norm, k_norm)             # the addresses below stay theirs
+        self.keep = (w, scale, bias, q_norm, k_norm, sinks)      # the addresses below stay theirs
         cols = matrix_shape(w, quant)[1]
         self.weights = _StepWeights(
             cols, heads, kv_heads, head_dim, head_dim, Q[quant], group_of(quant, cols, scale),
-            w.data_ptr(), scale.data_ptr(), *(t.data_ptr() if t is not None else None for t in (bias, q_norm, k_norm)),
-            eps, head_dim ** -0.5, int(gated))
+            w.data_ptr(), scale.data_ptr(), *(_ptr(t) for t in (bias, q_norm, k_norm)), eps, head_dim ** -0.5,
+            int(gated), _ptr(sinks))
         self.fn = _fn("moe_attention_step")
-        self.usable = self.fn is not None and w.is_cpu and all(_host_fp32(t) for t in (bias, q_norm, k_norm))
+        self.usable = self.fn is not None and w.is_cpu and all(_host_fp32(t) for t in (bias, q_norm, k_norm, sinks))
 
-    def __call__(self, x: torch.Tensor, pos: int, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor) -> torch.Tensor | None:
-        """x [1, E] at position pos; k_cache [K, C, D], v_cache [K, C, Dv] -> [1, H*Dv], or None."""
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows) -> torch.Tensor | None:
+        """x [1, E] of one position (cos, sin its RoPE rows); rows: the state's step_rows (k [K, C, D],
+        v [K, C, Dv] fp32, the slot to write, the runs of slots to attend) -> [1, H*Dv], or None."""
         if not self.usable or not (_host_fp32(x) and x.is_contiguous()):
             return None
+        k, v, slot, runs = rows
+        spans = (ctypes.c_int64 * (2 * len(runs)))(*(n for run in runs for n in run))
         out = torch.empty(1, self.weights.H * self.weights.Dv, dtype=F32)
-        ok = self.fn(ctypes.byref(self.weights), _p(x), pos, _p(cos), _p(sin), cos.shape[-1], _p(k_cache), _p(v_cache),
-                k_cache.shape[1], _p(out))
+        ok = self.fn(ctypes.byref(self.weights), _p(x), _p(cos), _p(sin), cos.shape[-1], _p(k), _p(v), k.shape[1], slot,
+                     spans, len(runs), _p(out))
         return out if ok == 0 else None
 
 

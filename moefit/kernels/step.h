@@ -1,10 +1,13 @@
 /* One position's attention on the host in one call (a decode step of a GQA layer whose cache is
- * plain fp32 rows):
+ * fp32 rows on the host):
  *
  *   qkv = W x (+ bias)                    the fused projection, quantised (moe_linear)
  *   q, k = their heads RMS-normed (QK-norm, when given) and rotated (RoPE on the first `rot`)
- *   the cache's row `pos` = k, v          written in place, as the state's write would
- *   out [H, Dv] = softmax(q . k[0..pos] * scale) . v[0..pos]     (moe_attend_one)
+ *   the cache's row `slot` = k, v         written in place, as the state's write would
+ *   out [H, Dv] = softmax(q . k * scale) . v over the cache's runs of rows: the whole context
+ *                                         (one run from 0), or a window's positions in a ring
+ *                                         (one run of slots or two, merged by log-sum-exp)
+ *   out *= sigmoid(lse - sink)            gpt-oss's attention sinks: a virtual key per head
  *   out *= sigmoid(gate)                  gated heads (Qwen3.5 / Next): each head's query is
  *                                         followed by its output gate in the projection
  *
@@ -21,33 +24,64 @@ typedef struct {
     const float *q_norm, *k_norm;       /* [D] or NULL */
     float eps, scale;
     int gated;                          /* q rows [H, 2D]: each head's query, then its gate */
+    const float *sinks;                 /* [H] or NULL */
 } attention_step;
 
-int moe_attention_step(const attention_step *A, const float *x, int64_t pos, const float *cos, const float *sin,
-                       int64_t rot, float *k_cache, float *v_cache, int64_t capacity, float *out) {
+/* q [H, D] against the runs of rows (offset, count) of the fp32 caches -> out [H, Dv] and lse [H] */
+static int attend_runs(const attention_step *A, const float *q, const float *k_cache, const float *v_cache,
+                       int64_t capacity, const int64_t *runs, int64_t n_runs, float *out, float *lse) {
+    float *o = malloc(sizeof(float) * A->H * A->Dv), *l = malloc(sizeof(float) * A->H);
+    int rc = 0;
+    for (int64_t r = 0; rc == 0 && r < n_runs; r++) {
+        const int64_t off = runs[2 * r], count = runs[2 * r + 1];
+        const kv_rows kr = {0, k_cache + off * A->D, NULL, capacity, A->D},
+                      vr = {0, v_cache + off * A->Dv, NULL, capacity, A->Dv};
+        rc = moe_attend_stored(q, A->K, A->H / A->K, count, &kr, &vr, A->scale, r ? o : out, r ? l : lse);
+        for (int64_t h = 0; rc == 0 && r && h < A->H; h++) {      /* merged by log-sum-exp */
+            const float top = lse[h] > l[h] ? lse[h] : l[h], a = expf(lse[h] - top), b = expf(l[h] - top);
+            for (int64_t c = 0; c < A->Dv; c++)
+                out[h * A->Dv + c] = (out[h * A->Dv + c] * a + o[h * A->Dv + c] * b) / (a + b);
+            lse[h] = top + logf(a + b);
+        }
+    }
+    free(o), free(l);
+    return rc;
+}
+
+/* x [E] of one position (cos, sin its RoPE rows [rot]); the caches [K, capacity, D] and [K, capacity,
+ * Dv], row `slot` written and the runs [n_runs][offset, count] attended -> out [H, Dv]. Returns -1,
+ * before writing anything, for shapes it does not take. */
+int moe_attention_step(const attention_step *A, const float *x, const float *cos, const float *sin, int64_t rot,
+                       float *k_cache, float *v_cache, int64_t capacity, int64_t slot, const int64_t *runs,
+                       int64_t n_runs, float *out) {
     const int64_t q_width = A->H * A->D * (A->gated ? 2 : 1), width = q_width + A->K * A->D + A->K * A->Dv;
-    if (A->D % 16 || A->Dv % 16 || rot % 2 || rot > A->D || pos >= capacity || A->H % A->K || A->H / A->K > 16 ||
-        (A->gated && A->Dv != A->D))
+    if (A->D % 16 || A->Dv % 16 || rot % 2 || rot > A->D || slot >= capacity || A->H % A->K || A->H / A->K > 16 ||
+        (A->gated && A->Dv != A->D) || n_runs < 1 || n_runs > 2)
         return -1;
-    float *qkv = malloc(sizeof(float) * width), *q = malloc(sizeof(float) * A->H * A->D);
+    for (int64_t r = 0; r < n_runs; r++)
+        if (runs[2 * r] < 0 || runs[2 * r + 1] < 1 || runs[2 * r] + runs[2 * r + 1] > capacity) return -1;
+    float *qkv = malloc(sizeof(float) * width), *q = malloc(sizeof(float) * A->H * A->D),
+          *lse = malloc(sizeof(float) * A->H);
+    choose_rows_isa();
     int rc = moe_linear(x, 1, A->E, width, A->quant, A->group, A->w, A->scales, qkv);
     if (rc == 0) {
         if (A->bias)
             for (int64_t i = 0; i < width; i++) qkv[i] += A->bias[i];
         const float *k = qkv + q_width, *v = k + A->K * A->D;
         head_rows_to(qkv, 1, A->H, A->D, width, A->D * (A->gated ? 2 : 1), A->q_norm, A->eps, cos, sin, rot, q, A->D);
-        head_rows_to(k, 1, A->K, A->D, width, A->D, A->k_norm, A->eps, cos, sin, rot, k_cache + pos * A->D,
+        head_rows_to(k, 1, A->K, A->D, width, A->D, A->k_norm, A->eps, cos, sin, rot, k_cache + slot * A->D,
                      capacity * A->D);
         for (int64_t h = 0; h < A->K; h++)
-            memcpy(v_cache + (h * capacity + pos) * A->Dv, v + h * A->Dv, sizeof(float) * A->Dv);
-        rc = moe_attend_one(q, k_cache, v_cache, A->H, A->K, pos + 1, A->D, A->Dv, capacity * A->D,
-                            capacity * A->Dv, A->scale, out);
-        for (int64_t h = 0; A->gated && h < A->H; h++)
+            memcpy(v_cache + (h * capacity + slot) * A->Dv, v + h * A->Dv, sizeof(float) * A->Dv);
+        rc = attend_runs(A, q, k_cache, v_cache, capacity, runs, n_runs, out, lse);
+        for (int64_t h = 0; rc == 0 && A->sinks && h < A->H; h++)
+            for (int64_t c = 0; c < A->Dv; c++) out[h * A->Dv + c] *= 1.0f / (1.0f + expf(A->sinks[h] - lse[h]));
+        for (int64_t h = 0; rc == 0 && A->gated && h < A->H; h++)
             for (int64_t c = 0; c < A->Dv; c++) {
                 const float g = qkv[h * 2 * A->D + A->D + c];
                 out[h * A->Dv + c] *= 1.0f / (1.0f + expf(-g));
             }
     }
-    free(qkv), free(q);
+    free(qkv), free(q), free(lse);
     return rc;
 }

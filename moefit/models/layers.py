@@ -190,22 +190,28 @@ class DecoderModel:
 
     def attention_step(self, i: int, layer: dict, x: torch.Tensor, start: int, cos: torch.Tensor, sin: torch.Tensor,
                        mask: torch.Tensor | None, kv, q_norm: torch.Tensor | None = None,
-                       k_norm: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor | None:
+                       k_norm: torch.Tensor | None = None, gated: bool = False,
+                       sinks: torch.Tensor | None = None) -> torch.Tensor | None:
         """A GQA layer's attention for one token in one native call (kernels/step.h): [1, H*D]
         before the output projection, its key and value written to the cache; None where it does
-        not apply (more tokens, a mask, not the host, a quantised / ring / windowed cache, a qkv
-        not quantised by --dense-quant), and the family computes it op by op. gated: Qwen3.5's
-        per-head output gate, after each head's query in the projection (applied here)."""
+        not apply (more tokens, the model's mask, not the host, a quantised cache, a ring missing a
+        position, a qkv not quantised by --dense-quant), and the family computes it op by op.
+        gated: Qwen3.5's per-head output gate, after each head's query in the projection; sinks:
+        gpt-oss's (each applied here). A layer's own window or ring (gpt-oss's sliding layers) is
+        read as the state gives it (step_rows)."""
         if x.shape[0] != 1 or mask is not None or not isinstance(layer["qkv"], QWeight):
             return None
-        cache = kv.plain_fp32(i)
-        if cache is None:
+        rows = kv.step_rows(i, start)
+        if rows is None:
             return None
         c = self.cfg
         step = self.native_step(layer, lambda: native.AttentionStep(
             layer["qkv"].parts, layer["qkv"].quant, c.num_heads, c.num_kv_heads, c.head_dim, layer.get("qkv_bias"),
-            q_norm, k_norm, c.rms_norm_eps, gated))
-        return step(x, start, cos, sin, *cache)
+            q_norm, k_norm, c.rms_norm_eps, gated, sinks))
+        out = step(x, cos, sin, rows)
+        if out is not None:
+            kv.stepped(i, start)
+        return out
 
     def native_step(self, layer: dict, make):
         """The layer's native decode step (kernels/step.h, mla.h), made by make() on first use."""

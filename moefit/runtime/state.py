@@ -52,6 +52,7 @@ class AttentionState:
         direct = self.slot_pos is None and self.window is None and self.k["x"].is_cpu     # row p is position p
         plain = all(type(c) is FloatRows and c.dtype == torch.float32 for c in (self.kc, self.vc))
         self._plain = plain and direct
+        self._fp32_host = plain and self.k["x"].is_cpu
         self._writable = direct and all(c.native in WRITTEN_NATIVELY for c in (self.kc, self.vc))
         self.host, self._copied = None, None
         if self.slot_pos is not None and decl.streams:
@@ -68,9 +69,30 @@ class AttentionState:
 
     def plain_fp32(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(k [K, C, D], v [K, C, Dv]) where this layer's cache is fp32 rows in host memory, indexed
-        by position (no ring, no window, no codec): what a native decode step may write and read
-        directly (kernels/step.h); None otherwise."""
+        by position (no ring, no window, no codec); None otherwise."""
         return (self.k["x"], self.v["x"]) if self._plain else None
+
+    def step_rows(self, pos: int) -> tuple | None:
+        """What a native decode step at position pos writes and reads in place (kernels/step.h), where
+        this layer's rows are fp32 on the host: (k [K, C, D], v [K, C, Dv], the slot it writes, the
+        runs (offset, count) of slots it attends: positions from the window's first to pos, one run,
+        or two where a ring wraps); None where they are not (another codec, a card, a host part, a
+        position the ring no longer holds). The caller marks the slot written (`stepped`)."""
+        if not self._fp32_host or self.host is not None:
+            return None
+        first = 0 if self.window is None else max(0, pos + 1 - self.window)
+        if self.slot_pos is None:
+            return self.k["x"], self.v["x"], pos, [(first, pos + 1 - first)]
+        cap, earlier = self.capacity, torch.arange(first, pos)
+        if pos + 1 - first > cap or not bool((self.slot_pos[earlier % cap] == earlier).all()):
+            return None
+        a, b = first % cap, pos % cap + 1
+        return self.k["x"], self.v["x"], pos % cap, [(a, b - a)] if a < b else [(a, cap - a), (0, b)]
+
+    def stepped(self, pos: int) -> None:
+        """Position pos written by a native step into step_rows' slot."""
+        if self.slot_pos is not None:
+            self.slot_pos[pos % self.capacity] = pos
 
     def writable_rows(self) -> tuple[StoredRows, StoredRows] | None:
         """(k, v) as StoredRows over every slot, where a native decode step may write row `pos` itself
@@ -306,6 +328,13 @@ class SequenceState:
     def plain_fp32(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         state = self.layers[layer]
         return state.plain_fp32() if isinstance(state, AttentionState) else None
+
+    def step_rows(self, layer: int, pos: int) -> tuple | None:
+        state = self.layers[layer]
+        return state.step_rows(pos) if isinstance(state, AttentionState) else None
+
+    def stepped(self, layer: int, pos: int) -> None:
+        self.layers[layer].stepped(pos)
 
     def writable_rows(self, layer: int) -> tuple[StoredRows, StoredRows] | None:
         state = self.layers[layer]
