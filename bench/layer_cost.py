@@ -32,7 +32,8 @@ def build(family: str, layers: int, work: Path) -> Path:
     if family == "qwen3_moe":
         over["mlp_only_layers"] = []
     if family in ("glm4_moe_lite", "deepseek_v3"):
-        over.update(qk_rope_head_dim=16, kv_lora_rank=32, q_lora_rank=64)             # dims kernels/mla.h takes
+        over.update(qk_rope_head_dim=16, kv_lora_rank=32, q_lora_rank=64, qk_nope_head_dim=32,
+                    v_head_dim=32)                                                       # dims kernels/mla.h takes
     if family == "glm4_moe_lite":
         over["mlp_layer_types"] = ["dense"] + ["sparse"] * (layers - 1)
     if family == "gpt_oss":

@@ -128,6 +128,26 @@ __attribute__((target("avx2,fma,f16c"))) static inline void iq4_panel_scales(con
 #define IQ4_ADD_VNNI256(s, v, x) (s = _mm256_dpbusd_epi32(s, v, x))
 #define IQ4_ADD_AVXVNNI(s, v, x) (s = _mm256_dpbusd_avx_epi32(s, v, x))
 
+/* one block of 32 of eight rows (its 16 code bytes at `codes`, row_bytes apart) against NT tokens:
+ * each quad of codes looked up in the table, met by four activations of block `b` broadcast
+ * -> s[t], the int32 sums a lane a row (IQ4_XS's sub-blocks, MXFP4's blocks) */
+#define TABLE_BLOCK_SUMS(ADD, NT, table, codes, row_bytes, a, b, s)                                 \
+    do {                                                                                            \
+        const __m256i low_ = _mm256_set1_epi8(15);                                                  \
+        __m256i v_[4];                                                                              \
+        block_quads((codes), (row_bytes), v_);                                                      \
+        for (int t = 0; t < NT; t++) s[t] = _mm256_setzero_si256();                                 \
+        for (int k = 0; k < 4; k++) {                                                               \
+            const __m256i lo = _mm256_shuffle_epi8(table, _mm256_and_si256(v_[k], low_));           \
+            const __m256i hi = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(v_[k], 4), low_)); \
+            for (int t = 0; t < NT; t++) {                                                          \
+                const int8_t *x = a[t].q + (b) * QK + 4 * k;                                        \
+                ADD(s[t], lo, BROADCAST4(x));                                                       \
+                ADD(s[t], hi, BROADCAST4(x + 16));                                                  \
+            }                                                                                       \
+        }                                                                                           \
+    } while (0)
+
 /* eight IQ4_XS rows against NT tokens: each quad of codes looked up in the table, met by four
  * activations broadcast (IQ4_ADD: OFFSET 128 for VNNI's unsigned values, 0 for AVX2's signed), a
  * sub-block's int32 sums in their lanes scaled by the eight rows' d (ls - 32) */
@@ -135,7 +155,6 @@ __attribute__((target("avx2,fma,f16c"))) static inline void iq4_panel_scales(con
     __attribute__((target(TARGET))) static void NAME(const uint8_t *w, int64_t row_bytes, int64_t n, \
                                                      const tile_row *a, int64_t r) {                \
         const __m256i table = _mm256_xor_si256(TABLE(IQ4NL), _mm256_set1_epi8(OFFSET ? (char)0x80 : 0)); \
-        const __m256i low = _mm256_set1_epi8(15);                                                   \
         ZEROED(acc, NT);                                                                            \
         for (int64_t sb = 0; sb < n / QK_K; sb++) {                                                 \
             const uint8_t *blk = w + sb * 136;                                                      \
@@ -143,18 +162,8 @@ __attribute__((target("avx2,fma,f16c"))) static inline void iq4_panel_scales(con
             __m256 dsc[8];                                                                          \
             iq4_panel_scales(blk, row_bytes, dsc);                                                  \
             for (int j = 0; j < 8; j++) {                                                           \
-                __m256i v[4], s[NT];                                                                \
-                block_quads(blk + 8 + 16 * j, row_bytes, v);                                        \
-                for (int t = 0; t < NT; t++) s[t] = _mm256_setzero_si256();                         \
-                for (int k = 0; k < 4; k++) {                                                       \
-                    const __m256i lo = _mm256_shuffle_epi8(table, _mm256_and_si256(v[k], low));     \
-                    const __m256i hi = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(v[k], 4), low)); \
-                    for (int t = 0; t < NT; t++) {                                                  \
-                        const int8_t *x = a[t].q + (sb * 8 + j) * QK + 4 * k;                       \
-                        ADD(s[t], lo, BROADCAST4(x));                                               \
-                        ADD(s[t], hi, BROADCAST4(x + 16));                                          \
-                    }                                                                               \
-                }                                                                                   \
+                __m256i s[NT];                                                                      \
+                TABLE_BLOCK_SUMS(ADD, NT, table, blk + 8 + 16 * j, row_bytes, a, sb * 8 + j, s);    \
                 for (int t = 0; t < NT; t++) {                                                      \
                     const int64_t b = sb * 8 + j;                                                   \
                     const __m256i sum = _mm256_sub_epi32(s[t], _mm256_set1_epi32(OFFSET * a[t].sum[b])); \
@@ -182,24 +191,13 @@ __attribute__((target("avx2,fma"))) static inline __m256 mx_panel_scales(const u
     __attribute__((target(TARGET))) static void NAME(const uint8_t *w, int64_t row_bytes, int64_t n, \
                                                      const tile_row *a, int64_t r) {                \
         const __m256i table = _mm256_xor_si256(TABLE(MXFP4X2), _mm256_set1_epi8(OFFSET ? (char)0x80 : 0)); \
-        const __m256i low = _mm256_set1_epi8(15);                                                   \
         ZEROED(acc, NT);                                                                            \
         for (int64_t b = 0; b < n / QK; b++) {                                                      \
             const uint8_t *blk = w + b * 17;                                                        \
             if (b % 8 == 0) panel_prefetch(w, row_bytes, b / 8, 136);                               \
             const __m256 d = mx_panel_scales(blk, row_bytes);                                       \
-            __m256i v[4], s[NT];                                                                    \
-            block_quads(blk + 1, row_bytes, v);                                                     \
-            for (int t = 0; t < NT; t++) s[t] = _mm256_setzero_si256();                             \
-            for (int k = 0; k < 4; k++) {                                                           \
-                const __m256i lo = _mm256_shuffle_epi8(table, _mm256_and_si256(v[k], low));         \
-                const __m256i hi = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(v[k], 4), low)); \
-                for (int t = 0; t < NT; t++) {                                                      \
-                    const int8_t *x = a[t].q + b * QK + 4 * k;                                      \
-                    ADD(s[t], lo, BROADCAST4(x));                                                   \
-                    ADD(s[t], hi, BROADCAST4(x + 16));                                              \
-                }                                                                                   \
-            }                                                                                       \
+            __m256i s[NT];                                                                          \
+            TABLE_BLOCK_SUMS(ADD, NT, table, blk + 1, row_bytes, a, b, s);                          \
             for (int t = 0; t < NT; t++) {                                                          \
                 const __m256i sum = _mm256_sub_epi32(s[t], _mm256_set1_epi32(OFFSET * a[t].sum[b])); \
                 acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(d, _mm256_set1_ps(a[t].s[b])), acc[t]); \
