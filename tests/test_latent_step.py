@@ -97,10 +97,11 @@ def test_the_sigmoid_router_runs_natively_with_torchs_choices(family, tmp_path, 
     from moefit.models import layers
     engine = open_pack(tmp_path, family)(dense_quant="int8")
     calls, real = [], rows.sigmoid_topk
-    monkeypatch.setattr(layers.native, "sigmoid_topk", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(layers.native, "sigmoid_topk", lambda *a: calls.append(real(*a)) or calls[-1])
     native = decode(engine)
     moe_layers = sum("router" in layer for layer in engine.model.layers)
     assert moe_layers and len(calls) == moe_layers * (len(FORCED) + 1)           # the prompt, then each step
+    assert all(c is not None for c in calls)                                     # each routed natively
     monkeypatch.setattr(layers.native, "sigmoid_topk", lambda *a: None)
     ops = decode(engine)
     assert float((native - ops).abs().max() / ops.abs().max()) < 1e-5

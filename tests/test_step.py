@@ -43,10 +43,10 @@ def test_one_call_gives_the_op_by_op_logits(family, dense, tmp_path, monkeypatch
     calls = computed(monkeypatch)
     one_call = decode(engine)
     assert len(calls) == len(FORCED) * engine.model.cfg.num_layers and all(c is not None for c in calls)
-    k_native = engine.loaded.kv.plain_fp32(0)[0][:, :len(PROMPT) + len(FORCED)].clone()
+    k_native = engine.loaded.kv.layers[0].k["x"][:, :len(PROMPT) + len(FORCED)].clone()
     monkeypatch.setattr(DecoderModel, "attention_step", lambda *a, **k: None)
     assert torch.equal(one_call, decode(engine))
-    assert torch.equal(k_native, engine.loaded.kv.plain_fp32(0)[0][:, :len(PROMPT) + len(FORCED)])
+    assert torch.equal(k_native, engine.loaded.kv.layers[0].k["x"][:, :len(PROMPT) + len(FORCED)])
 
 
 @pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_next"])

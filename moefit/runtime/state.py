@@ -51,7 +51,6 @@ class AttentionState:
         self.slot_pos = torch.full((held,), INVALID, dtype=torch.long) if held < ctx else None
         direct = self.slot_pos is None and self.window is None and self.k["x"].is_cpu     # row p is position p
         plain = all(type(c) is FloatRows and c.dtype == torch.float32 for c in (self.kc, self.vc))
-        self._plain = plain and direct
         self._fp32_host = plain and self.k["x"].is_cpu
         self._writable = direct and all(c.native in WRITTEN_NATIVELY for c in (self.kc, self.vc))
         self.host, self._copied = None, None
@@ -67,27 +66,17 @@ class AttentionState:
     def host_bytes(self) -> int:
         return sum(t.nbytes for store in self.host for t in store.values()) if self.host else 0
 
-    def plain_fp32(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(k [K, C, D], v [K, C, Dv]) where this layer's cache is fp32 rows in host memory, indexed
-        by position (no ring, no window, no codec); None otherwise."""
-        return (self.k["x"], self.v["x"]) if self._plain else None
-
     def step_rows(self, pos: int) -> tuple | None:
         """What a native decode step at position pos writes and reads in place (kernels/step.h), where
         this layer's rows are fp32 on the host: (k [K, C, D], v [K, C, Dv], the slot it writes, the
-        runs (offset, count) of slots it attends: positions from the window's first to pos, one run,
-        or two where a ring wraps); None where they are not (another codec, a card, a host part, a
-        position the ring no longer holds). The caller marks the slot written (`stepped`)."""
+        runs (offset, count) of slots it attends, _slot_runs'); None where they are not (another
+        codec, a card, a host part, a position the ring no longer holds). The caller marks the slot
+        written (`stepped`)."""
         if not self._fp32_host or self.host is not None:
             return None
-        first = 0 if self.window is None else max(0, pos + 1 - self.window)
-        if self.slot_pos is None:
-            return self.k["x"], self.v["x"], pos, [(first, pos + 1 - first)]
-        cap, earlier = self.capacity, torch.arange(first, pos)
-        if pos + 1 - first > cap or not bool((self.slot_pos[earlier % cap] == earlier).all()):
-            return None
-        a, b = first % cap, pos % cap + 1
-        return self.k["x"], self.v["x"], pos % cap, [(a, b - a)] if a < b else [(a, cap - a), (0, b)]
+        runs = self._slot_runs(pos + 1, written=pos)
+        slot = pos if self.slot_pos is None else pos % self.capacity
+        return None if runs is None else (self.k["x"], self.v["x"], slot, runs)
 
     def stepped(self, pos: int) -> None:
         """Position pos written by a native step into step_rows' slot."""
@@ -103,20 +92,27 @@ class AttentionState:
         return StoredRows(self.kc, self.k, self.capacity), StoredRows(self.vc, self.v, self.capacity)
 
     def recent_rows(self, end: int) -> list[tuple[StoredRows, StoredRows]] | None:
-        """What a decode step at position end - 1 attends, as runs of rows read in place: the whole
-        context (or its window) from the store, or the window's positions from a ring's slots (one
-        run, or two where they wrap); None where they cannot be read so (a host part, rows on a card,
-        a position the ring no longer holds)."""
-        first = 0 if self.window is None else max(0, end - self.window)
+        """What a decode step at position end - 1 attends, as runs of rows read in place (_slot_runs);
+        None where they cannot be read so (a host part, rows on a card, a position the ring no
+        longer holds)."""
         if not self.k["x"].is_cpu or self.host is not None:
             return None
+        runs = self._slot_runs(end, written=end)
+        return None if runs is None else [self._run(offset, count) for offset, count in runs]
+
+    def _slot_runs(self, end: int, written: int) -> list[tuple[int, int]] | None:
+        """The runs (offset, count) of slots holding positions first..end-1 (first: the window's, or 0):
+        one run of the whole-context store, or of a ring's slots, two where the ring wraps; None
+        where a ring no longer holds one of first..written-1 (a rejected speculative token took its
+        slot: the host store or the masked route has it)."""
+        first = 0 if self.window is None else max(0, end - self.window)
         if self.slot_pos is None:
-            return [self._run(first, end - first)]
-        if end - first > self.capacity or not bool((self.slot_pos[torch.arange(first, end) % self.capacity] ==
-                                                    torch.arange(first, end)).all()):
+            return [(first, end - first)]
+        cap, held = self.capacity, torch.arange(first, written)
+        if end - first > cap or not bool((self.slot_pos[held % cap] == held).all()):
             return None
-        a, b = first % self.capacity, (end - 1) % self.capacity + 1
-        return [self._run(a, b - a)] if a < b else [self._run(a, self.capacity - a), self._run(0, b)]
+        a, b = first % cap, (end - 1) % cap + 1
+        return [(a, b - a)] if a < b else [(a, cap - a), (0, b)]
 
     def _run(self, offset: int, count: int) -> tuple[StoredRows, StoredRows]:
         return StoredRows(self.kc, self.k, count, offset), StoredRows(self.vc, self.v, count, offset)
@@ -324,10 +320,6 @@ class SequenceState:
 
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         self.layers[layer].write(start, k, v)
-
-    def plain_fp32(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        state = self.layers[layer]
-        return state.plain_fp32() if isinstance(state, AttentionState) else None
 
     def step_rows(self, layer: int, pos: int) -> tuple | None:
         state = self.layers[layer]
