@@ -244,3 +244,22 @@ def test_each_session_has_its_own_mtp_kv_in_the_reserve(mtp_packs, card):
     assert got.cached_tokens == len(other) and engine.spec_stats.drafted > 0
     again = engine.generate(other + [9], GREEDY)[1]                         # the same prompt: nothing runs
     assert again.cached_tokens == len(other) + 1 and again.generated == got.generated
+
+
+def test_a_kept_session_keeps_its_mtp_rows(mtp_packs, tmp_path):
+    """serve --keep-sessions (runtime/kept.py) with MTP drafts: the MTP layer's KV rows and the
+    hidden states it has not written yet come back with the session."""
+    from moefit.runtime import kept
+    pack, cfg = mtp_packs("deepseek_v3"), ServeConfig(ctx=128, spec="mtp", spec_window=3)
+    before = Engine.open(pack, cfg)
+    reply = before.generate(PROMPT, GREEDY)[1].generated
+    kept.save(before, tmp_path)
+    after = Engine.open(pack, cfg)
+    kept.restore(after, tmp_path)
+    a, b = after.mtp, before.mtp
+    assert a.done == b.done > 0 and torch.equal(a.pending, b.pending)
+    for x, y in ((a.state.layers[0].k, b.state.layers[0].k), (a.state.layers[0].v, b.state.layers[0].v)):
+        assert all(torch.equal(x[name][:, :a.done], y[name][:, :b.done]) for name in x)
+    turn = PROMPT + reply + [11, 12]
+    resumed, continued = after.generate(turn, GREEDY)[1], before.generate(turn, GREEDY)[1]
+    assert resumed.generated == continued.generated and resumed.cached_tokens == continued.cached_tokens

@@ -25,6 +25,10 @@ def register(sub) -> None:
     p.add_argument("--stall-s", type=float, default=300.0,
                    help="a request whose forward makes no progress this long means a wedged engine: /health "
                    "turns 503 and the server exits 1 to be restarted (default: 300)")
+    p.add_argument("--keep-sessions", action="store_true",
+                   help="when the server stops, write the sessions' tokens and state under --state-dir, and take "
+                   "them back at the next start of this pack with the same flags: a long prompt's next turn is "
+                   "not prefilled again (runtime/kept.py)")
     add_serve_flags(p)
     add_state_flags(p)
     p.set_defaults(run=run)
@@ -38,5 +42,5 @@ def run(args) -> int:
     http = {"host": args.host, "port": args.port, "api_key": api_key, "max_queue": args.max_queue,
             "model_name": args.served_model_name or Path(args.pack).resolve().name,
             "max_body_bytes": int(args.max_body_mib * (1 << 20)), "keepalive_s": args.keepalive_s,
-            "allowed_origins": args.allowed_origins, "stall_s": args.stall_s}
+            "allowed_origins": args.allowed_origins, "stall_s": args.stall_s, "keep_sessions": args.keep_sessions}
     return Server(args.pack, serve_config(args), start_options(args), http).run()

@@ -286,6 +286,11 @@ class RecurrentLayerState:
     def resumable(self, upto: int) -> int:
         return max(p for p in (0, self.pos, self.snap_pos, *self.marks) if p is not None and p <= upto)
 
+    def taken_back(self, pos: int, marks: dict) -> None:
+        """s and conv were written back at pos (runtime/kept.py), with these marks: nothing else is held."""
+        self._drop_saved()
+        self.pos, self.snap_pos, self.marks = pos, None, dict(sorted(marks.items()))
+
     def truncate(self, pos: int) -> None:
         """Nothing to cut here: the next forward's begin() resumes from `pos` or says it cannot."""
 

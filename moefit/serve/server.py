@@ -118,6 +118,8 @@ class Server:
             self.exit_code = e.exit_code
             self.uvicorn.should_exit = True
             return
+        if self.http.get("keep_sessions"):
+            self._kept("restore", engine)
         guard = Guard(engine, self.cfg.min_free_vram_mib << 20, self.cfg.grow_margin_mib << 20)
         self.state.guard, self.state.start = guard, start
         self.state.worker = Worker(engine, guard, self.state.metrics, self.http["max_queue"],
@@ -151,12 +153,26 @@ class Server:
             if not worker.join(JOIN_S) and not worker.fatal:
                 print("moefit: warning: the engine thread did not stop in time", file=sys.stderr, flush=True)
         if self.state.engine is not None and (worker is None or not worker.thread.is_alive()):
+            if self.http.get("keep_sessions") and not (worker is not None and worker.fatal):
+                self._kept("save", self.state.engine)
             self._record(final=True)
             try:
                 self.state.engine.save_profile()
             except OSError as e:
                 print(f"moefit: warning: could not save the learned profile ({e})", file=sys.stderr)
         print("moefit: stopped", file=sys.stderr, flush=True)
+
+
+    def _kept(self, way: str, engine) -> None:
+        """--keep-sessions: take the kept sessions back (at start) or keep them (at the stop)."""
+        from moefit.runtime import kept
+        where = kept.folder(self.start_opts.state_dir, engine)
+        try:
+            lines = getattr(kept, way)(engine, where)
+        except (OSError, RuntimeError) as e:
+            lines = [f"not kept ({e})"]
+        for line in lines:
+            print(f"moefit: {line}", file=sys.stderr, flush=True)
 
 
 def _exit_on_term(signum, frame) -> None:
