@@ -46,11 +46,11 @@ def build(family: str, layers: int, work: Path) -> Path:
     return out / "pack"
 
 
-def decode_rate(pack: Path, threads: int, new: int, repeats: int) -> float:
+def decode_rate(pack: Path, threads: int, new: int, repeats: int, kv_dtype: str = "auto") -> float:
     from moefit.config import ServeConfig
     from moefit.runtime.engine import Engine
     from moefit.runtime.sampler import SamplingParams
-    engine = Engine.open(pack, ServeConfig(ctx=new + 64, dense_quant="int4", threads=threads))
+    engine = Engine.open(pack, ServeConfig(ctx=new + 64, dense_quant="int4", threads=threads, kv_dtype=kv_dtype))
     prompt = list(range(3, 19))
     engine.generate(prompt, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     best = 0.0
@@ -68,14 +68,16 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--new", type=int, default=100)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--kv-dtype", default="auto", help="the KV cache's dtype (ServeConfig.kv_dtype)")
     ap.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "moefit-bench-layer-cost"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     print(f"# bench/layer_cost.py: {args.layers} layers, hidden 64, fp32 activations, dense int4, "
-          f"{args.threads} threads, {args.new} new tokens greedy, best of {args.repeats}, torch {torch.__version__}")
+          f"{args.threads} threads, {args.new} new tokens greedy, best of {args.repeats}, KV {args.kv_dtype}, "
+          f"torch {torch.__version__}")
     for family in args.families:
         pack = build(family, args.layers, Path(args.work))
-        rate = decode_rate(pack, args.threads, args.new, args.repeats)
+        rate = decode_rate(pack, args.threads, args.new, args.repeats, args.kv_dtype)
         print(f"{family:12s} {rate:7.1f} tok/s  {1e6 / rate / args.layers:5.0f} us a layer")
 
 

@@ -49,6 +49,28 @@ def test_one_call_gives_the_op_by_op_logits(family, dense, tmp_path, monkeypatch
     assert torch.equal(k_native, engine.loaded.kv.layers[0].k["x"][:, :len(PROMPT) + len(FORCED)])
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "glm4_moe"])
+def test_an_int8_cache_is_coded_and_read_in_the_one_call(family, tmp_path, monkeypatch):
+    """--kv-dtype int8: the one call writes the row as kv_codecs' Int8Rows.put does (a scale of
+    max|x| / 127, codes rounded half to even) and reads the codes in place (kv.h), as the op-by-op
+    path does: the same codes, scales and logits."""
+    hf = tiny.build_checkpoint(family, tmp_path / "hf", head_dim=32)
+    convert(hf, tmp_path / "pack", "int8", progress=False)
+    engine = Engine.open(tmp_path / "pack", ServeConfig(ctx=64, dense_quant="int8", kv_dtype="int8"))
+    calls = computed(monkeypatch)
+    one_call = decode(engine)
+    assert len(calls) == len(FORCED) * engine.model.cfg.num_layers and all(c is not None for c in calls)
+    held = len(PROMPT) + len(FORCED)
+    stores = lambda: [t[:, :held].clone() for layer in engine.loaded.kv.layers  # noqa: E731
+                      for store in (layer.k, layer.v) for t in (store["x"], store["s"])]
+    native = stores()
+    assert native[0].dtype == torch.int8
+    monkeypatch.setattr(DecoderModel, "attention_step", lambda *a, **k: None)
+    ops = decode(engine)
+    assert all(torch.equal(a, b) for a, b in zip(native, stores()))
+    assert float((one_call - ops).abs().max() / ops.abs().max()) < 1e-6
+
+
 @pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_next"])
 def test_gated_heads_take_it_in_a_hybrid_stack(family, tmp_path, monkeypatch):
     """Qwen3.5 / Next's full-attention layers (each head's query followed by its output gate,
@@ -67,7 +89,7 @@ def test_gated_heads_take_it_in_a_hybrid_stack(family, tmp_path, monkeypatch):
     assert float((one_call - ops).abs().max() / ops.abs().max()) < 1e-5
 
 
-@pytest.mark.parametrize("config", [dict(dense_quant="off"), dict(dense_quant="int8", kv_dtype="int8"),
+@pytest.mark.parametrize("config", [dict(dense_quant="off"), dict(dense_quant="int8", kv_dtype="q4"),
                                     dict(dense_quant="int8", kv_dtype="fp16")])
 def test_what_it_does_not_take_runs_op_by_op(config, tmp_path):
     """An unquantised qkv, or a cache of another dtype: no native step, the same greedy tokens."""
@@ -122,16 +144,17 @@ def test_mtp_drafts_are_the_same_with_the_one_call(tmp_path, monkeypatch):
     assert run()[1] == tokens
 
 
-@pytest.mark.parametrize("chunk", [4, 512])
-def test_gpt_oss_sinks_and_sliding_rings_take_it(chunk, tmp_path, monkeypatch):
+@pytest.mark.parametrize("chunk,kv", [(4, "auto"), (512, "auto"), (4, "int8")])
+def test_gpt_oss_sinks_and_sliding_rings_take_it(chunk, kv, tmp_path, monkeypatch):
     """gpt-oss (biases, attention sinks, a sliding window of 8 every other layer): every layer takes
     the one call, the sliding ones over their window's slots, in a ring of window + chunk slots
-    past its wrap (chunk 4: 12 slots, 22 positions) or a whole-context store (chunk 512), and the
-    logits equal the op-by-op path's to fp32 rounding (the sinks' sigmoid is C's expf there)."""
+    past its wrap (chunk 4: 12 slots, 22 positions) or a whole-context store (chunk 512), fp32 rows
+    or int8, and the logits equal the op-by-op path's to fp32 rounding (the sinks' sigmoid is C's
+    expf there)."""
     forced = FORCED + [12, 1, 14, 3, 8, 25, 19]
     hf = tiny.build_checkpoint("gpt_oss", tmp_path / "hf", head_dim=32)
     convert(hf, tmp_path / "pack", "int8", progress=False)
-    engine = Engine.open(tmp_path / "pack", ServeConfig(ctx=64, dense_quant="int8", prefill_chunk=chunk))
+    engine = Engine.open(tmp_path / "pack", ServeConfig(ctx=64, dense_quant="int8", prefill_chunk=chunk, kv_dtype=kv))
     assert any(layer.slot_pos is not None for layer in engine.loaded.kv.layers) == (chunk == 4)
 
     def run():

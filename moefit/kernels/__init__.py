@@ -40,6 +40,7 @@ GROUPED = ("int4", "int4p", "q8_0")             # a scale per (row, group of inp
 # panels, kpanels.h; 5: IQ4_XS and MXFP4 in panels): the choices a host measured and kept
 # (ops/measured.py) are then measured again.
 REVISION = 5
+ABI = 2                                         # moe.c's moe_abi(): the exported functions' arguments
 c_i64, c_ptr = ctypes.c_int64, ctypes.c_void_p
 
 
@@ -59,6 +60,12 @@ def _load() -> ctypes.CDLL | None:
                     "experts run through torch, several times slower; reinstall with a compiler to build it")
         return None
     lib = ctypes.CDLL(str(path))
+    abi = lib.moe_abi() if hasattr(lib, "moe_abi") else 1
+    if abi != ABI:
+        log.warning(f"the native host kernel at {path} was built from other sources (ABI {abi}, this moefit "
+                    f"calls {ABI}): rebuild it (pip install -e . or python setup.py build_ext --inplace); "
+                    "until then experts run through torch, several times slower")
+        return None
     lib.moe_layer.restype = lib.moe_linear.restype = lib.moe_set_threads.restype = ctypes.c_int
     lib.moe_layer.argtypes = [c_ptr, c_i64, c_i64, c_i64, ctypes.c_int, c_i64, c_i64, c_ptr, c_ptr, c_ptr, c_ptr,
                               c_ptr]

@@ -49,6 +49,33 @@ static int row_bytes_of(const kv_rows *r) {
     return r->codec == 0 ? 4 * r->n : r->codec <= 2 ? 2 * r->n : r->codec == 3 ? r->n : r->n / 2;
 }
 
+/* r from its row `off` on (a run of a ring's slots): the same heads, capacity and codec */
+static kv_rows kv_rows_from(const kv_rows *r, int64_t off) {
+    kv_rows o = *r;
+    o.x = (const char *)r->x + off * row_bytes_of(r);
+    if (r->s) o.s = (const char *)r->s + off * (r->codec == 3 ? 4 : r->n / 32 * 2);
+    return o;
+}
+
+/* row pos of head h of a store written from x [n], as its codec's put writes it
+ * (runtime/kv_codecs.py): 0 fp32, 3 int8 (a scale of max|x| / 127, codes rounded half to even) */
+static void kv_write_row(const kv_rows *r, int64_t h, int64_t pos, const float *x) {
+    const int64_t row = h * r->capacity + pos;
+    if (r->codec == 0) {
+        memcpy((float *)r->x + row * r->n, x, sizeof(float) * r->n);
+        return;
+    }
+    float top = 0.0f;
+    for (int64_t i = 0; i < r->n; i++) top = fabsf(x[i]) > top ? fabsf(x[i]) : top;
+    const float scale = (top > 1e-8f ? top : 1e-8f) / 127.0f;
+    int8_t *codes = (int8_t *)r->x + row * r->n;
+    for (int64_t i = 0; i < r->n; i++) {
+        const float c = nearbyintf(x[i] / scale);
+        codes[i] = (int8_t)(c > 127.0f ? 127.0f : c < -127.0f ? -127.0f : c);
+    }
+    ((float *)r->s)[row] = scale;
+}
+
 /* Eight stored values (q4: 32) as fp32 into o: per instruction set, since GCC builds the
  * conversions of narrow integer vectors one lane at a time */
 #if defined(__x86_64__)

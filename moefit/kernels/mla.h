@@ -39,24 +39,6 @@ static void mla_rope(float *x, int64_t n, const float *cos, const float *sin, in
     memcpy(x, t, sizeof(float) * n);
 }
 
-/* row pos of a store written from x [n], as its codec's put writes it: 0 fp32, 3 int8 (a scale of
- * max|x| / 127, codes rounded half to even) */
-static void mla_store(const kv_rows *s, int64_t pos, const float *x) {
-    if (s->codec == 0) {
-        memcpy((float *)s->x + pos * s->n, x, sizeof(float) * s->n);
-        return;
-    }
-    float top = 0.0f;
-    for (int64_t i = 0; i < s->n; i++) top = fabsf(x[i]) > top ? fabsf(x[i]) : top;
-    const float scale = (top > 1e-8f ? top : 1e-8f) / 127.0f;
-    int8_t *codes = (int8_t *)s->x + pos * s->n;
-    for (int64_t i = 0; i < s->n; i++) {
-        const float c = nearbyintf(x[i] / scale);
-        codes[i] = (int8_t)(c > 127.0f ? 127.0f : c < -127.0f ? -127.0f : c);
-    }
-    ((float *)s->s)[pos] = scale;
-}
-
 static int mla_linear(const mla_matrix *m, const float *x, int64_t cols, int64_t rows, float *y) {
     return moe_linear(x, 1, cols, rows, m->quant, m->group, m->w, m->scales, y);
 }
@@ -106,8 +88,8 @@ int moe_mla_step(const mla_step *A, const float *x, int64_t pos, const float *co
     if (rc == 0) {
         rms_row(kv, A->r, A->kv_norm, A->eps, latent);
         mla_rope(kv + A->r, A->dr, cos, sin, A->interleaved);
-        mla_store(k, pos, kv + A->r);
-        mla_store(v, pos, latent);
+        kv_write_row(k, 0, pos, kv + A->r);
+        kv_write_row(v, 0, pos, latent);
         float *lse = malloc(sizeof(float) * A->H);
         rc = moe_attend_latent(q, 1, A->H, pos + 1, k, v, A->scale, att, lse);
         free(lse);

@@ -152,6 +152,10 @@ int moe_int4_panels(void) {
     return int4_panels;
 }
 
+/* Raised whenever an exported function's arguments change: kernels/__init__.py refuses a library
+ * built from other sources (an install not rebuilt after an update) rather than call it wrongly. */
+int moe_abi(void) { return 2; }
+
 const char *moe_isa(void) {
     choose_isa();
     return isa;

@@ -19,7 +19,7 @@ SIGNATURES = {
     "moe_softmax_topk": [c_ptr, c_i64, c_i64, c_ptr, c_ptr, c_i64, c_i64, ctypes.c_int, c_ptr, c_ptr],
     "moe_sigmoid_topk": [c_ptr, c_i64, c_i64, c_ptr, c_ptr, c_i64, c_i64, c_i64, c_i64, ctypes.c_int, c_f, c_ptr,
                          c_ptr],
-    "moe_attention_step": [c_ptr, c_ptr, c_ptr, c_ptr, c_i64, c_ptr, c_ptr, c_i64, c_i64, c_ptr, c_i64, c_ptr],
+    "moe_attention_step": [c_ptr, c_ptr, c_ptr, c_ptr, c_i64, c_ptr, c_ptr, c_i64, c_ptr, c_i64, c_ptr],
     "moe_attend_one": [c_ptr, c_ptr, c_ptr, c_i64, c_i64, c_i64, c_i64, c_i64, c_i64, c_i64, c_f, c_ptr],
     "moe_delta_step": [c_ptr, c_ptr, c_ptr, c_ptr, c_ptr],
     "moe_attend_stored": [c_ptr, c_i64, c_i64, c_i64, c_ptr, c_ptr, c_f, c_ptr, c_ptr],
@@ -179,15 +179,19 @@ class AttentionStep:
         self.usable = self.fn is not None and w.is_cpu and all(_host_fp32(t) for t in (bias, q_norm, k_norm, sinks))
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows) -> torch.Tensor | None:
-        """x [1, E] of one position (cos, sin its RoPE rows); rows: the state's step_rows (k [K, C, D],
-        v [K, C, Dv] fp32, the slot to write, the runs of slots to attend) -> [1, H*Dv], or None."""
+        """x [1, E] of one position (cos, sin its RoPE rows); rows: the state's step_rows (k and v as
+        StoredRows over every slot, fp32 or int8; the slot to write, the runs of slots to attend)
+        -> [1, H*Dv], or None."""
         if not self.usable or not (_host_fp32(x) and x.is_contiguous()):
             return None
         k, v, slot, runs = rows
+        kr, vr = _kv_rows(k), _kv_rows(v)
+        if kr is None or vr is None:
+            return None
         spans = (ctypes.c_int64 * (2 * len(runs)))(*(n for run in runs for n in run))
         out = torch.empty(1, self.weights.H * self.weights.Dv, dtype=F32)
-        ok = self.fn(ctypes.byref(self.weights), _p(x), _p(cos), _p(sin), cos.shape[-1], _p(k), _p(v), k.shape[1], slot,
-                     spans, len(runs), _p(out))
+        ok = self.fn(ctypes.byref(self.weights), _p(x), _p(cos), _p(sin), cos.shape[-1], ctypes.byref(kr),
+                     ctypes.byref(vr), slot, spans, len(runs), _p(out))
         return out if ok == 0 else None
 
 

@@ -1,9 +1,9 @@
 /* One position's attention on the host in one call (a decode step of a GQA layer whose cache is
- * fp32 rows on the host):
+ * fp32 or int8 rows on the host):
  *
  *   qkv = W x (+ bias)                    the fused projection, quantised (moe_linear)
  *   q, k = their heads RMS-normed (QK-norm, when given) and rotated (RoPE on the first `rot`)
- *   the cache's row `slot` = k, v         written in place, as the state's write would
+ *   the cache's row `slot` = k, v         written in place, coded as the state's write would
  *   out [H, Dv] = softmax(q . k * scale) . v over the cache's runs of rows: the whole context
  *                                         (one run from 0), or a window's positions in a ring
  *                                         (one run of slots or two, merged by log-sum-exp)
@@ -27,16 +27,14 @@ typedef struct {
     const float *sinks;                 /* [H] or NULL */
 } attention_step;
 
-/* q [H, D] against the runs of rows (offset, count) of the fp32 caches -> out [H, Dv] and lse [H] */
-static int attend_runs(const attention_step *A, const float *q, const float *k_cache, const float *v_cache,
-                       int64_t capacity, const int64_t *runs, int64_t n_runs, float *out, float *lse) {
+/* q [H, D] against the runs of rows (offset, count) of the caches -> out [H, Dv] and lse [H] */
+static int attend_runs(const attention_step *A, const float *q, const kv_rows *k_cache, const kv_rows *v_cache,
+                       const int64_t *runs, int64_t n_runs, float *out, float *lse) {
     float *o = malloc(sizeof(float) * A->H * A->Dv), *l = malloc(sizeof(float) * A->H);
     int rc = 0;
     for (int64_t r = 0; rc == 0 && r < n_runs; r++) {
-        const int64_t off = runs[2 * r], count = runs[2 * r + 1];
-        const kv_rows kr = {0, k_cache + off * A->D, NULL, capacity, A->D},
-                      vr = {0, v_cache + off * A->Dv, NULL, capacity, A->Dv};
-        rc = moe_attend_stored(q, A->K, A->H / A->K, count, &kr, &vr, A->scale, r ? o : out, r ? l : lse);
+        const kv_rows kr = kv_rows_from(k_cache, runs[2 * r]), vr = kv_rows_from(v_cache, runs[2 * r]);
+        rc = moe_attend_stored(q, A->K, A->H / A->K, runs[2 * r + 1], &kr, &vr, A->scale, r ? o : out, r ? l : lse);
         for (int64_t h = 0; rc == 0 && r && h < A->H; h++) {      /* merged by log-sum-exp */
             const float top = lse[h] > l[h] ? lse[h] : l[h], a = expf(lse[h] - top), b = expf(l[h] - top);
             for (int64_t c = 0; c < A->Dv; c++)
@@ -48,32 +46,40 @@ static int attend_runs(const attention_step *A, const float *q, const float *k_c
     return rc;
 }
 
+/* whether step() takes these caches: fp32 or int8 rows (kv.h), K heads of D and Dv values, row `slot` in them */
+static int takes_caches(const attention_step *A, const kv_rows *k, const kv_rows *v, int64_t slot) {
+    for (const kv_rows *c = k; c; c = c == k ? v : NULL)
+        if ((c->codec != 0 && c->codec != 3) || slot >= c->capacity || (c->codec == 3 && !c->s)) return 0;
+    return k->n == A->D && v->n == A->Dv && k->capacity == v->capacity;
+}
+
 /* x [E] of one position (cos, sin its RoPE rows [rot]); the caches [K, capacity, D] and [K, capacity,
- * Dv], row `slot` written and the runs [n_runs][offset, count] attended -> out [H, Dv]. Returns -1,
- * before writing anything, for shapes it does not take. */
+ * Dv] (fp32 or int8 rows, as kv.h reads them), row `slot` written and the runs [n_runs][offset,
+ * count] attended -> out [H, Dv]. Returns -1, before writing anything, for shapes it does not take. */
 int moe_attention_step(const attention_step *A, const float *x, const float *cos, const float *sin, int64_t rot,
-                       float *k_cache, float *v_cache, int64_t capacity, int64_t slot, const int64_t *runs,
+                       const kv_rows *k_cache, const kv_rows *v_cache, int64_t slot, const int64_t *runs,
                        int64_t n_runs, float *out) {
     const int64_t q_width = A->H * A->D * (A->gated ? 2 : 1), width = q_width + A->K * A->D + A->K * A->Dv;
-    if (A->D % 16 || A->Dv % 16 || rot % 2 || rot > A->D || slot >= capacity || A->H % A->K || A->H / A->K > 16 ||
-        (A->gated && A->Dv != A->D) || n_runs < 1 || n_runs > 2)
+    if (A->D % 16 || A->Dv % 16 || rot % 2 || rot > A->D || !takes_caches(A, k_cache, v_cache, slot) ||
+        A->H % A->K || A->H / A->K > 16 || (A->gated && A->Dv != A->D) || n_runs < 1 || n_runs > 2)
         return -1;
     for (int64_t r = 0; r < n_runs; r++)
-        if (runs[2 * r] < 0 || runs[2 * r + 1] < 1 || runs[2 * r] + runs[2 * r + 1] > capacity) return -1;
+        if (runs[2 * r] < 0 || runs[2 * r + 1] < 1 || runs[2 * r] + runs[2 * r + 1] > k_cache->capacity) return -1;
     float *qkv = malloc(sizeof(float) * width), *q = malloc(sizeof(float) * A->H * A->D),
-          *lse = malloc(sizeof(float) * A->H);
+          *k = malloc(sizeof(float) * A->K * A->D), *lse = malloc(sizeof(float) * A->H);
     choose_rows_isa();
     int rc = moe_linear(x, 1, A->E, width, A->quant, A->group, A->w, A->scales, qkv);
     if (rc == 0) {
         if (A->bias)
             for (int64_t i = 0; i < width; i++) qkv[i] += A->bias[i];
-        const float *k = qkv + q_width, *v = k + A->K * A->D;
+        const float *v = qkv + q_width + A->K * A->D;
         head_rows_to(qkv, 1, A->H, A->D, width, A->D * (A->gated ? 2 : 1), A->q_norm, A->eps, cos, sin, rot, q, A->D);
-        head_rows_to(k, 1, A->K, A->D, width, A->D, A->k_norm, A->eps, cos, sin, rot, k_cache + slot * A->D,
-                     capacity * A->D);
-        for (int64_t h = 0; h < A->K; h++)
-            memcpy(v_cache + (h * capacity + slot) * A->Dv, v + h * A->Dv, sizeof(float) * A->Dv);
-        rc = attend_runs(A, q, k_cache, v_cache, capacity, runs, n_runs, out, lse);
+        head_rows_to(qkv + q_width, 1, A->K, A->D, width, A->D, A->k_norm, A->eps, cos, sin, rot, k, A->D);
+        for (int64_t h = 0; h < A->K; h++) {
+            kv_write_row(k_cache, h, slot, k + h * A->D);
+            kv_write_row(v_cache, h, slot, v + h * A->Dv);
+        }
+        rc = attend_runs(A, q, k_cache, v_cache, runs, n_runs, out, lse);
         for (int64_t h = 0; rc == 0 && A->sinks && h < A->H; h++)
             for (int64_t c = 0; c < A->Dv; c++) out[h * A->Dv + c] *= 1.0f / (1.0f + expf(A->sinks[h] - lse[h]));
         for (int64_t h = 0; rc == 0 && A->gated && h < A->H; h++)
@@ -82,6 +88,6 @@ int moe_attention_step(const attention_step *A, const float *x, const float *cos
                 out[h * A->Dv + c] *= 1.0f / (1.0f + expf(-g));
             }
     }
-    free(qkv), free(q), free(lse);
+    free(qkv), free(q), free(k), free(lse);
     return rc;
 }

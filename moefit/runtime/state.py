@@ -26,7 +26,7 @@ import torch
 
 from moefit.errors import MoefitError
 from moefit.families.state import PROMPT_MARKS, AttentionKV, LatentKV, RecurrentState, split_kv_dtype
-from moefit.runtime.kv_codecs import FloatRows, StoredRows, codec
+from moefit.runtime.kv_codecs import StoredRows, codec
 from moefit.runtime.placement import DeviceMemory
 
 LINE = "sequence state"
@@ -50,9 +50,9 @@ class AttentionState:
         self.k, self.v = self.kc.empty(alloc, decl.kv_heads, held), self.vc.empty(alloc, decl.kv_heads, held)
         self.slot_pos = torch.full((held,), INVALID, dtype=torch.long) if held < ctx else None
         direct = self.slot_pos is None and self.window is None and self.k["x"].is_cpu     # row p is position p
-        plain = all(type(c) is FloatRows and c.dtype == torch.float32 for c in (self.kc, self.vc))
-        self._fp32_host = plain and self.k["x"].is_cpu
-        self._writable = direct and all(c.native in WRITTEN_NATIVELY for c in (self.kc, self.vc))
+        written = all(c.native in WRITTEN_NATIVELY for c in (self.kc, self.vc))
+        self._steps_natively = written and self.k["x"].is_cpu
+        self._writable = direct and written
         self.host, self._copied = None, None
         if self.slot_pos is not None and decl.streams:
             pin = mem.torch_device.type == "cuda"
@@ -68,15 +68,15 @@ class AttentionState:
 
     def step_rows(self, pos: int) -> tuple | None:
         """What a native decode step at position pos writes and reads in place (kernels/step.h), where
-        this layer's rows are fp32 on the host: (k [K, C, D], v [K, C, Dv], the slot it writes, the
-        runs (offset, count) of slots it attends, _slot_runs'); None where they are not (another
-        codec, a card, a host part, a position the ring no longer holds). The caller marks the slot
-        written (`stepped`)."""
-        if not self._fp32_host or self.host is not None:
+        this layer's rows are on the host in a codec it writes (fp32, int8): (k, v as StoredRows over
+        every slot, the slot it writes, the runs (offset, count) of slots it attends, _slot_runs');
+        None where they are not (another codec, a card, a host part, a position the ring no longer
+        holds). The caller marks the slot written (`stepped`)."""
+        if not self._steps_natively or self.host is not None:
             return None
         runs = self._slot_runs(pos + 1, written=pos)
         slot = pos if self.slot_pos is None else pos % self.capacity
-        return None if runs is None else (self.k["x"], self.v["x"], slot, runs)
+        return None if runs is None else (*self._run(0, self.capacity), slot, runs)
 
     def stepped(self, pos: int) -> None:
         """Position pos written by a native step into step_rows' slot."""
