@@ -162,7 +162,6 @@ class Server:
                 print(f"moefit: warning: could not save the learned profile ({e})", file=sys.stderr)
         print("moefit: stopped", file=sys.stderr, flush=True)
 
-
     def _kept(self, way: str, engine) -> None:
         """--keep-sessions: take the kept sessions back (at start) or keep them (at the stop)."""
         from moefit.runtime import kept
