@@ -181,7 +181,7 @@ def _marks(session, loaded: dict) -> dict[int, dict[int, tuple]] | None:
             layer = session.state.layers[int(i)]
             s, conv = loaded[name], loaded.get(name[:-2] + ".conv")
             if not isinstance(layer, RecurrentLayerState) or conv is None or s.shape != layer.s.shape \
-                    or conv.shape != layer.conv.shape or conv.dtype != layer.conv.dtype:
+                    or s.dtype != layer.s.dtype or conv.shape != layer.conv.shape or conv.dtype != layer.conv.dtype:
                 return None
             pin = layer._pin
             marks.setdefault(int(i), {})[int(pos)] = (s.pin_memory() if pin else s, conv.pin_memory() if pin else conv)
