@@ -61,3 +61,16 @@ def test_a_rings_window_is_read_in_one_run_or_two():
         assert got.tolist() == list(range(max(0, end - 6), end)) and len(runs) <= 2
     layer.slot_pos[(end - 3) % layer.capacity] = 1 << 62                     # that slot taken by another
     assert state.recent_rows(0, end) is None
+
+
+def test_a_steps_kv_description_follows_the_pair_it_is_handed():
+    """A decode step keeps kv.h's description of the (k, v) pair it was last handed (a state's
+    whole-store pair, the same every token) and describes again when handed another session's."""
+    from moefit.kernels.rows import KvPair
+    states = [SequenceState(SimpleNamespace(sliding_window=None), 40, "int8", torch.float32,
+                            DeviceMemory(open_device("cpu")), 3, decls=[AttentionKV(2, 16, 16)]) for _ in range(2)]
+    pair = KvPair()
+    for layer in (states[0].layers[0], states[1].layers[0], states[0].layers[0]):
+        kr, vr = pair(*layer.whole)
+        assert (kr.x, kr.s, vr.x) == (layer.k["x"].data_ptr(), layer.k["s"].data_ptr(), layer.v["x"].data_ptr())
+        assert pair(*layer.whole)[0] is kr

@@ -9,7 +9,7 @@ import ctypes
 import torch
 
 from moefit.kernels import Q, group_of, matrix_shape
-from moefit.kernels.rows import F32, _fn, _host_fp32, _kv_rows, _p, _ptr
+from moefit.kernels.rows import F32, KvPair, _fn, _host_fp32, _p, _ptr
 
 c_i64, c_ptr, c_f, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
 
@@ -46,6 +46,7 @@ class LatentStep:
         mats = [_matrix(m) for m in (q_a, q, kv_a, uk, uv)]
         self.fn = _fn("moe_mla_step")
         self.usable = self.fn is not None and None not in mats and _host_fp32(kv_norm) and _host_fp32(q_norm)
+        self.kv_pair = KvPair()
         if not self.usable:
             return
         (qa, _), (qm, _), (kva, e), (ukm, _), (uvm, _) = mats
@@ -61,9 +62,10 @@ class LatentStep:
         the kernel does not take them (then nothing was written)."""
         if not self.usable or not (_host_fp32(x) and x.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()):
             return None
-        kr, vr = _kv_rows(k), _kv_rows(v)
-        if kr is None or vr is None:
+        described = self.kv_pair(k, v)
+        if described is None:
             return None
+        kr, vr = described
         out = torch.empty(1, self.heads * self.dv, dtype=F32)
         ok = self.fn(ctypes.byref(self.weights), _p(x), pos, _p(cos), _p(sin), ctypes.byref(kr), ctypes.byref(vr),
                      _p(out))

@@ -110,6 +110,21 @@ def _kv_rows(rows) -> _KvRows | None:
     return _KvRows(rows.codec.native, first(x), None if s is None else first(s), x.shape[1], rows.codec.d)
 
 
+class KvPair:
+    """kv.h's descriptions of a (k, v) pair of StoredRows, made again only when a step is handed
+    another pair: a state hands its decode steps the same whole-store pair every token
+    (runtime/state.py AttentionState.whole), and the stores it describes live as long as it."""
+
+    def __init__(self):
+        self.k = self.v = self.described = None
+
+    def __call__(self, k, v) -> tuple[_KvRows, _KvRows] | None:
+        if k is not self.k or v is not self.v:
+            kr, vr = _kv_rows(k), _kv_rows(v)
+            self.k, self.v, self.described = k, v, None if kr is None or vr is None else (kr, vr)
+        return self.described
+
+
 def attend_stored(q: torch.Tensor, k, v, scale: float,
                   latent: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
     """q [K, R, D] (each kv head's query rows) against every stored row of k and v (StoredRows
@@ -177,6 +192,7 @@ class AttentionStep:
             int(gated), _ptr(sinks))
         self.fn = _fn("moe_attention_step")
         self.usable = self.fn is not None and w.is_cpu and all(_host_fp32(t) for t in (bias, q_norm, k_norm, sinks))
+        self.kv_pair = KvPair()
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows) -> torch.Tensor | None:
         """x [1, E] of one position (cos, sin its RoPE rows); rows: the state's step_rows (k and v as
@@ -185,9 +201,10 @@ class AttentionStep:
         if not self.usable or not (_host_fp32(x) and x.is_contiguous()):
             return None
         k, v, slot, runs = rows
-        kr, vr = _kv_rows(k), _kv_rows(v)
-        if kr is None or vr is None:
+        described = self.kv_pair(k, v)
+        if described is None:
             return None
+        kr, vr = described
         spans = (ctypes.c_int64 * (2 * len(runs)))(*(n for run in runs for n in run))
         out = torch.empty(1, self.weights.H * self.weights.Dv, dtype=F32)
         ok = self.fn(ctypes.byref(self.weights), _p(x), _p(cos), _p(sin), cos.shape[-1], ctypes.byref(kr),

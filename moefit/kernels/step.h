@@ -46,11 +46,15 @@ static int attend_runs(const attention_step *A, const float *q, const kv_rows *k
     return rc;
 }
 
-/* whether step() takes these caches: fp32 or int8 rows (kv.h), K heads of D and Dv values, row `slot` in them */
+/* whether kv_write_row writes a row of this cache at `slot`: fp32 rows, or int8 with their scales */
+static int writes_slot(const kv_rows *c, int64_t slot) {
+    return (c->codec == 0 || (c->codec == 3 && c->s)) && slot < c->capacity;
+}
+
+/* whether step() takes these caches: K heads of D and Dv values, row `slot` written in both */
 static int takes_caches(const attention_step *A, const kv_rows *k, const kv_rows *v, int64_t slot) {
-    for (const kv_rows *c = k; c; c = c == k ? v : NULL)
-        if ((c->codec != 0 && c->codec != 3) || slot >= c->capacity || (c->codec == 3 && !c->s)) return 0;
-    return k->n == A->D && v->n == A->Dv && k->capacity == v->capacity;
+    return writes_slot(k, slot) && writes_slot(v, slot) && k->n == A->D && v->n == A->Dv &&
+           k->capacity == v->capacity;
 }
 
 /* x [E] of one position (cos, sin its RoPE rows [rot]); the caches [K, capacity, D] and [K, capacity,

@@ -48,6 +48,7 @@ class AttentionState:
         self.capacity = held
         alloc = lambda shape, dtype: mem.empty(line, shape, dtype).zero_()  # noqa: E731  (masked rows meet 0 * row)
         self.k, self.v = self.kc.empty(alloc, decl.kv_heads, held), self.vc.empty(alloc, decl.kv_heads, held)
+        self.whole = self._run(0, held)                     # (k, v) as StoredRows over every slot
         self.slot_pos = torch.full((held,), INVALID, dtype=torch.long) if held < ctx else None
         direct = self.slot_pos is None and self.window is None and self.k["x"].is_cpu     # row p is position p
         written = all(c.native in WRITTEN_NATIVELY for c in (self.kc, self.vc))
@@ -76,7 +77,7 @@ class AttentionState:
             return None
         runs = self._slot_runs(pos + 1, written=pos)
         slot = pos if self.slot_pos is None else pos % self.capacity
-        return None if runs is None else (*self._run(0, self.capacity), slot, runs)
+        return None if runs is None else (*self.whole, slot, runs)
 
     def stepped(self, pos: int) -> None:
         """Position pos written by a native step into step_rows' slot."""
@@ -87,9 +88,7 @@ class AttentionState:
         """(k, v) as StoredRows over every slot, where a native decode step may write row `pos` itself
         and read the rows before it (kernels/mla.h): host rows indexed by position in a codec it
         writes (fp32, int8), no ring, window or rotation; None otherwise."""
-        if not self._writable:
-            return None
-        return StoredRows(self.kc, self.k, self.capacity), StoredRows(self.vc, self.v, self.capacity)
+        return self.whole if self._writable else None
 
     def recent_rows(self, end: int) -> list[tuple[StoredRows, StoredRows]] | None:
         """What a decode step at position end - 1 attends, as runs of rows read in place (_slot_runs);
