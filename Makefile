@@ -21,8 +21,12 @@ test: env
 run: env
 	$(BIN)/python -m moefit.demo $(ARGS)
 
-gpu-check:   # the GPU image has torch but no venv: build the host kernel in place, then check
-	$(PY) setup.py -q build_ext --inplace || echo "no C compiler: the host path runs in torch"
+KERNEL_SO = moefit/kernels/_moe$(shell $(PY) -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
+
+gpu-check:   # the GPU image has torch but no venv: build the host kernel in place (by hand if its setuptools
+             # is older than pyproject.toml needs), then check
+	$(PY) setup.py -q build_ext --inplace 2>/dev/null || cc -O3 -std=gnu11 -fno-math-errno -fwrapv -fPIC -shared \
+	    moefit/kernels/moe.c -o $(KERNEL_SO) -lm -lpthread || echo "no C compiler: the host path runs in torch"
 	$(PY) bench/gpu_check.py $(ARGS)
 
 clean:

@@ -4,15 +4,18 @@
     python bench/gpu_check.py --device sim:moefit/demo/card.json --quick   # the same checks, simulated
 
 It needs torch and the engine only (no fastapi, uvicorn or pydantic) and writes
-bench/results/gpu_check.json and a table. Each check records what it measured and
-passes or fails on the issue's goal; a check that raises is recorded with its error and
-the others still run:
+bench/results/gpu_check.json (after every check) and a table. Each check records what it
+measured and passes or fails on the issue's goal. The checks run in a child process
+(bench/isolated.py): one that raises, hangs past its limit or breaks the CUDA context is
+recorded with its error, and a fresh child runs the rest within --budget-s:
 
-  greedy       the demo's greedy tokens on the device equal the cpu's
-  cache        ... and do not change with the expert cache size (0, 8, auto)
+  env          torch, CUDA, the card, the fused expert kernel, the host kernel and its threads
+  greedy       the demo's greedy tokens on the device in fp32 equal the cpu's (the device's
+               default dtype, bf16 on CUDA, is recorded beside them)
+  cache        ... and do not change with the expert cache size (0, 8, auto), fp32 and default
   syncs        device->host waits per MoE layer per decode token: the hand-off's count, and
-               on CUDA torch.cuda.set_sync_debug_mode's warnings (goal: <= 2); on CUDA also
-               kernel launches per decode token (torch.profiler)
+               on CUDA torch.cuda.set_sync_debug_mode's warnings (goal: <= 2)
+  launches     CUDA kernel launches per decode token (torch.profiler; recorded, no goal)
   ledger       the plan against memory_allocated, memory_reserved and NVML (goal: within 2 %)
   auto         an --expert-cache auto start: slots, and free memory left against the reserve
   guard        shrink by 25 % of the cache and grow back: bytes given back to the driver
@@ -43,6 +46,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.isolated import Journal, run_isolated  # noqa: E402
 from moefit.config import ServeConfig  # noqa: E402
 from moefit.demo import demo_pack, sim_flag  # noqa: E402
 from moefit.memory import ledger as L  # noqa: E402
@@ -70,16 +74,26 @@ def tokens(engine: Engine, n: int = 32) -> list[int]:
 
 
 def check_greedy(device: str, pack) -> dict:
+    """fp32 on both sides must agree token for token; the device's own default (bf16 on CUDA)
+    is recorded, with where it first leaves the cpu's tokens."""
     want = tokens(Engine.open(pack, cfg("cpu")))
-    got = tokens(Engine.open(pack, cfg(device)))
-    first = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), None)
-    return {"ok": want == got, "cpu": want, "device": got, "first_difference": first}
+    got = tokens(Engine.open(pack, cfg(device, compute_dtype="fp32")))
+    default = tokens(Engine.open(pack, cfg(device)))
+    return {"ok": want == got, "cpu": want, "device": got, "first_difference": _first_difference(want, got),
+            "device_default_dtype": default, "default_dtype_first_difference": _first_difference(want, default)}
+
+
+def _first_difference(a: list[int], b: list[int]) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
 
 
 def check_cache(device: str, pack) -> dict:
-    runs = {size: tokens(Engine.open(pack, cfg(device, expert_cache=size, min_expert_slots=0)))
-            for size in ("0", "8", "auto")}
-    return {"ok": len({tuple(v) for v in runs.values()}) == 1, "tokens": runs}
+    """Greedy tokens with 0, 8 and auto experts resident, in fp32 and in the device's default."""
+    runs = {f"{dtype}/{size}": tokens(Engine.open(pack, cfg(device, expert_cache=size, min_expert_slots=0,
+                                                             compute_dtype=dtype)))
+            for dtype in ("fp32", "auto") for size in ("0", "8", "auto")}
+    same = {dtype: len({tuple(v) for k, v in runs.items() if k.startswith(dtype)}) == 1 for dtype in ("fp32", "auto")}
+    return {"ok": all(same.values()), "same_tokens": same, "tokens": runs}
 
 
 def check_syncs(device: str, pack) -> dict:
@@ -105,25 +119,29 @@ def check_syncs(device: str, pack) -> dict:
         out["sync_debug_warnings_per_token"] = len(synced) / max(1, len(engine.last.generated))
         out["sync_debug_warnings_per_moe_layer_token"] = len(synced) / decoded / layers
         out["sync_debug_samples"] = sorted(set(synced))[:8]
-        out["launches_per_token"] = _launches_per_token(engine)
         out["ok"] = per_layer <= 2 and out["sync_debug_warnings_per_moe_layer_token"] <= 2
     else:
         out["ok"] = per_layer <= 2
     return out
 
 
-def _launches_per_token(engine) -> float | str:
+def check_launches(device: str, pack) -> dict:
     """CUDA kernel launches per decode token (torch.profiler's launch calls over 8 tokens); the
     resident experts go a group at a time (experts/grouped.py), so this should not grow with them."""
+    if not device.startswith("cuda"):
+        return {"ok": None, "skipped": "counts CUDA launches"}
+    engine = Engine.open(pack, cfg(device))
+    engine.generate(engine.codec.encode(PROMPT), SamplingParams(max_tokens=4, temperature=0))   # warm
     from torch.profiler import ProfilerActivity, profile
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     try:
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             engine.generate(engine.codec.encode(PROMPT), params)
     except Exception as e:                          # a profiler that will not start is not a failed check
-        return f"not measured: {type(e).__name__}: {e}"[:200]
+        return {"ok": None, "skipped": f"not measured: {type(e).__name__}: {e}"[:200]}
     launches = sum(ev.count for ev in prof.key_averages() if "LaunchKernel" in ev.key)
-    return launches / max(1, len(engine.last.generated))
+    return {"ok": None, "launches_per_token": launches / max(1, len(engine.last.generated)),
+            "moe_layers": len(engine.pack.model.moe_layers)}
 
 
 def check_ledger(device: str, pack) -> dict:
@@ -227,33 +245,51 @@ def _take_the_card(engine: Engine) -> _Hog:
     return _Hog(lambda: mem.device.sim.path.write_text(original))
 
 
-def check_decode(device: str, quick: bool) -> dict:
-    """tok/s of a Qwen3-30B-A3B-shaped int4 pack's first 12 layers under a 12 GiB cap."""
+def check_decode(device: str, quick: bool, journal=None) -> dict:
+    """tok/s of a Qwen3-30B-A3B-shaped int4 pack's first 12 layers under a 12 GiB cap; each
+    share's row is journalled as it lands, so a run stopped by the budget keeps the rows it has."""
     if quick or not device.startswith("cuda"):
         return {"ok": None, "skipped": "needs CUDA and a few minutes (not --quick)"}
     from bench.synthetic_pack import build_pack
+    from moefit.pack.reader import Pack
+    t = time.time()
     pack = build_pack(ROOT / "configs" / "qwen3-30b-a3b.json", Path(tempfile.mkdtemp()) / "q30-12.pack",
                       "int4", layers=12, distinct=16)
-    total = None
+    out = {"ok": None, "pack_seconds": round(time.time() - t, 1), "rows": {}}
+    total = len(Pack.open(pack, checksums=False).blobs)
     cap = 12 * 1024 * MIB
     torch.cuda.set_per_process_memory_fraction(min(1.0, cap / torch.cuda.get_device_properties(0).total_memory))
-    rows = {}
     for share in (0.25, 0.5, 1.0):
-        e = Engine.open(pack, cfg(device, expert_cache="0"))
-        total = total or len(e.pack.blobs)
         e = Engine.open(pack, cfg(device, expert_cache=str(int(share * total))))
-        prompt = list(range(100, 164))
-        e.generate(prompt, SamplingParams(max_tokens=4, temperature=1.0, seed=1, ignore_eos=True))
+        e.generate(list(range(100, 164)), SamplingParams(max_tokens=4, temperature=1.0, seed=1, ignore_eos=True))
+        prompt = list(range(200, 264))                  # another prompt: its prefill is measured too
         e.generate(prompt, SamplingParams(max_tokens=64, temperature=1.0, seed=2, ignore_eos=True))
         dt = 1 / e.last.decode_tokens_per_s
-        rows[f"{int(share * 100)}%"] = {"slots": len(e.runner.slots), "tok_s_12_layers": 1 / dt,
-                                        "tok_s_48_layers_extrapolated": 1 / (dt * 4),
-                                        "hit_rate": e.runner.book.hit_rate()}
+        row = out["rows"][f"{int(share * 100)}%"] = {
+            "slots": len(e.runner.slots), "tok_s_12_layers": 1 / dt, "tok_s_48_layers_extrapolated": 1 / (dt * 4),
+            "hit_rate": e.runner.book.hit_rate(), "prefill_tok_s": e.last.prefill_tokens_per_s}
         if share == 1.0:                        # the same without the fused expert kernel: what it is worth
-            rows["100%"]["tok_s_12_layers_torch_path"] = _without_fused_kernel(e, prompt)
+            row["tok_s_12_layers_torch_path"] = _without_fused_kernel(e, prompt)
+        if journal:
+            journal.partial(out)
         del e
         torch.cuda.empty_cache()
-    return {"ok": rows["25%"]["tok_s_48_layers_extrapolated"] >= 40, "rows": rows}
+    out["ok"] = out["rows"]["25%"]["tok_s_48_layers_extrapolated"] >= 40
+    return out
+
+
+def check_env(device: str, pack) -> dict:
+    """What ran: torch, the card, the fused kernel, the host kernel, the cores."""
+    import os
+    from moefit import kernels
+    out = {"ok": None, "torch": torch.__version__, "cuda": torch.version.cuda, "cpus": os.cpu_count(),
+           "host_kernel": f"loaded ({kernels.isa()})" if kernels.library() is not None else "absent: torch path",
+           "threads": kernels.default_threads(),
+           "fused_expert_kernel": _fused_kernel()}
+    if device.startswith("cuda"):
+        props = torch.cuda.get_device_properties(0)
+        out.update(gpu=props.name, gpu_mib=props.total_memory // MIB, capability=f"{props.major}.{props.minor}")
+    return out
 
 
 def _without_fused_kernel(e, prompt: list[int]) -> float:
@@ -273,8 +309,10 @@ def _pid() -> int:
     return os.getpid()
 
 
-CHECKS = {"greedy": check_greedy, "cache": check_cache, "syncs": check_syncs, "ledger": check_ledger,
-          "auto": check_auto, "guard": check_guard, "prompt": check_prompt, "oom": check_oom}
+CHECKS = {"env": check_env, "greedy": check_greedy, "cache": check_cache, "syncs": check_syncs,
+          "ledger": check_ledger, "auto": check_auto, "guard": check_guard, "prompt": check_prompt, "oom": check_oom,
+          "launches": check_launches}
+LIMIT_S = {"decode": 330, "launches": 60}             # seconds a check may run; the rest get isolated's 120
 
 
 def main(argv=None) -> int:
@@ -282,8 +320,12 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--quick", action="store_true", help="skip the 30B-shaped decode measurement")
     ap.add_argument("--only", help="comma-separated checks")
+    ap.add_argument("--budget-s", type=float, default=450, help="the whole run's seconds (default 450)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "gpu_check.json"))
+    ap.add_argument("--child", help=argparse.SUPPRESS)      # the journal of a child that runs the checks
     args = ap.parse_args(argv)
+    if args.child:
+        return run_child(args)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print("no CUDA device here: run it on the GPU machine, or with --device sim:moefit/demo/card.json")
         return 2
@@ -291,26 +333,40 @@ def main(argv=None) -> int:
         copy = Path(tempfile.mkdtemp()) / Path(args.device[4:]).name
         copy.write_text(Path(args.device[4:]).read_text())
         args.device = f"sim:{copy}"
-    pack = demo_pack(log=print)
-    started, results = time.time(), {}
-    names = args.only.split(",") if args.only else list(CHECKS) + ["decode"]
-    for name in names:
+    demo_pack(log=print)                               # packed once, before the children read it
+    names = args.only.split(",") if args.only else [n for n in CHECKS if n != "launches"] + ["decode", "launches"]
+    report = {"device": args.device, "started": time.strftime("%Y-%m-%d %H:%M:%S"), "checks": {}}
+
+    def landed(name: str, result: dict) -> None:
+        report["checks"][name] = result
+        print(f"{name:<8} {_verdict(result['ok']):<5} {result.get('seconds', 0):>6.1f} s  {_summary(result)}", flush=True)
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=1, default=str))
+
+    def child(todo: list[str], journal: Path) -> list[str]:
+        return [sys.executable, __file__, "--child", str(journal), "--device", args.device, "--only", ",".join(todo)] + (
+            ["--quick"] if args.quick else [])
+
+    started = time.time()
+    results = run_isolated(child, names, LIMIT_S, args.budget_s, landed)
+    print(f"wrote {args.out} ({time.time() - started:.0f} s)")
+    return 0 if all(r["ok"] is not False for r in results.values()) else 1
+
+
+def run_child(args) -> int:
+    """Run the named checks in this process, journalling each as it starts and lands."""
+    journal, pack = Journal(args.child), demo_pack(log=print)
+    for name in args.only.split(","):
+        journal.start(name)
         t = time.time()
         try:
-            results[name] = check_decode(args.device, args.quick) if name == "decode" else CHECKS[name](args.device,
-                                                                                                        pack)
+            result = check_decode(args.device, args.quick, journal) if name == "decode" else CHECKS[name](
+                args.device, pack)
         except Exception as e:  # noqa: BLE001 - one broken check must not hide the others
-            results[name] = {"ok": False, "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-2000:]}
-        results[name]["seconds"] = round(time.time() - t, 1)
-        print(f"{name:<8} {_verdict(results[name]['ok']):<5} {results[name]['seconds']:>6.1f} s  "
-              f"{_summary(results[name])}", flush=True)
-    report = {"device": args.device, "torch": torch.__version__, "seconds": round(time.time() - started, 1),
-              "fused_expert_kernel": _fused_kernel(),
-              "gpu": torch.cuda.get_device_name(0) if args.device.startswith("cuda") else None, "checks": results}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=1, default=str))
-    print(f"wrote {args.out} ({report['seconds']} s)")
-    return 0 if all(r["ok"] is not False for r in results.values()) else 1
+            result = {"ok": False, "error": f"{type(e).__name__}: {e}"[:500], "trace": traceback.format_exc()[-2000:]}
+        result["seconds"] = round(time.time() - t, 1)
+        journal.done(name, result)
+    return 0
 
 
 def _fused_kernel() -> str:
@@ -329,7 +385,8 @@ def _verdict(ok) -> str:
 
 
 def _summary(r: dict) -> str:
-    keep = {k: v for k, v in r.items() if k not in ("ok", "seconds", "trace", "tokens", "cpu", "device", "rows")}
+    keep = {k: v for k, v in r.items() if k not in ("ok", "seconds", "trace", "tokens", "cpu", "device", "rows",
+                                                 "device_default_dtype")}
     if "rows" in r:
         keep["rows"] = {k: round(v["tok_s_48_layers_extrapolated"], 1) for k, v in r["rows"].items()}
     return json.dumps(keep, default=str)[:200]
