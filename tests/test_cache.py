@@ -114,6 +114,24 @@ def test_adaptive_swaps_during_decoding_keep_the_output(packs, card):
     assert engine.runner.book.swaps > 0 and len(engine.runner.slots) == 4
 
 
+def test_coldest_of_size_is_coldest_filtered_without_the_sort():
+    rng = np.random.default_rng(3)
+    for trial in range(40):
+        sizes = {(l, e): int(rng.choice([100, 200])) for l in range(4) for e in range(6)}
+        book = CacheBook(sizes, 4, 6, budget=1 << 30)
+        for key in sizes:
+            if rng.random() < 0.6:
+                book.admit(key)
+        book.usage[:] = rng.integers(0, 3, size=book.usage.shape)       # ties on purpose
+        evicted = [k for k in list(book.resident) if rng.random() < 0.2]
+        for key in evicted:
+            book.evict(key)
+        skip = {k for k in sizes if rng.random() < 0.3}
+        for size in (100, 200):
+            want = next((k for k in book.coldest() if sizes[k] == size and k not in skip), None)
+            assert book.coldest_of_size(size, skip) == want
+
+
 def test_shrink_gives_back_the_coldest_first():
     sizes = {(0, e): 100 for e in range(3)}
     book = CacheBook(sizes, 1, 3, 300)

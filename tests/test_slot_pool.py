@@ -134,6 +134,7 @@ def test_the_device_check_runs_its_checks_on_the_simulated_card(tmp_path):
     simulated card, without the server's packages, so the script is known to work before a GPU
     is at hand."""
     import json
+    import os
     import shutil
     import subprocess
     import sys
@@ -143,22 +144,27 @@ def test_the_device_check_runs_its_checks_on_the_simulated_card(tmp_path):
     shutil.copy(root / "moefit" / "demo" / "card.json", card)
     before = card.read_text()
     out = tmp_path / "gpu_check.json"
-    # the GPU machine's image has no server packages: the check must run without them
+    # the GPU machine's image has no server packages: the check (and the children it runs the
+    # checks in, which inherit PYTHONPATH) must run without them
     blocked = "fastapi uvicorn pydantic starlette sse_starlette".split()
-    wrapper = ("import importlib.abc, runpy, sys\n"
-               "class Block(importlib.abc.MetaPathFinder):\n"
-               "    def find_spec(self, name, path, target=None):\n"
-               f"        if name.split('.')[0] in {blocked!r}: raise ImportError('not on the GPU image: ' + name)\n"
-               "sys.meta_path.insert(0, Block())\n"
-               "sys.argv = sys.argv[1:]\n"
-               "runpy.run_path(sys.argv[0], run_name='__main__')\n")
-    run = subprocess.run([sys.executable, "-c", wrapper, str(root / "bench" / "gpu_check.py"), "--device",
-                          f"sim:{card}", "--quick", "--out", str(out)], capture_output=True, text=True, timeout=600)
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import importlib.abc, sys\n"
+        "class Block(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path, target=None):\n"
+        f"        if name.split('.')[0] in {blocked!r}: raise ImportError('not on the GPU image: ' + name)\n"
+        "sys.meta_path.insert(0, Block())\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))}
+    probe = subprocess.run([sys.executable, "-c", "import fastapi"], env=env, capture_output=True, text=True)
+    assert "not on the GPU image" in probe.stderr                       # the block is in force
+    run = subprocess.run([sys.executable, str(root / "bench" / "gpu_check.py"), "--device", f"sim:{card}", "--quick",
+                          "--out", str(out)], capture_output=True, text=True, timeout=600, env=env)
     assert run.returncode == 0, run.stdout + run.stderr
     checks = json.loads(out.read_text())["checks"]
-    assert {k: v["ok"] for k, v in checks.items()} == {"greedy": True, "cache": True, "syncs": True, "ledger": True,
-                                                         "auto": True, "guard": True, "prompt": None, "oom": True,
-                                                         "decode": None}
+    assert {k: v["ok"] for k, v in checks.items()} == {"env": None, "greedy": True, "cache": True, "syncs": True,
+                                                         "ledger": True, "auto": True, "guard": True, "prompt": None,
+                                                         "oom": True, "decode": None, "launches": None}
     assert checks["syncs"]["handoffs_per_moe_layer_token"] == 1.0
     assert checks["guard"]["driver_saw_mib"] == checks["guard"]["freed_by_pool_mib"] > 0
     assert card.read_text() == before                  # its guard and oom checks wrote a copy, not the card

@@ -53,17 +53,21 @@ class CacheBook:
         self.hits = np.zeros(self.num_layers, dtype=np.int64)
         self.misses = np.zeros(self.num_layers, dtype=np.int64)
         self.usage = np.zeros(shape, dtype=np.float64)
+        self._sizes_held = np.zeros(shape, dtype=np.int64)     # a resident's blob bytes, 0 elsewhere
+        for key, nbytes in self.resident.items():
+            self._sizes_held[key] = nbytes
 
     @property
     def used(self) -> int:
         return sum(self.resident.values())
 
     def admit(self, key: Key) -> None:
-        self.resident[key] = self.sizes[key]
+        self.resident[key] = self._sizes_held[key] = self.sizes[key]
         self.bytes_moved += self.sizes[key]
 
     def evict(self, key: Key) -> None:
         del self.resident[key]
+        self._sizes_held[key] = 0
 
     def is_resident(self, key: Key) -> bool:
         return key in self.resident
@@ -87,6 +91,18 @@ class CacheBook:
 
     def coldest(self) -> list[Key]:
         return sorted(self.resident, key=lambda k: (self.usage[k], -k[1], -k[0]))
+
+    def coldest_of_size(self, size: int, skip) -> Key | None:
+        """coldest()'s first resident of `size` bytes not in `skip`, without sorting them all (a
+        prefetch asks once per expert it brings in: at 382 residents the sort cost ~0.4 ms)."""
+        score = np.where(self._sizes_held == size, self.usage, np.inf)
+        for key in skip:
+            score[key] = np.inf
+        if not np.isfinite(score).any():
+            return None
+        by_expert_desc = score.T[::-1, ::-1]          # ties: the highest expert id, then layer, as coldest()
+        e, layer = np.unravel_index(int(np.argmin(by_expert_desc)), by_expert_desc.shape)
+        return (self.num_layers - 1 - int(layer), self.num_experts - 1 - int(e))
 
     def shrink_to(self, budget: int) -> list[Key]:
         """Lower the budget; the coldest residents to give back so `used` fits it."""

@@ -42,7 +42,7 @@ class Chunk:
 
     @property
     def used(self) -> int:
-        return int((self.states != FREE).sum())
+        return int(np.count_nonzero(self.states))    # FREE is 0
 
     def view(self, i: int, nbytes: int) -> torch.Tensor:
         return self.storage[i * self.slot_stride: i * self.slot_stride + nbytes]

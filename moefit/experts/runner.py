@@ -141,12 +141,11 @@ class ExpertRunner:
         it; False when every one is kept."""
         if self.pool.free_slots(key):
             return True
-        size = self.book.sizes[key]
-        for victim in self.book.coldest():
-            if victim not in keep and victim not in self.arriving and self.book.sizes[victim] == size:
-                self.unload(victim)
-                return True
-        return False
+        victim = self.book.coldest_of_size(self.book.sizes[key], keep | self.arriving.keys())
+        if victim is None:
+            return False
+        self.unload(victim)
+        return True
 
     # -- placement ---------------------------------------------------------------
     def load(self, key: Key) -> None:

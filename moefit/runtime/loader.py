@@ -144,10 +144,14 @@ def set_threads(cfg: ServeConfig) -> None:
     the dense matrices run in the pool too (--dense-quant): measured on 2 cores (big shape of
     bench/decode.py, int4 + dense int4), torch's OpenMP threads spinning after each op slowed
     the pool's dense matrices from 15.0 to 20.8 ms a token (24.5 against 21.4 tok/s). With the
-    dense path in torch, torch gets the threads: its prefill GEMMs use them."""
+    dense path in torch, torch gets the threads: its prefill GEMMs use them. On CUDA torch's host
+    operations are the routing's few numbers (a prompt's expert GEMMs raise the threads for
+    themselves: kernels.torch_threads): one thread, so none spins beside the pool (on the H200
+    machine's 16 cores, a 25 %-cached decode's small host operations took 1.6 ms each with them)."""
     n = cfg.threads or kernels.default_threads()
     kernels.set_threads(n)
-    torch.set_num_threads(1 if cfg.dense_quant != "off" and kernels.library() is not None else n)
+    single = kernels.library() is not None and (cfg.dense_quant != "off" or cfg.device.startswith("cuda"))
+    torch.set_num_threads(1 if single else n)
 
 
 def _plan(pack: Pack, cfg: ServeConfig, mem: DeviceMemory, cdt: str, profile: Profile) -> Plan:
