@@ -263,44 +263,6 @@ def _take_the_card(engine: Engine) -> _Hog:
     return _Hog(lambda: mem.device.sim.path.write_text(original))
 
 
-def check_decode(device: str, quick: bool, journal=None, pack_dir: str | None = None) -> dict:
-    """tok/s of a Qwen3-30B-A3B-shaped int4 pack's first 12 layers under a 12 GiB cap; each
-    share's row is journalled as it lands, so a run stopped by the budget keeps the rows it has."""
-    if quick or not device.startswith("cuda"):
-        return {"ok": None, "skipped": "needs CUDA and a few minutes (not --quick)"}
-    from bench.synthetic_pack import build_pack
-    from moefit.pack.reader import Pack
-    t = time.time()
-    pack = Path(pack_dir or tempfile.mkdtemp()) / "q30-12.pack"
-    if not (pack / "moefit-pack.json").exists():     # --pack-dir keeps it for bench/gpu_profile.py --pack
-        build_pack(ROOT / "configs" / "qwen3-30b-a3b.json", pack, "int4", layers=12, distinct=16)
-    out = {"ok": None, "pack_seconds": round(time.time() - t, 1), "rows": {}}
-    total = len(Pack.open(pack, checksums=False).blobs)
-    cap = 12 * 1024 * MIB
-    torch.cuda.set_per_process_memory_fraction(min(1.0, cap / torch.cuda.get_device_properties(0).total_memory))
-    for share in (0.25, 0.5, 1.0):
-        e = Engine.open(pack, cfg(device, expert_cache=str(int(share * total))))
-        e.generate(list(range(100, 164)), SamplingParams(max_tokens=64, temperature=1.0, seed=1, ignore_eos=True))
-        first = e.last.decode_tokens_per_s              # every host expert's first use is in here
-        prompt = list(range(200, 264))                  # another prompt: its prefill is measured too
-        e.generate(prompt, SamplingParams(max_tokens=64, temperature=1.0, seed=2, ignore_eos=True))
-        dt = 1 / e.last.decode_tokens_per_s
-        row = out["rows"][f"{int(share * 100)}%"] = {
-            "slots": len(e.runner.slots), "tok_s_12_layers_first_64": first,
-            "tok_s_12_layers": 1 / dt, "tok_s_48_layers_extrapolated": 1 / (dt * 4),
-            "hit_rate": e.runner.book.hit_rate(), "prefill_tok_s": e.last.prefill_tokens_per_s,
-            **{k: v for k, v in _against_nvml(e).items() if k in ("ledger_vs_nvml", "beyond_plan_bytes",
-                                                                   "nvml_used_bytes", "ledger_used_bytes")}}
-        if share == 1.0:                        # the same without the fused expert kernel: what it is worth
-            row["tok_s_12_layers_torch_path"] = _without_fused_kernel(e, prompt)
-        if journal:
-            journal.partial(out)
-        del e
-        torch.cuda.empty_cache()
-    out["ok"] = out["rows"]["25%"]["tok_s_48_layers_extrapolated"] >= 40
-    return out
-
-
 def check_env(device: str, pack) -> dict:
     """What ran: torch, the card, the fused kernel, the host kernel, the cores."""
     import os
@@ -313,18 +275,6 @@ def check_env(device: str, pack) -> dict:
         props = torch.cuda.get_device_properties(0)
         out.update(gpu=props.name, gpu_mib=props.total_memory // MIB, capability=f"{props.major}.{props.minor}")
     return out
-
-
-def _without_fused_kernel(e, prompt: list[int]) -> float:
-    """Decode tok/s with the resident experts on experts/grouped.py's torch path."""
-    from moefit.kernels import device_experts
-    usable = device_experts.usable
-    device_experts.usable = lambda *args: False
-    try:
-        e.generate(prompt, SamplingParams(max_tokens=64, temperature=1.0, seed=2, ignore_eos=True))
-    finally:
-        device_experts.usable = usable
-    return e.last.decode_tokens_per_s
 
 
 def _pid() -> int:
@@ -379,6 +329,7 @@ def main(argv=None) -> int:
 
 def run_child(args) -> int:
     """Run the named checks in this process, journalling each as it starts and lands."""
+    from bench.gpu_decode import check_decode          # it imports this module's helpers
     journal, pack = Journal(args.child), demo_pack(log=print)
     for name in args.only.split(","):
         journal.start(name)
