@@ -89,8 +89,55 @@ def test_gated_heads_take_it_in_a_hybrid_stack(family, tmp_path, monkeypatch):
     assert float((one_call - ops).abs().max() / ops.abs().max()) < 1e-5
 
 
-@pytest.mark.parametrize("config", [dict(dense_quant="off"), dict(dense_quant="int8", kv_dtype="q4"),
-                                    dict(dense_quant="int8", kv_dtype="fp16")])
+@pytest.mark.parametrize("family,kv", [("qwen3_moe", "q4"), ("glm4_moe", "q4"), ("qwen3_moe", "k8v4")])
+def test_a_q4_cache_is_turned_coded_and_read_in_the_one_call(family, kv, tmp_path, monkeypatch):
+    """--kv-dtype q4 (and int8 keys with q4 values): the one call writes the row with kv.h's writer,
+    the one a prompt's rows go through on the host too (rotated, 4-bit codes, fp16 group scales),
+    turns the query as the keys are and the output back: the same codes and scales as the op-by-op
+    path, and its logits to fp32 rounding (the turns' sums are ordered differently)."""
+    hf = tiny.build_checkpoint(family, tmp_path / "hf", head_dim=32)
+    convert(hf, tmp_path / "pack", "int8", progress=False)
+    engine = Engine.open(tmp_path / "pack", ServeConfig(ctx=64, dense_quant="int8", kv_dtype=kv))
+    calls = computed(monkeypatch)
+    one_call = decode(engine)
+    assert len(calls) == len(FORCED) * engine.model.cfg.num_layers and all(c is not None for c in calls)
+    held = len(PROMPT) + len(FORCED)
+    stores = lambda: [t[:, :held].clone() for layer in engine.loaded.kv.layers  # noqa: E731
+                      for store in (layer.k, layer.v) for t in (store["x"], store["s"])]
+    native_rows = stores()
+    assert native_rows[2].dtype == torch.uint8                              # the values' q4 codes
+    monkeypatch.setattr(DecoderModel, "attention_step", lambda *a, **k: None)
+    ops = decode(engine)
+    assert all(torch.equal(a, b) for a, b in zip(native_rows, stores()))
+    assert float((one_call - ops).abs().max() / ops.abs().max()) < 1e-5
+
+
+def test_the_host_writes_q4_rows_as_torch_codes_them():
+    """kv.h's q4 writer (a host write of one position, a step's op by op) against kv_codecs' torch coding of the
+    same rows: the same fp16 scales, and codes that differ only where a value sits on a rounding
+    boundary within the turn's fp32 rounding (the two order the matrix product's sums differently)."""
+    from moefit.runtime.kv_codecs import Q4Rows
+    torch.manual_seed(0)
+    codec = Q4Rows(128)
+    alloc = lambda shape, dtype: torch.zeros(shape, dtype=dtype)  # noqa: E731
+    x = torch.randn(4, 40, 128) * torch.linspace(0.1, 8, 128)        # outlier channels, as keys have
+    native_store = codec.empty(alloc, 4, 64)
+    for t in range(40):                                               # a step's row at a time, as the writer takes them
+        codec.put(native_store, slice(3 + t, 4 + t), x[:, t:t + 1])
+    r = codec.rotation                                                # kv_codecs' torch coding, as on a card
+    groups = (x.float() @ r).unflatten(-1, (-1, 32))
+    scale = (groups.abs().amax(dim=-1, keepdim=True) / 7.0).clamp(min=1e-8)
+    codes = (torch.round(groups / scale).clamp(-8, 7) + 8).to(torch.uint8).flatten(-2)
+    want_x = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    assert torch.equal(native_store["s"][:, 3:43], scale.squeeze(-1).to(torch.float16))
+    got = native_store["x"][:, 3:43]
+    nibbles = lambda t: torch.stack((t & 15, t >> 4), -1).int()  # noqa: E731
+    differ = (nibbles(got) != nibbles(want_x))
+    assert (nibbles(got) - nibbles(want_x)).abs().max() <= 1 and differ.float().mean() < 1e-3
+    assert torch.equal(native_store["x"][:, :3], torch.zeros_like(native_store["x"][:, :3]))   # nothing else written
+
+
+@pytest.mark.parametrize("config", [dict(dense_quant="off"), dict(dense_quant="int8", kv_dtype="fp16")])
 def test_what_it_does_not_take_runs_op_by_op(config, tmp_path):
     """An unquantised qkv, or a cache of another dtype: no native step, the same greedy tokens."""
     hf = tiny.build_checkpoint("qwen3_moe", tmp_path / "hf", head_dim=32)
@@ -167,3 +214,15 @@ def test_gpt_oss_sinks_and_sliding_rings_take_it(chunk, kv, tmp_path, monkeypatc
     monkeypatch.setattr(DecoderModel, "attention_step", lambda *a, **k: None)
     ops = run()
     assert float((one_call - ops).abs().max() / ops.abs().max()) < 1e-5
+
+
+@pytest.mark.parametrize("d", [64, 128, 96])
+def test_the_native_turn_is_the_rotation(d):
+    """kv.h's turn (a Walsh-Hadamard transform where d is a power of two, the matrix otherwise)
+    is kv_codecs' rotation and its transpose, to fp32 rounding."""
+    from moefit.runtime.kv_codecs import rotation_matrix
+    r = rotation_matrix(d).contiguous()
+    x = torch.randn(8, 1, d)
+    for back in (False, True):
+        want = x @ (r.T if back else r)
+        assert float((native.turn_rows(x, r, back) - want).abs().max()) < 1e-5 * float(want.abs().max()) + 1e-6

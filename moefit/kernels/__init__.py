@@ -40,7 +40,7 @@ GROUPED = ("int4", "int4p", "q8_0")             # a scale per (row, group of inp
 # panels, kpanels.h; 5: IQ4_XS and MXFP4 in panels): the choices a host measured and kept
 # (ops/measured.py) are then measured again.
 REVISION = 5
-ABI = 2                                         # moe.c's moe_abi(): the exported functions' arguments
+ABI = 3                                         # moe.c's moe_abi(): the exported functions' arguments
 c_i64, c_ptr = ctypes.c_int64, ctypes.c_void_p
 
 

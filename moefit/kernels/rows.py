@@ -25,6 +25,8 @@ SIGNATURES = {
     "moe_attend_stored": [c_ptr, c_i64, c_i64, c_i64, c_ptr, c_ptr, c_f, c_ptr, c_ptr],
     "moe_attend_latent": [c_ptr, c_i64, c_i64, c_i64, c_ptr, c_ptr, c_f, c_ptr, c_ptr],
     "moe_mla_step": [c_ptr, c_ptr, c_i64, c_ptr, c_ptr, c_ptr, c_ptr, c_ptr],
+    "moe_kv_put": [c_ptr, c_i64, c_i64, c_ptr, c_ptr],
+    "moe_turn_rows": [c_ptr, c_i64, c_i64, c_ptr, ctypes.c_int],
 }
 
 
@@ -97,7 +99,8 @@ def attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float |
 
 
 class _KvRows(ctypes.Structure):
-    _fields_ = [("codec", ctypes.c_int), ("x", c_ptr), ("s", c_ptr), ("capacity", c_i64), ("n", c_i64)]
+    _fields_ = [("codec", ctypes.c_int), ("x", c_ptr), ("s", c_ptr), ("capacity", c_i64), ("n", c_i64),
+                ("rot", c_ptr)]
 
 
 def _kv_rows(rows) -> _KvRows | None:
@@ -107,7 +110,45 @@ def _kv_rows(rows) -> _KvRows | None:
             rows.offset + rows.count > x.shape[1]:
         return None
     first = (lambda t: _p(t) + rows.offset * t.stride(1) * t.element_size())      # row `offset` of each head
-    return _KvRows(rows.codec.native, first(x), None if s is None else first(s), x.shape[1], rows.codec.d)
+    return _KvRows(rows.codec.native, first(x), None if s is None else first(s), x.shape[1], rows.codec.d,
+                   _rotation(rows.codec))
+
+
+def _rotation(codec) -> int | None:
+    """The address of a q4 codec's rotation [d, d] (fp32, host, contiguous: kv_codecs makes it so)."""
+    r = codec.rotation
+    return None if r is None or not (r.is_cpu and r.dtype is F32 and r.is_contiguous()) else _p(r)
+
+
+def kv_put(codec, store: dict, positions: torch.Tensor, x: torch.Tensor) -> bool:
+    """x [K, T, d] written as rows `positions` [T] of each head of a host store, as kv.h's
+    writer codes them (kernels/kv.h moe_kv_put); False, having written nothing, where it cannot."""
+    fn = _fn("moe_kv_put")
+    rows = StoredRowsLike(codec, store)
+    described = _kv_rows(rows) if fn is not None else None
+    if described is None or positions.numel() != x.shape[1]:
+        return False
+    x = x.to("cpu", F32).contiguous()
+    pos = positions.to(torch.int64).contiguous()
+    return fn(ctypes.byref(described), x.shape[0], x.shape[1], _p(pos), _p(x)) == 0
+
+
+def turn_rows(x: torch.Tensor, rotation: torch.Tensor, back: bool = False) -> torch.Tensor | None:
+    """x [..., n] @ rotation (back: @ rotation^T) as the native step turns q4's query and output
+    (step.h turn_rows: the same sums in the same order); None where it does not take them."""
+    fn = _fn("moe_turn_rows")
+    if fn is None or not (_host_fp32(x) and _host_fp32(rotation) and rotation.is_contiguous()):
+        return None
+    out = x.contiguous().clone()
+    fn(_p(out), out.numel() // x.shape[-1], x.shape[-1], _p(rotation), int(back))
+    return out
+
+
+class StoredRowsLike:
+    """A whole store as _kv_rows reads a StoredRows: from row 0, every row."""
+
+    def __init__(self, codec, store: dict):
+        self.codec, self.store, self.offset, self.count = codec, store, 0, store["x"].shape[1]
 
 
 class KvPair:

@@ -1,5 +1,5 @@
 /* One position's attention on the host in one call (a decode step of a GQA layer whose cache is
- * fp32 or int8 rows on the host):
+ * fp32, int8 or q4 rows on the host):
  *
  *   qkv = W x (+ bias)                    the fused projection, quantised (moe_linear)
  *   q, k = their heads RMS-normed (QK-norm, when given) and rotated (RoPE on the first `rot`)
@@ -46,9 +46,26 @@ static int attend_runs(const attention_step *A, const float *q, const kv_rows *k
     return rc;
 }
 
-/* whether kv_write_row writes a row of this cache at `slot`: fp32 rows, or int8 with their scales */
+/* whether kv_write_row writes a row of this cache at `slot` (fp32, int8, q4: kv.h's kv_writes) */
 static int writes_slot(const kv_rows *c, int64_t slot) {
-    return (c->codec == 0 || (c->codec == 3 && c->s)) && slot < c->capacity;
+    return kv_writes(c) && slot < c->capacity;
+}
+
+/* rows [m][n] turned in place by rot [n, n] (kv.h's kv_turn): y = x rot, or with `back` y = x rot^T
+ * (q4's rows are stored turned: the query is turned as they are, the output turned back). The
+ * op-by-op path turns a decode step's host rows through here too (moe_turn_rows), so both agree. */
+static void turn_rows(float *x, int64_t m, int64_t n, const float *rot, int back) {
+    float *y = malloc(sizeof(float) * n);
+    for (int64_t r = 0; r < m; r++) {
+        kv_turn(x + r * n, y, n, rot, back);
+        memcpy(x + r * n, y, sizeof(float) * n);
+    }
+    free(y);
+}
+
+int moe_turn_rows(float *x, int64_t m, int64_t n, const float *rot, int back) {
+    turn_rows(x, m, n, rot, back);
+    return 0;
 }
 
 /* whether step() takes these caches: K heads of D and Dv values, row `slot` written in both */
@@ -58,7 +75,7 @@ static int takes_caches(const attention_step *A, const kv_rows *k, const kv_rows
 }
 
 /* x [E] of one position (cos, sin its RoPE rows [rot]); the caches [K, capacity, D] and [K, capacity,
- * Dv] (fp32 or int8 rows, as kv.h reads them), row `slot` written and the runs [n_runs][offset,
+ * Dv] (fp32, int8 or q4 rows, as kv.h reads them; q4's query turned as its keys, its output back), row `slot` written and the runs [n_runs][offset,
  * count] attended -> out [H, Dv]. Returns -1, before writing anything, for shapes it does not take. */
 int moe_attention_step(const attention_step *A, const float *x, const float *cos, const float *sin, int64_t rot,
                        const kv_rows *k_cache, const kv_rows *v_cache, int64_t slot, const int64_t *runs,
@@ -83,7 +100,9 @@ int moe_attention_step(const attention_step *A, const float *x, const float *cos
             kv_write_row(k_cache, h, slot, k + h * A->D);
             kv_write_row(v_cache, h, slot, v + h * A->Dv);
         }
+        if (k_cache->codec == 4) turn_rows(q, A->H, A->D, k_cache->rot, 0);
         rc = attend_runs(A, q, k_cache, v_cache, runs, n_runs, out, lse);
+        if (rc == 0 && v_cache->codec == 4) turn_rows(out, A->H, A->Dv, v_cache->rot, 1);
         for (int64_t h = 0; rc == 0 && A->sinks && h < A->H; h++)
             for (int64_t c = 0; c < A->Dv; c++) out[h * A->Dv + c] *= 1.0f / (1.0f + expf(A->sinks[h] - lse[h]));
         for (int64_t h = 0; rc == 0 && A->gated && h < A->H; h++)

@@ -86,6 +86,8 @@ class Q4Rows(FloatRows):
         return {"x": alloc((k, c, self.d // 2), torch.uint8), "s": alloc((k, c, self.d // Q4_GROUP), torch.float16)}
 
     def put(self, store: dict, index, x: torch.Tensor) -> None:
+        if store["x"].is_cpu and _native_put(self, store, index, x):
+            return
         r = self.rotation.to(x.device)
         groups = (x.float() @ r).unflatten(-1, (-1, Q4_GROUP))                         # [K, T, G, 32]
         scale = (groups.abs().amax(dim=-1, keepdim=True) / 7.0).clamp(min=1e-8)
@@ -98,6 +100,19 @@ class Q4Rows(FloatRows):
         codes = torch.stack((packed & 15, packed >> 4), dim=-1).flatten(-2).to(dtype) - 8      # [K, S, D]
         scale = store["s"][:, index].to(dtype).repeat_interleave(Q4_GROUP, dim=-1)
         return codes * scale
+
+
+def _native_put(codec: FloatRows, store: dict, index, x: torch.Tensor) -> bool:
+    """One position's host rows written by kernels/kv.h's writer, the one the native decode step
+    writes with, so a step taken op by op codes its row as the one call does (q4 turns rows by a
+    matrix product, whose sums torch and the kernel order differently). A prompt's rows go
+    through torch's matrix product: the kernel's loop would cost a 512-token chunk ~10 ms a layer."""
+    if x.shape[1] != 1:
+        return False
+    from moefit.kernels.rows import kv_put
+    capacity = store["x"].shape[1]
+    positions = torch.arange(capacity)[index] if isinstance(index, slice) else torch.as_tensor(index).reshape(-1)
+    return kv_put(codec, store, positions, x)
 
 
 def codec(dtype: str, d: int):

@@ -30,7 +30,8 @@ from moefit.runtime.kv_codecs import StoredRows, codec
 from moefit.runtime.placement import DeviceMemory
 
 LINE = "sequence state"
-WRITTEN_NATIVELY = (0, 3)          # kv_codecs' native numbers a native step writes: fp32, int8
+WRITTEN_NATIVELY = (0, 3, 4)       # kv_codecs' native numbers a GQA step writes (kernels/step.h): fp32, int8, q4
+LATENT_WRITES = (0, 3)             # ... and MLA's (kernels/mla.h): fp32, int8
 INVALID = 1 << 62
 
 
@@ -53,7 +54,7 @@ class AttentionState:
         direct = self.slot_pos is None and self.window is None and self.k["x"].is_cpu     # row p is position p
         written = all(c.native in WRITTEN_NATIVELY for c in (self.kc, self.vc))
         self._steps_natively = written and self.k["x"].is_cpu
-        self._writable = direct and written
+        self._writable = direct and all(c.native in LATENT_WRITES for c in (self.kc, self.vc))
         self.host, self._copied = None, None
         if self.slot_pos is not None and decl.streams:
             pin = mem.torch_device.type == "cuda"
