@@ -1,7 +1,7 @@
 """MLA's decode step in one native call (kernels/mla.h, DeepseekV3.latent_step) against the same
 layer computed op by op: the same logits to fp32 rounding and the same stored rows, for
 DeepSeek-V3 and GLM-4.7-Flash with their matrices quantised (--dense-quant: kv_b head by head),
-with and without a query rank, on fp32 and int8 rows; the layers it must leave to the op-by-op
+with and without a query rank, on fp32, int8 and q4 rows; the layers it must leave to the op-by-op
 path; and the sigmoid router's native call."""
 
 import pytest
@@ -50,9 +50,12 @@ def open_pack(tmp_path, family: str, **over) -> tuple:
 
 @pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe_lite"])
 @pytest.mark.parametrize("dense", ["int8", "int4"])
-@pytest.mark.parametrize("kv_dtype", ["fp32", "int8"])
+@pytest.mark.parametrize("kv_dtype", ["fp32", "int8", "q4", "k8v4"])
 def test_one_call_gives_the_op_by_op_logits_and_rows(family, dense, kv_dtype, tmp_path, monkeypatch):
-    engine = open_pack(tmp_path, family)(dense_quant=dense, kv_dtype=kv_dtype)
+    """q4 (and k8v4's q4 latents): rows written turned, the query turned into each store's space
+    and the latent output turned back, in the one call as op by op (rope keys of 32: q4's groups)."""
+    over = dict(qk_rope_head_dim=32) if kv_dtype == "q4" else {}
+    engine = open_pack(tmp_path, family, **over)(dense_quant=dense, kv_dtype=kv_dtype)
     calls = computed(monkeypatch)
     native = decode(engine)
     assert len(calls) == len(FORCED) * engine.model.cfg.num_layers and all(c is not None for c in calls)
@@ -61,6 +64,8 @@ def test_one_call_gives_the_op_by_op_logits_and_rows(family, dense, kv_dtype, tm
     ops = decode(engine)
     assert float((native - ops).abs().max() / ops.abs().max()) < 1e-5
     for got, want in zip(rows, stored(engine, 1)):
+        if got.dtype == torch.uint8:                         # q4: two codes a byte
+            got, want = (torch.stack((t & 15, t >> 4), -1).to(torch.int8) for t in (got, want))
         if got.dtype == torch.int8:                          # a code may round the other way at a half
             assert int((got.int() - want.int()).abs().max()) <= 1 and float((got != want).float().mean()) < 0.01
         else:
@@ -78,11 +83,10 @@ def test_without_a_query_rank(tmp_path, monkeypatch):
     assert float((native - ops).abs().max() / ops.abs().max()) < 1e-5
 
 
-@pytest.mark.parametrize("config", [dict(dense_quant="off"), dict(dense_quant="int8", kv_dtype="k8v4"),
-                                    dict(dense_quant="int8", kv_dtype="fp16"),
+@pytest.mark.parametrize("config", [dict(dense_quant="off"), dict(dense_quant="int8", kv_dtype="fp16"),
                                     dict(dense_quant="int8", kv_resident="16", prefill_chunk=8)])
 def test_what_it_does_not_take_runs_op_by_op(config, tmp_path):
-    """kv_b not quantised, rows it does not write (q4 latents, rotated; fp16), a ring (KV
+    """kv_b not quantised, rows it does not write (fp16), a ring (KV
     streaming): no native step, the same greedy tokens as ever."""
     engine = open_pack(tmp_path, "glm4_moe_lite")(**config)
     decode(engine)

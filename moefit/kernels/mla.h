@@ -7,7 +7,9 @@
  *   c, k_r = W_kva x  [r], [dr]           the token's latent, RMS-normed, and its rope key
  *   q_r, k_r rotated                      RoPE on pairs (x0, x1), ... written out de-interleaved,
  *                                         or rotate-half: what the family's `rotate` does
- *   the stores' row pos = k_r, c          fp32, or int8 codes and a scale (runtime/kv_codecs.py)
+ *   the stores' row pos = k_r, c          fp32, int8 codes and a scale, or q4 (runtime/kv_codecs.py:
+ *                                         turned, so q_r and q_c are turned as their store's rows
+ *                                         are, and the attention's latent output turned back)
  *   o[h] = W_uv[h] moe_attend_latent([q_c | q_r], the stores' rows 0..pos)[h]    [H, dv]
  *
  * The torch route was about twenty operations between these, each with cold caches after the
@@ -72,12 +74,12 @@ static int mla_query(const mla_step *A, const float *x, const float *cos, const 
 }
 
 /* x [E] at position pos; cos, sin [dr]; k, v: the layer's rope keys [C, dr] and latents [C, r]
- * (one head, codec 0 or 3), row pos written -> out [H, dv]. Returns -1 for shapes or codecs it
+ * (one head, codec 0, 3 or 4), row pos written -> out [H, dv]. Returns -1 for shapes or codecs it
  * does not take, before writing anything. */
 int moe_mla_step(const mla_step *A, const float *x, int64_t pos, const float *cos, const float *sin,
                  const kv_rows *k, const kv_rows *v, float *out) {
     for (const kv_rows *s = k; s; s = s == k ? v : NULL)
-        if ((s->codec != 0 && s->codec != 3) || pos >= s->capacity) return -1;
+        if (!kv_writes(s) || pos >= s->capacity) return -1;
     if (k->n != A->dr || v->n != A->r || A->r % QK || A->dn % QK || A->dr % 16 || A->q_rank % 16 || A->dv % 16)
         return -1;
     choose_rows_isa();
@@ -90,9 +92,15 @@ int moe_mla_step(const mla_step *A, const float *x, int64_t pos, const float *co
         mla_rope(kv + A->r, A->dr, cos, sin, A->interleaved);
         kv_write_row(k, 0, pos, kv + A->r);
         kv_write_row(v, 0, pos, latent);
+        for (int64_t h = 0; h < A->H; h++) {                 /* q4 stores: the query in their space */
+            float *row = q + h * (A->r + A->dr);
+            if (v->codec == 4) turn_rows(row, 1, A->r, v->rot, 0);
+            if (k->codec == 4) turn_rows(row + A->r, 1, A->dr, k->rot, 0);
+        }
         float *lse = malloc(sizeof(float) * A->H);
         rc = moe_attend_latent(q, 1, A->H, pos + 1, k, v, A->scale, att, lse);
         free(lse);
+        if (rc == 0 && v->codec == 4) turn_rows(att, A->H, A->r, v->rot, 1);
     }
     if (rc == 0) rc = mla_heads(&A->uv, att, A->H, A->r, A->dv, out);
     free(q), free(kv), free(latent), free(att);

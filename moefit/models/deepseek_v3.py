@@ -30,7 +30,7 @@ from moefit import kernels
 from moefit.families.deepseek_v3 import KV_B_VALUES, dims, per_head
 from moefit.kernels.latent import LatentStep
 from moefit.models.glm4_moe import Glm4Moe
-from moefit.models.attention import attend_latent, attend_state
+from moefit.models.attention import attend_latent, attend_state, turned
 from moefit.models.layers import (QWeight, RopeTable, Weights, apply_rope, apply_rope_interleaved, linear, rms_norm,
                                   yarn_mscale)
 from moefit.pack.quant import dequantize
@@ -76,10 +76,10 @@ class DeepseekV3(Glm4Moe):
         if out is None:
             out = attend_state(kv, i, q_abs, start, mask, scale=self.softmax_scale, turned=False,
                                keys=lambda k_r, c_kv: (torch.cat((c_kv, k_r), dim=-1), c_kv))
-        out = out.view(t, c.num_heads, self.rank)
+        out = out.view(t, c.num_heads, self.rank).transpose(0, 1)                      # [H, T, r]
         if rv is not None:                           # the values were turned latents: turn the output back
-            out = out @ rv.to(device=out.device, dtype=out.dtype).T
-        out = self.through_heads(out.transpose(0, 1), layer["w_uv"])                   # [H, T, dv]
+            out = _turned(out, rv, back=True)
+        out = self.through_heads(out, layer["w_uv"])                                   # [H, T, dv]
         return linear(out.transpose(0, 1).reshape(t, -1), layer["o"])
 
     def through_heads(self, x: torch.Tensor, w) -> torch.Tensor:
@@ -96,7 +96,7 @@ class DeepseekV3(Glm4Moe):
         """The layer's attention for one token in one native call (kernels/mla.h): [1, H*dv] before
         o_proj, its rope key and latent written to rows (the state's, where a native step may write
         them); None where it does not apply (more tokens, a mask, kv_b not quantised, a card's or a
-        ring's or q4 rows), and the layer is computed op by op."""
+        ring's rows, fp16 / bf16 rows), and the layer is computed op by op."""
         if x.shape[0] != 1 or mask is not None or not isinstance(layer["w_uk"], QWeight) or rows is None:
             return None
         step = self.native_step(layer, lambda: LatentStep(
@@ -111,9 +111,10 @@ def _dequantized(w: QWeight) -> torch.Tensor:
     return native if native is not None else dequantize(w.parts, "w", w.quant, torch.float32)
 
 
-def _turned(x: torch.Tensor, rotation: torch.Tensor | None) -> torch.Tensor:
-    """A query part in its stored rows' rotated space: (x R) . (y R) = x . y for orthonormal R."""
-    return x if rotation is None else x @ rotation.to(device=x.device, dtype=x.dtype)
+def _turned(x: torch.Tensor, rotation: torch.Tensor | None, back: bool = False) -> torch.Tensor:
+    """A query part in its stored rows' rotated space: (x R) . (y R) = x . y for orthonormal R (back:
+    an output turned back, x R^T). A decode step's through the native step's loop (as mla.h turns)."""
+    return x if rotation is None else turned(x, rotation, back)
 
 
 def _yarn_mscale_squared(rope: dict) -> float:
