@@ -2,6 +2,7 @@
 character at a time, and GLM's forced call (runtime/grammar.py) on a model with GLM's tokenizer."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -119,3 +120,31 @@ def test_the_template_says_which_spelling_a_forced_call_takes():
     tags = {t: f'"{t}"' for t in ("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>",
                                   "</arg_value>")}
     assert '"\\n"' in glm_tool_call_grammar(TOOLS, tags) and '"\\n"' not in glm_tool_call_grammar(TOOLS, tags, False)
+
+
+def test_a_glm_string_argument_keeps_its_pattern_and_length():
+    """GLM writes a string argument as it is, so its grammar is a regex, not %json: the schema's
+    pattern (found anywhere unless anchored) and minLength / maxLength hold in it too."""
+    llguidance = pytest.importorskip("llguidance")
+    from tokenizers import Tokenizer
+    from moefit.runtime.grammar import glm_tool_call_grammar
+    tok = llguidance.LLTokenizer(Tokenizer.from_file(
+        str(Path(__file__).resolve().parent.parent / "moefit" / "demo" / "model" / "tokenizer.json")).to_str())
+    tags = {t: f'"{t}"' for t in ("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>",
+                                  "</arg_value>")}
+    props = {"code": {"type": "string", "pattern": r"^[A-Z]{2}\d{3}$"}, "note": {"type": "string", "pattern": "ok"},
+             "tag": {"type": "string", "minLength": 2, "maxLength": 3}}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": props, "required": list(props)}}}]
+    grammar = glm_tool_call_grammar(tools, tags, lines=False)
+
+    def accepts(code: str, note: str, tag: str) -> bool:
+        text = (f"<tool_call>f<arg_key>code</arg_key><arg_value>{code}</arg_value><arg_key>note</arg_key>"
+                f"<arg_value>{note}</arg_value><arg_key>tag</arg_key><arg_value>{tag}</arg_value></tool_call>")
+        m = llguidance.LLMatcher(tok, grammar)
+        return bool(m.consume_tokens(tok.tokenize_str(text))) and not m.is_error() and m.is_accepting()
+    assert accepts("AB123", "it is ok now", "xy")
+    assert not accepts("AB1234", "it is ok now", "xy")          # anchored at both ends
+    assert not accepts("ab123", "it is ok now", "xy")
+    assert not accepts("AB123", "fine", "xy")                     # found nowhere
+    assert not accepts("AB123", "ok", "x") and not accepts("AB123", "ok", "wxyz")

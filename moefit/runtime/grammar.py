@@ -99,8 +99,10 @@ def glm_tool_call_grammar(tools: list[dict], tags: dict[str, str], lines: bool =
         params = fn.get("parameters") or {}
         required, args = set(params.get("required") or ()), []
         for j, (key, schema) in enumerate((params.get("properties") or {}).items()):
+            value, lexemes = _glm_value(schema, f"VALUE_{i}_{j}")
+            rules += lexemes
             rules.append(f'arg_{i}_{j}: {tags["<arg_key>"]} {json.dumps(key)} {tags["</arg_key>"]} {nl} '
-                         f'{tags["<arg_value>"]} {_glm_value(schema)} {tags["</arg_value>"]} {nl}')
+                         f'{tags["<arg_value>"]} {value} {tags["</arg_value>"]} {nl}')
             args.append(f"arg_{i}_{j}" if key in required else f"arg_{i}_{j}?")
         rules.append(f'call_{i}: {json.dumps(fn["name"])} {nl} {" ".join(args)}')
         calls.append(f"call_{i}")
@@ -108,9 +110,26 @@ def glm_tool_call_grammar(tools: list[dict], tags: dict[str, str], lines: bool =
     return _llguidance().grammar_from("lark", lark)
 
 
-def _glm_value(schema) -> str:
-    """A GLM argument value: a string as it is (no "<": the tags follow it), else JSON."""
+def _glm_value(schema, name: str) -> tuple[str, list[str]]:
+    """A GLM argument value, and the lexemes it needs: a string as it is (no "<": the tags follow
+    it; an enum's strings: one of them; its minLength / maxLength and pattern kept), else JSON."""
     schema = schema if isinstance(schema, dict) else {}
-    if schema.get("type") == "string" and all(isinstance(v, str) for v in schema.get("enum", [])):
-        return f'({" | ".join(json.dumps(v) for v in schema["enum"])})' if schema.get("enum") else "/[^<]*/"
-    return f"%json {json.dumps({**schema, **COMPACT})}"
+    if schema.get("type") != "string" or not all(isinstance(v, str) for v in schema.get("enum", [])):
+        return f"%json {json.dumps({**schema, **COMPACT})}", []
+    if schema.get("enum"):
+        return f'({" | ".join(json.dumps(v) for v in schema["enum"])})', []
+    lo, hi = schema.get("minLength"), schema.get("maxLength")
+    plain = "/[^<]*/" if lo is None and hi is None else f"/[^<]{{{int(lo or 0)},{'' if hi is None else int(hi)}}}/"
+    if not isinstance(schema.get("pattern"), str):
+        return plain, []
+    return name, [f"{name}: {plain} & /{_searched(schema['pattern'])}/"]
+
+
+def _searched(pattern: str) -> str:
+    """A JSON schema's pattern (ECMA, found anywhere unless anchored) as a regex the whole value
+    must match: llguidance's spelling of it (\\d and \\w in ASCII, as JSON schema's), a side
+    not anchored by ^ or $ padded with anything."""
+    rx = _llguidance().regex_to_lark(pattern, "dw")
+    head, rx = ("", rx[1:]) if rx.startswith("^") else ("(?s:.*)", rx)
+    tail, rx = ("", rx[:-1]) if rx.endswith("$") and not rx.endswith("\\$") else ("(?s:.*)", rx)
+    return f"{head}(?:{rx}){tail}"
