@@ -137,9 +137,9 @@ static void kv_write_q4(const kv_rows *r, int64_t row, const float *x) {
     free(y);
 }
 
-/* x [K, T, n] written as rows pos[0..T) of each of a store's K heads (its codec's put): the host's
- * q4 writes go through here, prefill and decode step alike, so the codes do not depend on which
- * wrote them. Returns -1 for a store it does not write. */
+/* x [K, T, n] written as rows pos[0..T) of each of a store's K heads (its codec's put): a decode
+ * step's q4 row taken op by op goes through here (runtime/kv_codecs.py), so it is coded as the
+ * one-call step codes it. Returns -1 for a store it does not write. */
 int moe_kv_put(const kv_rows *r, int64_t K, int64_t T, const int64_t *pos, const float *x) {
     if (!kv_writes(r)) return -1;
     for (int64_t t = 0; t < T; t++)

@@ -124,7 +124,7 @@ def kv_put(codec, store: dict, positions: torch.Tensor, x: torch.Tensor) -> bool
     """x [K, T, d] written as rows `positions` [T] of each head of a host store, as kv.h's
     writer codes them (kernels/kv.h moe_kv_put); False, having written nothing, where it cannot."""
     fn = _fn("moe_kv_put")
-    rows = StoredRowsLike(codec, store)
+    rows = _WholeStore(codec, store)
     described = _kv_rows(rows) if fn is not None else None
     if described is None or positions.numel() != x.shape[1]:
         return False
@@ -144,7 +144,7 @@ def turn_rows(x: torch.Tensor, rotation: torch.Tensor, back: bool = False) -> to
     return out
 
 
-class StoredRowsLike:
+class _WholeStore:
     """A whole store as _kv_rows reads a StoredRows: from row 0, every row."""
 
     def __init__(self, codec, store: dict):
