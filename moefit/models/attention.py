@@ -42,7 +42,7 @@ def attend_state(state, i: int, q: torch.Tensor, start: int, mask: torch.Tensor 
     t = q.shape[1]
     rk, rv = state.rotations(i) if turned else (None, None)
     if rk is not None:
-        q = turned(q, rk)
+        q = turn(q, rk)
     read = _recent_attention(state, i, q, start, scale) if sinks is not None and t == 1 else None
     parts = state.parts(i, start + t, stored=keys is None) if read is None else None
     if keys is not None:
@@ -66,11 +66,11 @@ def attend_state(state, i: int, q: torch.Tensor, start: int, mask: torch.Tensor 
         q_pos = torch.arange(start, start + t)
         out = attend_parts(q, parts, q_pos, state.window(i), scale)
     if rv is not None:
-        out = turned(out, rv, back=True)
+        out = turn(out, rv, back=True)
     return out.transpose(0, 1).reshape(t, -1)
 
 
-def turned(x: torch.Tensor, rotation: torch.Tensor, back: bool = False) -> torch.Tensor:
+def turn(x: torch.Tensor, rotation: torch.Tensor, back: bool = False) -> torch.Tensor:
     """x @ rotation (back: its transpose), q4's turn of a query or an output [H, T, D]: a decode
     step's on the host by the native step's own loop (kernels/step.h), so a step taken op by op
     sums as the one call does; a prompt's by torch."""

@@ -30,7 +30,7 @@ from moefit import kernels
 from moefit.families.deepseek_v3 import KV_B_VALUES, dims, per_head
 from moefit.kernels.latent import LatentStep
 from moefit.models.glm4_moe import Glm4Moe
-from moefit.models.attention import attend_latent, attend_state, turned
+from moefit.models.attention import attend_latent, attend_state, turn
 from moefit.models.layers import (QWeight, RopeTable, Weights, apply_rope, apply_rope_interleaved, linear, rms_norm,
                                   yarn_mscale)
 from moefit.pack.quant import dequantize
@@ -114,7 +114,7 @@ def _dequantized(w: QWeight) -> torch.Tensor:
 def _turned(x: torch.Tensor, rotation: torch.Tensor | None, back: bool = False) -> torch.Tensor:
     """A query part in its stored rows' rotated space: (x R) . (y R) = x . y for orthonormal R (back:
     an output turned back, x R^T). A decode step's through the native step's loop (as mla.h turns)."""
-    return x if rotation is None else turned(x, rotation, back)
+    return x if rotation is None else turn(x, rotation, back)
 
 
 def _yarn_mscale_squared(rope: dict) -> float:
