@@ -50,7 +50,7 @@ def open_pack(tmp_path, family: str, **over) -> tuple:
 
 @pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe_lite"])
 @pytest.mark.parametrize("dense", ["int8", "int4"])
-@pytest.mark.parametrize("kv_dtype", ["fp32", "int8", "q4", "k8v4"])
+@pytest.mark.parametrize("kv_dtype", ["fp32", "int8", "q4", "k8v4", "bf16"])
 def test_one_call_gives_the_op_by_op_logits_and_rows(family, dense, kv_dtype, tmp_path, monkeypatch):
     """q4 (and k8v4's q4 latents): rows written turned, the query turned into each store's space
     and the latent output turned back, in the one call as op by op (rope keys of 32: q4's groups)."""
@@ -83,10 +83,9 @@ def test_without_a_query_rank(tmp_path, monkeypatch):
     assert float((native - ops).abs().max() / ops.abs().max()) < 1e-5
 
 
-@pytest.mark.parametrize("config", [dict(dense_quant="off"), dict(dense_quant="int8", kv_dtype="fp16"),
-                                    dict(dense_quant="int8", kv_resident="16", prefill_chunk=8)])
+@pytest.mark.parametrize("config", [dict(dense_quant="off"), dict(dense_quant="int8", kv_resident="16", prefill_chunk=8)])
 def test_what_it_does_not_take_runs_op_by_op(config, tmp_path):
-    """kv_b not quantised, rows it does not write (fp16), a ring (KV
+    """kv_b not quantised, a ring (KV
     streaming): no native step, the same greedy tokens as ever."""
     engine = open_pack(tmp_path, "glm4_moe_lite")(**config)
     decode(engine)

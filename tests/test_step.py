@@ -89,9 +89,10 @@ def test_gated_heads_take_it_in_a_hybrid_stack(family, tmp_path, monkeypatch):
     assert float((one_call - ops).abs().max() / ops.abs().max()) < 1e-5
 
 
-@pytest.mark.parametrize("family,kv", [("qwen3_moe", "q4"), ("glm4_moe", "q4"), ("qwen3_moe", "k8v4")])
-def test_a_q4_cache_is_turned_coded_and_read_in_the_one_call(family, kv, tmp_path, monkeypatch):
-    """--kv-dtype q4 (and int8 keys with q4 values): the one call writes the row with kv.h's writer,
+@pytest.mark.parametrize("family,kv", [("qwen3_moe", "q4"), ("glm4_moe", "q4"), ("qwen3_moe", "k8v4"),
+                                       ("qwen3_moe", "fp16"), ("glm4_moe", "bf16")])
+def test_a_q4_or_16_bit_cache_is_coded_and_read_in_the_one_call(family, kv, tmp_path, monkeypatch):
+    """--kv-dtype q4 (and int8 keys with q4 values; fp16 and bf16, rounded as torch rounds them): the one call writes the row with kv.h's writer,
     the one a prompt's rows go through on the host too (rotated, 4-bit codes, fp16 group scales),
     turns the query as the keys are and the output back: the same codes and scales as the op-by-op
     path, and its logits to fp32 rounding (the turns' sums are ordered differently)."""
@@ -103,9 +104,10 @@ def test_a_q4_cache_is_turned_coded_and_read_in_the_one_call(family, kv, tmp_pat
     assert len(calls) == len(FORCED) * engine.model.cfg.num_layers and all(c is not None for c in calls)
     held = len(PROMPT) + len(FORCED)
     stores = lambda: [t[:, :held].clone() for layer in engine.loaded.kv.layers  # noqa: E731
-                      for store in (layer.k, layer.v) for t in (store["x"], store["s"])]
+                      for store in (layer.k, layer.v) for t in store.values()]
     native_rows = stores()
-    assert native_rows[2].dtype == torch.uint8                              # the values' q4 codes
+    values = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(kv, torch.uint8)          # or q4's codes
+    assert engine.loaded.kv.layers[0].v["x"].dtype == values
     monkeypatch.setattr(DecoderModel, "attention_step", lambda *a, **k: None)
     ops = decode(engine)
     assert all(torch.equal(a, b) for a, b in zip(native_rows, stores()))
@@ -137,9 +139,9 @@ def test_the_host_writes_q4_rows_as_torch_codes_them():
     assert torch.equal(native_store["x"][:, :3], torch.zeros_like(native_store["x"][:, :3]))   # nothing else written
 
 
-@pytest.mark.parametrize("config", [dict(dense_quant="off"), dict(dense_quant="int8", kv_dtype="fp16")])
+@pytest.mark.parametrize("config", [dict(dense_quant="off")])
 def test_what_it_does_not_take_runs_op_by_op(config, tmp_path):
-    """An unquantised qkv, or a cache of another dtype: no native step, the same greedy tokens."""
+    """An unquantised qkv: no native step, the same greedy tokens."""
     hf = tiny.build_checkpoint("qwen3_moe", tmp_path / "hf", head_dim=32)
     convert(hf, tmp_path / "pack", "int8", progress=False)
     engine = Engine.open(tmp_path / "pack", ServeConfig(ctx=64, **config))

@@ -59,9 +59,17 @@ static kv_rows kv_rows_from(const kv_rows *r, int64_t off) {
 }
 
 /* row pos of head h of a store written from x [n], as its codec's put writes it
- * (runtime/kv_codecs.py): 0 fp32, 3 int8 (a scale of max|x| / 127, codes rounded half to even),
- * 4 q4 (kv_write_q4). Its callers check kv_writes first. */
+ * (runtime/kv_codecs.py): 0 fp32, 1 fp16, 2 bf16, 3 int8 (a scale of max|x| / 127, codes rounded
+ * half to even), 4 q4 (kv_write_q4). Its callers check kv_writes first. */
 static void kv_write_q4(const kv_rows *r, int64_t row, const float *x);
+
+/* fp32 -> bf16, to nearest even; a NaN stays a (quiet) NaN */
+static uint16_t float_to_bf16(float f) {
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    if ((x & 0x7fffffff) > 0x7f800000) return (uint16_t)((x >> 16) | 0x40);
+    return (uint16_t)((x + 0x7fff + ((x >> 16) & 1)) >> 16);
+}
 
 static void kv_write_row(const kv_rows *r, int64_t h, int64_t pos, const float *x) {
     const int64_t row = h * r->capacity + pos;
@@ -71,6 +79,11 @@ static void kv_write_row(const kv_rows *r, int64_t h, int64_t pos, const float *
     }
     if (r->codec == 4) {
         kv_write_q4(r, row, x);
+        return;
+    }
+    if (r->codec == 1 || r->codec == 2) {           /* fp16, bf16: to nearest even, as torch's .to() */
+        uint16_t *out = (uint16_t *)r->x + row * r->n;
+        for (int64_t i = 0; i < r->n; i++) out[i] = r->codec == 1 ? float_to_half(x[i]) : float_to_bf16(x[i]);
         return;
     }
     float top = 0.0f;
@@ -84,9 +97,9 @@ static void kv_write_row(const kv_rows *r, int64_t h, int64_t pos, const float *
     ((float *)r->s)[row] = scale;
 }
 
-/* whether kv_write_row writes this store: fp32 rows, int8 with their scales, q4 with its rotation */
+/* whether kv_write_row writes this store: fp32, fp16, bf16 rows, int8 with their scales, q4 with its rotation */
 static int kv_writes(const kv_rows *r) {
-    return r->codec == 0 || (r->codec == 3 && r->s) || (r->codec == 4 && r->s && r->rot && r->n % 32 == 0);
+    return r->codec <= 2 || (r->codec == 3 && r->s) || (r->codec == 4 && r->s && r->rot && r->n % 32 == 0);
 }
 
 /* y = x R for q4's rotation R [n, n] (runtime/kv_codecs.py rotation_matrix). Where n is a power of

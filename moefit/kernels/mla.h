@@ -7,7 +7,7 @@
  *   c, k_r = W_kva x  [r], [dr]           the token's latent, RMS-normed, and its rope key
  *   q_r, k_r rotated                      RoPE on pairs (x0, x1), ... written out de-interleaved,
  *                                         or rotate-half: what the family's `rotate` does
- *   the stores' row pos = k_r, c          fp32, int8 codes and a scale, or q4 (runtime/kv_codecs.py:
+ *   the stores' row pos = k_r, c          fp32 / fp16 / bf16, int8 codes and a scale, or q4 (kv_codecs.py:
  *                                         turned, so q_r and q_c are turned as their store's rows
  *                                         are, and the attention's latent output turned back)
  *   o[h] = W_uv[h] moe_attend_latent([q_c | q_r], the stores' rows 0..pos)[h]    [H, dv]
@@ -74,7 +74,7 @@ static int mla_query(const mla_step *A, const float *x, const float *cos, const 
 }
 
 /* x [E] at position pos; cos, sin [dr]; k, v: the layer's rope keys [C, dr] and latents [C, r]
- * (one head, codec 0, 3 or 4), row pos written -> out [H, dv]. Returns -1 for shapes or codecs it
+ * (one head, any codec kv.h writes), row pos written -> out [H, dv]. Returns -1 for shapes or codecs it
  * does not take, before writing anything. */
 int moe_mla_step(const mla_step *A, const float *x, int64_t pos, const float *cos, const float *sin,
                  const kv_rows *k, const kv_rows *v, float *out) {

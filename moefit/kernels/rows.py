@@ -237,7 +237,7 @@ class AttentionStep:
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows) -> torch.Tensor | None:
         """x [1, E] of one position (cos, sin its RoPE rows); rows: the state's step_rows (k and v as
-        StoredRows over every slot, fp32, int8 or q4; the slot to write, the runs of slots to attend)
+        StoredRows over every slot, of any codec; the slot to write, the runs of slots to attend)
         -> [1, H*Dv], or None."""
         if not self.usable or not (_host_fp32(x) and x.is_contiguous()):
             return None

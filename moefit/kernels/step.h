@@ -1,5 +1,5 @@
 /* One position's attention on the host in one call (a decode step of a GQA layer whose cache is
- * fp32, int8 or q4 rows on the host):
+ * rows on the host in any of kv_codecs' codecs):
  *
  *   qkv = W x (+ bias)                    the fused projection, quantised (moe_linear)
  *   q, k = their heads RMS-normed (QK-norm, when given) and rotated (RoPE on the first `rot`)
@@ -75,8 +75,8 @@ static int takes_caches(const attention_step *A, const kv_rows *k, const kv_rows
 }
 
 /* x [E] of one position (cos, sin its RoPE rows [rot]); the caches [K, capacity, D] and [K, capacity,
- * Dv] (fp32, int8 or q4 rows, as kv.h reads them; q4's query turned as its keys, its output back), row `slot` written and the runs [n_runs][offset,
- * count] attended -> out [H, Dv]. Returns -1, before writing anything, for shapes it does not take. */
+ * Dv] (rows of any codec kv.h writes; q4's query turned as its keys, its output back), row `slot`
+ * written and the runs [n_runs][offset, count] attended -> out [H, Dv]. Returns -1, before writing anything, for shapes it does not take. */
 int moe_attention_step(const attention_step *A, const float *x, const float *cos, const float *sin, int64_t rot,
                        const kv_rows *k_cache, const kv_rows *v_cache, int64_t slot, const int64_t *runs,
                        int64_t n_runs, float *out) {

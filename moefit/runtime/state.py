@@ -30,7 +30,7 @@ from moefit.runtime.kv_codecs import StoredRows, codec
 from moefit.runtime.placement import DeviceMemory
 
 LINE = "sequence state"
-WRITTEN_NATIVELY = (0, 3, 4)       # kv_codecs' native numbers a native step writes (step.h, mla.h): fp32, int8, q4
+WRITTEN_NATIVELY = (0, 1, 2, 3, 4)  # kv_codecs' native numbers a native step writes (step.h, mla.h): all
 INVALID = 1 << 62
 
 
@@ -69,7 +69,7 @@ class AttentionState:
 
     def step_rows(self, pos: int) -> tuple | None:
         """What a native decode step at position pos writes and reads in place (kernels/step.h), where
-        this layer's rows are on the host in a codec it writes (fp32, int8, q4): (k, v as StoredRows over
+        this layer's rows are on the host in a codec it writes (any of kv_codecs'): (k, v as StoredRows over
         every slot, the slot it writes, the runs (offset, count) of slots it attends, _slot_runs');
         None where they are not (another codec, a card, a host part, a position the ring no longer
         holds). The caller marks the slot written (`stepped`)."""
@@ -87,7 +87,7 @@ class AttentionState:
     def writable_rows(self) -> tuple[StoredRows, StoredRows] | None:
         """(k, v) as StoredRows over every slot, where a native decode step may write row `pos` itself
         and read the rows before it (kernels/mla.h): host rows indexed by position in a codec it
-        writes (fp32, int8, q4), no ring or window; None otherwise."""
+        writes (any of kv_codecs'), no ring or window; None otherwise."""
         return self.whole if self._writable else None
 
     def recent_rows(self, end: int) -> list[tuple[StoredRows, StoredRows]] | None:
