@@ -373,6 +373,7 @@ int moe_layer_act(const float *x, int64_t T, int64_t E, int64_t I, int quant, in
 #include "weights.h"
 #include "dequant.h"
 #include "kv.h"
+#include "kv_write.h"
 #include "step.h"
 #include "mla.h"
 #include "delta.h"
