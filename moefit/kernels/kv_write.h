@@ -78,7 +78,7 @@ static void kv_turn(const float *x, float *y, int64_t n, const float *rot, int b
  * the even value in the low nibble; the scale kept as fp16 (the codes use the fp32 one) */
 static void kv_write_q4(const kv_rows *r, int64_t row, const float *x) {
     const int64_t n = r->n;
-    float *y = malloc(sizeof(float) * n);
+    float y[n];
     kv_turn(x, y, n, r->rot, 0);
     uint8_t *codes = (uint8_t *)r->x + row * (n / 2);
     uint16_t *scales = (uint16_t *)r->s + row * (n / 32);
@@ -95,7 +95,6 @@ static void kv_write_q4(const kv_rows *r, int64_t row, const float *x) {
         }
         scales[g] = float_to_half(scale);
     }
-    free(y);
 }
 
 /* x [K, T, n] written as rows pos[0..T) of each of a store's K heads (its codec's put): a decode

@@ -120,11 +120,11 @@ def _rotation(codec) -> int | None:
     return None if r is None or not (r.is_cpu and r.dtype is F32 and r.is_contiguous()) else _p(r)
 
 
-def kv_put(codec, store: dict, positions: torch.Tensor, x: torch.Tensor) -> bool:
-    """x [K, T, d] written as rows `positions` [T] of each head of a host store, as kv.h's
-    writer codes them (kernels/kv.h moe_kv_put); False, having written nothing, where it cannot."""
+def kv_put(rows, positions: torch.Tensor, x: torch.Tensor) -> bool:
+    """x [K, T, d] written as rows `positions` [T] of each head of a whole host store (a StoredRows
+    from row 0), as kv.h's writer codes them (kernels/kv_write.h moe_kv_put); False, having
+    written nothing, where it cannot."""
     fn = _fn("moe_kv_put")
-    rows = _WholeStore(codec, store)
     described = _kv_rows(rows) if fn is not None else None
     if described is None or positions.numel() != x.shape[1]:
         return False
@@ -139,16 +139,9 @@ def turn_rows(x: torch.Tensor, rotation: torch.Tensor, back: bool = False) -> to
     fn = _fn("moe_turn_rows")
     if fn is None or not (_host_fp32(x) and _host_fp32(rotation) and rotation.is_contiguous()):
         return None
-    out = x.contiguous().clone()
+    out = x.clone(memory_format=torch.contiguous_format)       # turned in place: one copy
     fn(_p(out), out.numel() // x.shape[-1], x.shape[-1], _p(rotation), int(back))
     return out
-
-
-class _WholeStore:
-    """A whole store as _kv_rows reads a StoredRows: from row 0, every row."""
-
-    def __init__(self, codec, store: dict):
-        self.codec, self.store, self.offset, self.count = codec, store, 0, store["x"].shape[1]
 
 
 class KvPair:

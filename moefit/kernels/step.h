@@ -46,7 +46,7 @@ static int attend_runs(const attention_step *A, const float *q, const kv_rows *k
     return rc;
 }
 
-/* whether kv_write_row writes a row of this cache at `slot` (fp32, int8, q4: kv.h's kv_writes) */
+/* whether kv_write_row writes a row of this cache at `slot` (kv_write.h's kv_writes) */
 static int writes_slot(const kv_rows *c, int64_t slot) {
     return kv_writes(c) && slot < c->capacity;
 }
@@ -55,12 +55,11 @@ static int writes_slot(const kv_rows *c, int64_t slot) {
  * (q4's rows are stored turned: the query is turned as they are, the output turned back). The
  * op-by-op path turns a decode step's host rows through here too (moe_turn_rows), so both agree. */
 static void turn_rows(float *x, int64_t m, int64_t n, const float *rot, int back) {
-    float *y = malloc(sizeof(float) * n);
+    float y[n];
     for (int64_t r = 0; r < m; r++) {
         kv_turn(x + r * n, y, n, rot, back);
         memcpy(x + r * n, y, sizeof(float) * n);
     }
-    free(y);
 }
 
 int moe_turn_rows(float *x, int64_t m, int64_t n, const float *rot, int back) {
@@ -76,7 +75,8 @@ static int takes_caches(const attention_step *A, const kv_rows *k, const kv_rows
 
 /* x [E] of one position (cos, sin its RoPE rows [rot]); the caches [K, capacity, D] and [K, capacity,
  * Dv] (rows of any codec kv.h writes; q4's query turned as its keys, its output back), row `slot`
- * written and the runs [n_runs][offset, count] attended -> out [H, Dv]. Returns -1, before writing anything, for shapes it does not take. */
+ * written and the runs [n_runs][offset, count] attended -> out [H, Dv]. Returns -1, before writing
+ * anything, for shapes it does not take. */
 int moe_attention_step(const attention_step *A, const float *x, const float *cos, const float *sin, int64_t rot,
                        const kv_rows *k_cache, const kv_rows *v_cache, int64_t slot, const int64_t *runs,
                        int64_t n_runs, float *out) {

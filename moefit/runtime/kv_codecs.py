@@ -112,7 +112,7 @@ def _native_put(codec: FloatRows, store: dict, index, x: torch.Tensor) -> bool:
     from moefit.kernels.rows import kv_put
     capacity = store["x"].shape[1]
     positions = torch.arange(capacity)[index] if isinstance(index, slice) else torch.as_tensor(index).reshape(-1)
-    return kv_put(codec, store, positions, x)
+    return kv_put(StoredRows(codec, store, capacity), positions, x)
 
 
 def codec(dtype: str, d: int):

@@ -30,7 +30,6 @@ from moefit.runtime.kv_codecs import StoredRows, codec
 from moefit.runtime.placement import DeviceMemory
 
 LINE = "sequence state"
-WRITTEN_NATIVELY = (0, 1, 2, 3, 4)  # kv_codecs' native numbers a native step writes (step.h, mla.h): all
 INVALID = 1 << 62
 
 
@@ -51,9 +50,8 @@ class AttentionState:
         self.whole = self._run(0, held)                     # (k, v) as StoredRows over every slot
         self.slot_pos = torch.full((held,), INVALID, dtype=torch.long) if held < ctx else None
         direct = self.slot_pos is None and self.window is None and self.k["x"].is_cpu     # row p is position p
-        written = all(c.native in WRITTEN_NATIVELY for c in (self.kc, self.vc))
-        self._steps_natively = written and self.k["x"].is_cpu
-        self._writable = direct and written
+        self._steps_natively = self.k["x"].is_cpu          # host rows of any codec (kernels/kv_write.h)
+        self._writable = direct
         self.host, self._copied = None, None
         if self.slot_pos is not None and decl.streams:
             pin = mem.torch_device.type == "cuda"
