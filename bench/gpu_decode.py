@@ -3,8 +3,9 @@ int4 pack, its first 12 of 48 layers, under an emulated 12 GiB card with 25 / 50
 experts cached. A 48-layer figure is extrapolated as 12 / 48 of the per-token time (experts and
 attention scale with layers; the lm_head, ~4 % of a token, is counted 4 times: a lower bound).
 Each share is measured after 64 warm tokens (every host expert's first use, when its panel copy
-is made, falls in those); the ledger is compared with NVML at each. At 100 % also without the
-fused expert kernel (the torch path), at 25 % also without look-ahead.
+is made, falls in those); the ledger is compared with NVML at each. Each share also without the
+slot-table kernels (the grouped path), at 100 % also without any fused kernel (the torch path),
+at 25 % also without look-ahead.
 """
 
 from __future__ import annotations
@@ -48,8 +49,11 @@ def check_decode(device: str, quick: bool, journal=None, pack_dir: str | None = 
             "hit_rate": e.runner.book.hit_rate(), "prefill_tok_s": e.last.prefill_tokens_per_s,
             **{k: v for k, v in _against_nvml(e).items() if k in ("ledger_vs_nvml", "beyond_plan_bytes",
                                                                    "nvml_used_bytes", "ledger_used_bytes")}}
-        if share == 1.0:                        # the same without the fused expert kernel: what it is worth
-            row["tok_s_12_layers_torch_path"] = _without_fused_kernel(e, prompt)
+        # the same without the slot-table kernels (the resident experts queued after the wait,
+        # grouped, through the fused matvec): what queuing them early is worth
+        row["tok_s_12_layers_grouped"] = _without(e, prompt, slot_table=True)
+        if share == 1.0:                        # ... and without any fused kernel: the torch path
+            row["tok_s_12_layers_torch_path"] = _without(e, prompt, slot_table=True, matvec=True)
         if share == 0.25:                       # ... and without look-ahead: is a prefetch worth its copy here?
             row["tok_s_12_layers_no_look_ahead"] = _without_look_ahead(pack, device, share * total, prompt)
         if journal:
@@ -60,15 +64,19 @@ def check_decode(device: str, quick: bool, journal=None, pack_dir: str | None = 
     return out
 
 
-def _without_fused_kernel(e, prompt: list[int]) -> float:
-    """Decode tok/s with the resident experts on experts/grouped.py's torch path."""
-    from moefit.kernels import device_experts
-    usable = device_experts.usable
-    device_experts.usable = lambda *args: False
+def _without(e, prompt: list[int], slot_table: bool = False, matvec: bool = False) -> float:
+    """Decode tok/s with the slot-table kernels (kernels/device_moe.py) and / or the grouped path's
+    fused matvec (kernels/device_experts.py) off."""
+    from moefit.kernels import device_experts, device_moe
+    saved = device_moe.usable, device_experts.usable
+    if slot_table:
+        device_moe.usable = lambda *args: False
+    if matvec:
+        device_experts.usable = lambda *args: False
     try:
         e.generate(prompt, SamplingParams(max_tokens=64, temperature=1.0, seed=2, ignore_eos=True))
     finally:
-        device_experts.usable = usable
+        device_moe.usable, device_experts.usable = saved
     return e.last.decode_tokens_per_s
 
 

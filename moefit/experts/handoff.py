@@ -1,8 +1,9 @@
 """One MoE layer's hand-off between the device and the host: the only place a layer's
 experts synchronise with the device, and where that is counted.
 
-    rows = handoff.to_host(x, ids, weights)   # one copy of the routing and the hidden rows
-    ...                                        # the device runs resident experts (queued, async)
+    sent = handoff.send(x, ids, weights)      # one copy of the routing and the hidden rows
+    ...                                        # the device's resident experts, queued after it
+    rows = handoff.wait(sent)                  # the layer's one wait
     ...                                        # while the host computes the misses
     out = out_device + handoff.to_device(y)    # the host's sum goes back without a sync
 
@@ -26,14 +27,25 @@ class Handoff:
 
     def to_host(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor):
         """(x, ids, weights) on the host; at most one wait."""
-        self.syncs += 1
+        return self.wait(self.send(x, ids, weights))
+
+    def send(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor):
+        """Queue the copies to the host without waiting: work the stream queues after this (the
+        resident experts) runs while the host waits for them (`wait`)."""
         if x.device.type == "cpu":
-            return x, ids, weights
+            return (x, ids, weights), None
         out = tuple(self._pin(name, t).copy_(t, non_blocking=True)
                     for name, t in (("x", x), ("ids", ids), ("weights", weights)))
         event = torch.cuda.Event()
         event.record()
-        event.synchronize()
+        return out, event
+
+    def wait(self, sent) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The sent tensors on the host: one synchronisation, counted."""
+        out, event = sent
+        self.syncs += 1
+        if event is not None:
+            event.synchronize()
         return out
 
     def fetch(self, t: torch.Tensor) -> torch.Tensor:

@@ -6,10 +6,11 @@ chunk, an expert with rows enough runs as two fp32 GEMMs instead (Groups.busy, f
 that pays on this machine: experts/host_rates.py), added after. Where the
 device's memory is host memory (cpu, a simulated card), resident experts go through that same
 call, so the numbers do not depend on the cache size. On CUDA, the layer's routing and hidden
-rows come to the host in one hand-off (experts/handoff.py), the resident experts are queued on
-the device from their pool slots (a few launches a layer: experts/grouped.py), and the host
-computes the misses meanwhile; its sum goes back without a wait. Each side sums in fp32, in
-expert-id order.
+rows come to the host in one hand-off (experts/handoff.py) and the resident experts run on the
+device from their pool slots while the host computes the misses; its sum goes back without a
+wait. A decode step's resident experts are queued before the hand-off's wait, read through the
+device's slot table (two launches: experts/device_side.py, Fused); other steps' after it, as the
+host found them (a few launches: experts/grouped.py). Each side sums in fp32.
 
 Legend: T tokens, E hidden, k top-k.
 """
@@ -25,8 +26,7 @@ from moefit import kernels
 from moefit.experts.cache import CacheBook, Key
 from moefit.errors import DeviceOutOfMemory
 from moefit.experts.costs import MissCosts
-from moefit.experts.grouped import (DENSE_TOKENS, combine_matrix, grouped_swiglu, padded_rows, stack_parts,
-                                   swiglu_each)
+from moefit.experts import device_side
 from moefit.experts.groups import Groups, expert_forward, gemm_first
 from moefit.experts.handoff import Handoff
 from moefit.experts.host_panels import HostPanels
@@ -34,6 +34,7 @@ from moefit.experts.host_rates import HostRates
 from moefit.experts.lookahead import LookAhead
 from moefit.experts.pool import SlotPool
 from moefit.experts.profile import Profile
+from moefit.experts.slot_table import SlotTable
 from moefit.pack.layout import matrix_quants
 from moefit.pack.quant import blob_views, qlinear
 from moefit.pack.reader import Pack
@@ -68,6 +69,8 @@ class ExpertRunner:
         self.expert_fn = None
         self.native_act = None                 # ... and, where the native call can run it, its activation,
         self.group_act = None                  # ... and for a group on the device (experts/grouped.py GroupAct)
+        self.table: SlotTable | None = None    # the slots' addresses on the device (set by the loader)
+        self.fused = device_side.Fused(self)   # the slot-table kernels, where they take a step
 
     @property
     def look_ahead(self) -> bool:
@@ -132,8 +135,7 @@ class ExpertRunner:
         for key in [k for k in self.arriving if layer is None or k[0] == layer]:
             torch.cuda.current_stream().wait_event(self.arriving.pop(key))
             self.pool.ready(key)
-            self._addresses.pop(key, None)
-            self.slots[key] = blob_views(self.pool.view(key), self.pack.layouts[self.pack.blobs[key].quant])
+            self._placed(key, self.pool.view(key))
 
     def _make_room(self, key: Key, keep: set) -> bool:
         """A free slot of key's size class: there is one, or the coldest resident of that
@@ -153,17 +155,25 @@ class ExpertRunner:
         view = self.pool.acquire(key)
         if view is None:
             raise DeviceOutOfMemory(f"no free expert slot of {self.book.sizes[key]} bytes")
-        self._addresses.pop(key, None)
         view.copy_(self.pack.blob(*key), non_blocking=True)
         self.pool.ready(key)
-        self.slots[key] = blob_views(view, self.pack.layouts[self.pack.blobs[key].quant])
+        self._placed(key, view)
         self.book.admit(key)
+
+    def _placed(self, key: Key, view: torch.Tensor) -> None:
+        """key's blob is resident in `view`: its part views, and the device table's address."""
+        self._addresses.pop(key, None)
+        self.slots[key] = blob_views(view, self.pack.layouts[self.pack.blobs[key].quant])
+        if self.table is not None:
+            self.table.place(key, view)
 
     def unload(self, key: Key) -> None:
         if key in self.arriving:               # a prefetch in flight into this slot: let it land first
             torch.cuda.current_stream().wait_event(self.arriving.pop(key))
         self._addresses.pop(key, None)
         self.slots.pop(key, None)
+        if self.table is not None:
+            self.table.drop(key)
         self.pool.release(key)
         self.book.evict(key)
 
@@ -187,14 +197,18 @@ class ExpertRunner:
         self._arrived()                        # no slot moves while a copy into it is in flight
         freed, moved = self.pool.trim()
         for key, view in moved:
-            self._addresses.pop(key, None)
-            self.slots[key] = blob_views(view, self.pack.layouts[self.pack.blobs[key].quant])
+            self._placed(key, view)
         return freed
 
     # -- compute -----------------------------------------------------------------
     def run(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Sum over each token's top-k experts of weight * expert(x): [T, E]."""
-        xh, ids_h, w_h = self.handoff.to_host(x, ids, weights)        # the layer's one synchronisation
+        shape = self.fused.shape(layer, x)
+        if shape is not None and self.arriving:
+            self._arrived(layer)                                   # the table's row holds them
+        sent = self.handoff.send(x, ids, weights)
+        early = self.fused.queue(layer, x, ids, weights, shape) if shape is not None else None  # before the wait
+        xh, ids_h, w_h = self.handoff.wait(sent)                   # the layer's one synchronisation
         self.profile.record(layer, ids_h.numpy())
         if self.dump is not None:
             self._dump(layer, ids_h, w_h)
@@ -203,15 +217,15 @@ class ExpertRunner:
             self._arrived(layer)
         if self.ahead is not None:
             self.ahead.score(layer, groups.experts, ids_h[-1].tolist())
-        resident = [(layer, e) in self.slots for e in groups.experts]
+        resident = [bool(early[1][e]) if early else (layer, e) in self.slots for e in groups.experts]
         self.book.record(layer, groups.experts, resident)
         if self.ahead is not None:                                # the next layer's guess, brought in
             self.prefetch(self.ahead.next_guessed(layer), layer, groups.experts, x.device.type == "cuda")
-        if x.shape[0] > 1 and self.costs.enabled:
+        if early is None and x.shape[0] > 1 and self.costs.enabled:
             resident = self._copy_cheap_misses(layer, x.shape[0], groups, resident)
-        if x.device.type == "cpu":             # slots and the pack's map are both host memory: one call
+        if early is None and x.device.type == "cpu":   # slots and the pack's map are both host memory: one call
             return self._host_experts(layer, x, groups)
-        out = self._device_experts(layer, x, groups.subset(resident))   # queued on the device ...
+        out = early[0] if early else self._device_experts(layer, x, groups.subset(resident))  # queued on the device ...
         misses = groups.subset([not r for r in resident])
         if misses.experts:                     # ... while the host computes the misses
             out = out + self.handoff.to_device(self._host_experts(layer, xh.float(), misses), out)
@@ -282,44 +296,9 @@ class ExpertRunner:
         return out
 
     def _device_experts(self, layer: int, x: torch.Tensor, groups: "Groups") -> torch.Tensor:
-        """Resident experts on the device from their pool slots, summed in fp32; every launch is
-        queued (rows and weights go down from pinned memory without a wait). `group` at a time
-        (experts/grouped.py): a step of a few rows on all its rows, a prefill chunk on each
-        expert's own rows; a family's own expert function (gpt-oss) grouped the same way."""
-        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        if not groups.experts:
-            return out
-        quant = self.pack.blobs[(layer, groups.experts[0])].quant
-        if x.shape[0] <= DENSE_TOKENS:
-            combine = _down(combine_matrix(len(groups.experts), x.shape[0], groups.rows, groups.start,
-                                           groups.weights), x.device)
-            for a in range(0, len(groups.experts), self.group):
-                members = groups.experts[a:a + self.group]
-                views = [self.slots[(layer, e)] for e in members]
-                out += grouped_swiglu(x, stack_parts(views), quant, combine[a:a + self.group], self.slice_weights,
-                                      self._group_act(layer, members, x.device))
-            return out
-        # experts of similar row counts together, at most top-k of them: padded to the longest, a
-        # group's rows are then at most the chunk's top-k pairs, the prompt path's activations
-        step = min(self.group, self.pack.model.top_k)
-        spans = sorted((groups.start[i + 1] - groups.start[i], i) for i in range(len(groups.experts)))
-        for a in range(0, len(spans), step):
-            members = [i for _, i in spans[a:a + step]]
-            index, weight = padded_rows([(groups.start[i], groups.start[i + 1]) for i in members], groups.rows,
-                                        groups.weights)
-            index_d, weight_d = _down(index, x.device), _down(weight, x.device)
-            experts = [groups.experts[i] for i in members]
-            views = [self.slots[(layer, e)] for e in experts]
-            y = swiglu_each(x[index_d], stack_parts(views), quant, self.slice_weights,
-                            self._group_act(layer, experts, x.device))                              # [m, R, E]
-            out.index_add_(0, index_d.flatten(), y.float().mul_(weight_d[:, :, None]).flatten(0, 1))
-        return out
-
-    def _group_act(self, layer: int, experts: list[int], device: torch.device):
-        """The family's expert function for these experts on the device (None: SwiGLU)."""
-        if self.group_act is None:
-            return None
-        return self.group_act(layer, _down(torch.tensor(experts), device))
+        """Resident experts on the device from their pool slots, as the host chose them
+        (experts/device_side.py)."""
+        return device_side.grouped(self, layer, x, groups)
 
     def _forward(self, layer: int, e: int):
         """The expert function: the family's own (gpt-oss) or SwiGLU."""
@@ -373,7 +352,3 @@ class ExpertRunner:
                 row["predicted"] = guesses[t]
             self.dump.write(json.dumps(row) + "\n")
 
-
-def _down(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on the device without a wait (through pinned memory on CUDA)."""
-    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)

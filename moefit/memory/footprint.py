@@ -54,6 +54,11 @@ class Footprint:
         forward, so this does not grow with the context."""
         return rope_dim(self.model) // 2 * 4
 
+    @property
+    def slot_table_bytes(self) -> int:
+        """The device's (layer, expert) -> slot address table, int64 (experts/slot_table.py)."""
+        return self.model.num_layers * self.model.num_experts * 8
+
     def state_bytes(self, ctx: int, kv_dtype: str, chunk: int, resident: int | None = None) -> int:
         """Device bytes of one session's sequence state: KV (or MLA latent) per token held, plus
         constant recurrent state; with `resident`, streaming layers keep that many tokens."""

@@ -208,8 +208,10 @@ def plan(fp: Footprint, cfg: ServeConfig, snap: DeviceSnapshot, order: list[Key]
 
 
 def device_dense(fp: Footprint, cfg: ServeConfig) -> int:
-    """The dense line: the dense weights, RoPE's frequencies, and the look-ahead's probe when it looks ahead."""
-    return fp.dense_bytes + fp.rope_bytes(cfg.ctx) + (fp.probe_bytes if cfg.prefetch_per_layer > 0 else 0)
+    """The dense line: the dense weights, RoPE's frequencies, the expert cache's slot table, and the
+    look-ahead's probe when it looks ahead."""
+    return (fp.dense_bytes + fp.rope_bytes(cfg.ctx) + fp.slot_table_bytes
+            + (fp.probe_bytes if cfg.prefetch_per_layer > 0 else 0))
 
 
 WINDOW_STEP = 1024

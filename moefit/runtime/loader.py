@@ -19,6 +19,7 @@ from moefit.experts import host_panels, probe
 from moefit.experts.lookahead import LookAhead
 from moefit.experts.costs import MissCosts, measure_pcie
 from moefit.experts.pool import SlotPool
+from moefit.experts.slot_table import SlotTable
 from moefit.experts.runner import ExpertRunner
 from moefit.families.common import rope_dim
 from moefit.memory import ledger as L
@@ -105,6 +106,7 @@ def _place(pack: Pack, cfg: ServeConfig, mem: DeviceMemory, cdt: str, the_plan: 
                      the_plan.cache_budget if the_plan else 0,
                      SwapPolicy(cfg.swap_period, cfg.swap_decay, cfg.max_swaps))
     runner = ExpertRunner(pack, mem, book, profile, SlotPool(mem, book.sizes, m.num_layers, m.num_experts))
+    runner.table = SlotTable(mem.empty(L.DENSE, (m.num_layers, m.num_experts), torch.int64))
     if the_plan is not None:
         runner.group, runner.slice_weights = the_plan.resident_group, the_plan.expert_slice
     runner.rates.setting = cfg.expert_gemm_rows

@@ -1,0 +1,133 @@
+"""The Triton kernels behind kernels/device_moe.py (imported only where Triton is installed): a
+MoE layer's resident experts for a few token rows, read from their cache slots through the
+device's slot table, so that the host need not know yet which experts the router chose.
+
+Two launches a layer (per 4 token rows for the first):
+
+    _gate_up_act   a program per (expert of the layer, block of intermediate rows): nothing to do
+                   unless the table has a slot for the expert and some token routed to it; else
+                   SiLU(gate) * up of those tokens, fp32, into h[token, rank]
+    _down_sum      a program per (token, block of hidden rows): over the token's top-k ranks in
+                   order, the router weight times down(h) of each resident expert, fp32
+
+A slot's address is a byte offset from `base` (any device tensor: the table itself), so one
+pointer reaches every chunk of the pool; 0 in the table means "not on the card" (the host
+computes that expert). Matrix kinds as kernels/triton_matvec.py: 0 int4 (two codes a byte, low
+nibble first, stored + 8; fp16 scale a group), 1 Q8_0 (int8 codes, fp16 scale a group), 2 int8
+(fp32 scale a row, applied at the end; columns walked GROUP at a time).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+def launch_gate_up(x, ids, table, base, h, tokens: int, k: int, inter: int, cols: int, offsets: tuple,
+                   group: int, kind: int, block: int) -> None:
+    grid = (table.shape[0], triton.cdiv(inter, block))
+    _gate_up_act[grid](x, ids, table, base, base.data_ptr(), h, tokens, k, inter, cols, x.stride(0), *offsets,
+                       GROUP=group, KIND=kind, TP=max(2, triton.next_power_of_2(tokens)),
+                       KP=max(2, triton.next_power_of_2(k)), BLOCK=block)
+
+
+def launch_down(h, ids, weights, table, base, out, tokens: int, k: int, inter: int, hidden: int, offsets: tuple,
+                group: int, kind: int, block: int) -> None:
+    grid = (tokens, triton.cdiv(hidden, block))
+    _down_sum[grid](h, ids, weights, table, base, base.data_ptr(), out, k, inter, hidden, *offsets,
+                    GROUP=group, KIND=kind, BLOCK=block)
+
+
+@triton.jit
+def _codes_and_scales(blob, codes_at, scales_at, KIND: tl.constexpr):
+    """Typed pointers to a matrix's codes and scales inside a slot."""
+    if KIND == 0:
+        codes = blob + codes_at
+    else:
+        codes = (blob + codes_at).to(tl.pointer_type(tl.int8))
+    if KIND == 2:
+        scales = (blob + scales_at).to(tl.pointer_type(tl.float32))
+    else:
+        scales = (blob + scales_at).to(tl.pointer_type(tl.float16))
+    return codes, scales
+
+
+@triton.jit
+def _rows_dot(x_rows, tmask, codes, scales, rows, rmask, C, GROUP: tl.constexpr, KIND: tl.constexpr,
+              TP: tl.constexpr, BLOCK: tl.constexpr):
+    """[TP, BLOCK] fp32: x rows (pointers [TP, 1]) times matrix rows `rows` (codes read as stored,
+    each group's scale applied to its fp32 partial sum; int8's row scale at the end)."""
+    if KIND == 0:
+        w_rows = codes + rows[:, None] * (C // 2)
+    else:
+        w_rows = codes + rows[:, None] * C
+    acc = tl.zeros((TP, BLOCK), dtype=tl.float32)
+    for g0 in range(0, C, GROUP):
+        if KIND == 0:
+            b = tl.arange(0, GROUP // 2)
+            byte = tl.load(w_rows + (g0 // 2 + b)[None, :], mask=rmask[:, None], other=0x88).to(tl.int32)
+            lo = ((byte & 0xF) - 8).to(tl.float32)
+            hi = ((byte >> 4) - 8).to(tl.float32)
+            xe = tl.load(x_rows + (g0 + 2 * b)[None, :], mask=tmask[:, None], other=0.0).to(tl.float32)
+            xo = tl.load(x_rows + (g0 + 2 * b + 1)[None, :], mask=tmask[:, None], other=0.0).to(tl.float32)
+            part = tl.sum(xe[:, None, :] * lo[None, :, :] + xo[:, None, :] * hi[None, :, :], axis=2)
+        else:
+            c = tl.arange(0, GROUP)
+            code = tl.load(w_rows + (g0 + c)[None, :], mask=rmask[:, None], other=0).to(tl.float32)
+            xv = tl.load(x_rows + (g0 + c)[None, :], mask=tmask[:, None], other=0.0).to(tl.float32)
+            part = tl.sum(xv[:, None, :] * code[None, :, :], axis=2)
+        if KIND == 2:
+            acc += part
+        else:
+            sc = tl.load(scales + rows * (C // GROUP) + g0 // GROUP, mask=rmask, other=0.0).to(tl.float32)
+            acc += part * sc[None, :]
+    if KIND == 2:
+        acc = acc * tl.load(scales + rows, mask=rmask, other=0.0).to(tl.float32)[None, :]
+    return acc
+
+
+@triton.jit
+def _gate_up_act(x_ptr, ids_ptr, table_ptr, base_ptr, base_addr, h_ptr, T, K, I, C, sxt,
+                 gu_at, gu_scale_at, down_at, down_scale_at,
+                 GROUP: tl.constexpr, KIND: tl.constexpr, TP: tl.constexpr, KP: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    e = tl.program_id(0)
+    addr = tl.load(table_ptr + e)
+    if addr != 0:
+        ts = tl.arange(0, TP)
+        js = tl.arange(0, KP)
+        tmask = ts < T
+        chosen = tl.load(ids_ptr + ts[:, None] * K + js[None, :], mask=tmask[:, None] & (js < K)[None, :], other=-1)
+        hit = chosen == e
+        routed = tl.sum(hit.to(tl.int32), axis=1) > 0                          # [TP]
+        if tl.sum(routed.to(tl.int32), axis=0) > 0:
+            rank = tl.sum(tl.where(hit, js[None, :], 0), axis=1)                # [TP]: where the token chose e
+            codes, scales = _codes_and_scales(base_ptr + (addr - base_addr), gu_at, gu_scale_at, KIND)
+            rows = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+            rmask = rows < I
+            x_rows = x_ptr + ts[:, None] * sxt
+            gate = _rows_dot(x_rows, routed, codes, scales, rows, rmask, C, GROUP, KIND, TP, BLOCK)
+            up = _rows_dot(x_rows, routed, codes, scales, rows + I, rmask, C, GROUP, KIND, TP, BLOCK)
+            h = gate / (1.0 + tl.exp(-gate)) * up
+            tl.store(h_ptr + (ts * K + rank)[:, None] * I + rows[None, :], h, mask=routed[:, None] & rmask[None, :])
+
+
+@triton.jit
+def _down_sum(h_ptr, ids_ptr, w_ptr, table_ptr, base_ptr, base_addr, out_ptr, K, I, E,
+              gu_at, gu_scale_at, down_at, down_scale_at,
+              GROUP: tl.constexpr, KIND: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0)
+    rows = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    rmask = rows < E
+    one = tl.arange(0, 2) < 1                                                  # a single input row
+    acc = tl.zeros((2, BLOCK), dtype=tl.float32)
+    for j in range(0, K):
+        e = tl.load(ids_ptr + t * K + j)
+        addr = tl.load(table_ptr + e)
+        if addr != 0:
+            weight = tl.load(w_ptr + t * K + j).to(tl.float32)
+            codes, scales = _codes_and_scales(base_ptr + (addr - base_addr), down_at, down_scale_at, KIND)
+            h_row = h_ptr + (t * K + j) * I + tl.zeros((2, 1), dtype=tl.int32)
+            acc += weight * _rows_dot(h_row, one, codes, scales, rows, rmask, I, GROUP, KIND, 2, BLOCK)
+    tl.store(out_ptr + t * E + rows[None, :] + tl.zeros((2, 1), dtype=tl.int32), acc,
+             mask=one[:, None] & rmask[None, :])

@@ -1,0 +1,154 @@
+"""Run by tests/test_device_moe.py in a process with TRITON_INTERPRET=1: the slot-table kernels
+(kernels/device_moe.py) on a simulated card's pool, against each expert's SwiGLU in fp32, and
+the runner taking them. Prints one JSON line.
+
+    python tests/device_moe_check.py CARD PACK...      # the first pack also runs the engine checks
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+assert os.environ.get("TRITON_INTERPRET") == "1"
+
+from moefit.config import ServeConfig  # noqa: E402
+from moefit.kernels import device_moe  # noqa: E402
+from moefit.pack.quant import dequantize  # noqa: E402
+from moefit.runtime.engine import Engine  # noqa: E402
+from moefit.runtime.sampler import SamplingParams  # noqa: E402
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+
+def open_engine(pack: str, card: str, cache: str = "auto", ahead: int = 0) -> Engine:
+    return Engine.open(pack, ServeConfig(device=f"sim:{card}", ctx=64, vram_reserve_mib=1, low_headroom_mib=0,
+                                         min_expert_slots=0, expert_cache=cache, prefetch_per_layer=ahead))
+
+
+def reference(runner, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The resident experts' weighted SwiGLU in fp32 from dequantised weights, rank by rank."""
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    for t in range(x.shape[0]):
+        for r, e in enumerate(ids[t].tolist()):
+            parts = runner.slots.get((layer, e))
+            if parts is None:
+                continue
+            quant = runner.pack.blobs[(layer, e)].quant
+            gate, up = F.linear(x[t].float(), dequantize(parts, "gate_up", quant, torch.float32)).chunk(2)
+            out[t] += weights[t, r] * F.linear(F.silu(gate) * up, dequantize(parts, "down", quant, torch.float32))
+    return out
+
+
+def kernel_error(pack: str, card: str) -> float:
+    """The worst relative error over 1, 3 and 6 token rows (two launches of gate_up), with two of
+    the layer's experts off the card."""
+    engine = open_engine(pack, card)
+    runner, m = engine.runner, engine.pack.model
+    layer = m.moe_layers[-1]
+    for e in (1, 4):
+        runner.unload((layer, e))
+    shape = device_moe.blob_shape(runner.pack.layouts[runner.pack.blobs[(layer, 0)].quant],
+                                  runner.pack.blobs[(layer, 0)].quant)
+    gen, worst = torch.Generator().manual_seed(2), 0.0
+    for tokens in (1, 3, 6):
+        x = torch.randn(tokens, m.hidden_size, generator=gen)
+        ids = torch.stack([torch.randperm(m.num_experts, generator=gen)[:m.top_k] for _ in range(tokens)])
+        ids[0, 0] = 1                                          # a rank whose expert is not resident
+        weights = torch.rand(tokens, m.top_k, generator=gen)
+        got = device_moe.resident_sum(x, ids, weights, runner.table.row(layer), runner.table.base, shape)
+        want = reference(runner, layer, x, ids, weights)
+        worst = max(worst, float((got - want).abs().max() / want.abs().max()))
+    return worst
+
+
+def greedy(pack: str, card: str) -> dict:
+    """The same greedy tokens with the kernels and without, with a quarter of the experts cached
+    and the look-ahead swapping them between steps (so the table's rows change and go down again)."""
+    runs = {}
+    for fused in (False, True):
+        engine = open_engine(pack, card, cache="4", ahead=2)
+        engine.runner.fused.on_host = fused
+        tokens = engine.generate([5, 17, 42, 99, 7, 3], GREEDY)[1].generated
+        r = engine.runner
+        runs[fused] = {"tokens": tokens, "sent": r.table.sent, "handoffs": r.handoffs, "swaps": r.book.swaps,
+                       "steps": r.fused.steps}
+    return {"same_tokens": runs[True]["tokens"] == runs[False]["tokens"], "rows_sent": runs[True]["sent"],
+            "same_handoffs": runs[True]["handoffs"] == runs[False]["handoffs"], "swaps": runs[True]["swaps"],
+            "fused_steps": runs[True]["steps"], "fused_steps_off": runs[False]["steps"]}
+
+
+def run_error(pack: str, card: str) -> float:
+    """A layer step through the runner, 4 token rows, half of the layer's experts cached: the
+    kernels' resident part plus the host's misses against the host alone."""
+    engine = open_engine(pack, card, cache="4")
+    runner, m = engine.runner, engine.pack.model
+    layer = m.moe_layers[0]
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(4, m.hidden_size, generator=gen)
+    ids = torch.stack([torch.randperm(m.num_experts, generator=gen)[:m.top_k] for _ in range(4)])
+    weights = torch.rand(4, m.top_k, generator=gen)
+    host = runner.run(layer, x, ids, weights)
+    runner.fused.on_host = True
+    fused = runner.run(layer, x, ids, weights)
+    assert runner.fused.steps == 1 and 0 < int(runner.table.held(layer).sum()) < m.num_experts
+    return float((fused - host).abs().max() / host.abs().max())
+
+
+def op_counts(pack: str, card: str) -> dict:
+    """Torch operations of one decode step's resident experts (every expert of the layer
+    cached): the slot-table kernels against the grouped path with its own fused matvec. A
+    kernel launch counts as one operation, as CUDA would issue it (the interpreter's own tensor
+    traffic is not what a GPU launches)."""
+    from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+    from moefit.experts.groups import Groups
+    from moefit.kernels import device_experts, triton_moe
+
+    class CountOps(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            CountOps.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    def one_op(fn):
+        def launch(*args):
+            with _disable_current_modes():
+                out = fn(*args)
+            CountOps.ops += 1
+            return out
+        return launch
+
+    engine = open_engine(pack, card)
+    runner, m = engine.runner, engine.pack.model
+    runner.group = m.top_k
+    layer = m.moe_layers[0]
+    x = torch.randn(1, m.hidden_size)
+    ids, weights = torch.randperm(m.num_experts)[None, :m.top_k], torch.rand(1, m.top_k)
+    shape = device_moe.blob_shape(runner.pack.layouts[runner.pack.blobs[(layer, 0)].quant],
+                                  runner.pack.blobs[(layer, 0)].quant)
+    triton_moe.launch_gate_up, triton_moe.launch_down = one_op(triton_moe.launch_gate_up), one_op(triton_moe.launch_down)
+    device_experts._kernel().launch = one_op(device_experts._kernel().launch)
+    runner.table.row(layer)                                   # sent at start: not this step's
+    counts = {}
+    with CountOps():
+        runner.fused.queue(layer, x, ids, weights, shape)
+    counts["fused"], CountOps.ops = CountOps.ops, 0
+    with CountOps():
+        runner._device_experts(layer, x, Groups.of(ids, weights))
+    counts["grouped"] = CountOps.ops
+    return counts
+
+
+if __name__ == "__main__":
+    card, packs = sys.argv[1], sys.argv[2:]
+    result = {"kernel": {os.path.basename(p): kernel_error(p, card) for p in packs}}
+    result["greedy"] = greedy(packs[0], card)
+    result["run"] = run_error(packs[0], card)
+    result["ops"] = op_counts(packs[0], card)
+    print(json.dumps(result))

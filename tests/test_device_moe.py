@@ -1,0 +1,65 @@
+"""The slot-table expert kernels (kernels/device_moe.py, Triton), run on the CPU by Triton's
+interpreter over a simulated card's pool: each expert's SwiGLU from its slot, the runner
+queuing them before the hand-off's wait, the same greedy tokens as without them; and compiled
+ahead of time for the GPUs they are for. Skipped where Triton is not installed (it is in the
+test extras)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+HERE = Path(__file__).resolve().parent
+
+
+def test_the_slot_table_kernels_sum_the_resident_experts_and_the_runner_takes_them(packs, card):
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    paths = [str(packs("qwen3_moe", "int4")), str(packs("mixtral", "q8_0")), str(packs("olmoe", "int8"))]
+    run = subprocess.run([sys.executable, str(HERE / "device_moe_check.py"), str(card(64)), *paths],
+                         capture_output=True, text=True, timeout=600, env=env, cwd=HERE.parent)
+    assert run.returncode == 0, run.stdout + run.stderr
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert len(result["kernel"]) == 3 and max(result["kernel"].values()) < 1e-5, result   # int4, Q8_0, int8
+    greedy = result["greedy"]
+    assert greedy["same_tokens"] and greedy["same_handoffs"], greedy
+    assert greedy["fused_steps"] == 24 and greedy["fused_steps_off"] == 0, greedy   # 12 steps x 2 MoE layers
+    assert greedy["swaps"] > 0 and greedy["rows_sent"] > 2, greedy                   # rows went down again
+    assert result["run"] < 0.02, result                # the host rounds activations to 8 bits; the kernels do not
+    assert result["ops"]["fused"] * 2 < result["ops"]["grouped"], result       # 10 against 33 when written
+
+
+@pytest.mark.parametrize("capability", [89, 90])                    # an RTX 4070 (sm_89), an H100 / H200 (sm_90)
+def test_the_slot_table_kernels_compile_to_a_cubin_for_the_gpus_they_are_for(capability):
+    """The interpreter checks the arithmetic and lets through what the compiler would not (a
+    pointer cast, a branch on a loaded value): this compiles both kernels for every kind of
+    matrix and both input dtypes, as they are launched."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile
+
+    from moefit.kernels import triton_moe
+    made = 0
+    for kind in (0, 1, 2):
+        for x_type in ("*bf16", "*fp32"):
+            for fn, pointers, ints, const in (
+                    (triton_moe._gate_up_act, {"x_ptr": x_type, "ids_ptr": "*i64", "table_ptr": "*i64",
+                                               "base_ptr": "*u8", "base_addr": "i64", "h_ptr": "*fp32"},
+                     ("T", "K", "I", "C", "sxt"), {"GROUP": 32, "KIND": kind, "TP": 2, "KP": 8, "BLOCK": 32}),
+                    (triton_moe._down_sum, {"h_ptr": "*fp32", "ids_ptr": "*i64", "w_ptr": "*fp32", "table_ptr": "*i64",
+                                            "base_ptr": "*u8", "base_addr": "i64", "out_ptr": "*fp32"},
+                     ("K", "I", "E"), {"GROUP": 32, "KIND": kind, "BLOCK": 32})):
+                signature = dict(pointers)
+                signature.update({n: "i32" for n in ints + ("gu_at", "gu_scale_at", "down_at", "down_scale_at")})
+                signature.update({n: "constexpr" for n in const})
+                source = ASTSource(fn=fn, signature=signature,
+                                   constexprs={(fn.arg_names.index(k),): v for k, v in const.items()})
+                kernel = compile(source, target=GPUTarget("cuda", capability, 32))
+                assert kernel.asm["cubin"] and f".entry {fn.__name__}" in kernel.asm["ptx"]
+                made += 1
+    assert made == 12
