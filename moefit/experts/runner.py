@@ -35,6 +35,7 @@ from moefit.experts.lookahead import LookAhead
 from moefit.experts.pool import SlotPool
 from moefit.experts.profile import Profile
 from moefit.experts.slot_table import SlotTable
+from moefit.experts.stager import STAGING_BYTES, Stager, Ticket
 from moefit.pack.layout import matrix_quants
 from moefit.pack.quant import blob_views, qlinear
 from moefit.pack.reader import Pack
@@ -57,8 +58,8 @@ class ExpertRunner:
         self.handoff = Handoff()               # device <-> host synchronisations (DESIGN: handoffs_per_token)
         self.costs = MissCosts()               # PCIe or host for a multi-token step's misses (off until set)
         self.pcie_loads = 0                    # misses copied into the cache because that was cheaper
-        self.arriving: dict[Key, object] = {}   # CUDA prefetches in flight: key -> the copy's event
-        self.side_stream = None                # the look-ahead's copy stream (CUDA)
+        self.arriving: dict[Key, Ticket] = {}   # prefetches in flight (experts/stager.py)
+        self.stager: Stager | None = None      # made at the first prefetch
         self.tokens = 0                        # token positions run through the MoE layers (engine.forward)
         self.rates = HostRates(self)           # the host's measured rates and GEMM crossovers (experts/host_rates.py)
         self.group = 1                         # resident experts multiplied at once (the plan's resident_group) ...
@@ -82,9 +83,9 @@ class ExpertRunner:
         at once when that layer is dense (`now_routes` False)."""
         self.ahead.expect(layer, self.handoff.fetch(ids).tolist())
         if not now_routes:
-            self.prefetch(layer, layer - 1, [], ids.device.type == "cuda")
+            self.prefetch(layer, layer - 1, [])
 
-    def prefetch(self, layer: int, now: int, busy: list[int], cuda: bool) -> None:
+    def prefetch(self, layer: int, now: int, busy: list[int]) -> None:
         """Bring `layer`'s guessed experts that are missing into the cache, most likely first (at
         most the budget), in place of the coldest slots neither the layer computing now (`busy`:
         what layer `now` routed to) nor layer's own prediction needs; ask for the pages of the
@@ -104,42 +105,39 @@ class ExpertRunner:
             if n >= budget or not self._make_room((layer, e), keep):
                 self.pack.warm(layer, e)
                 continue
-            if cuda:
-                self._load_async((layer, e))
-            else:
-                self.load((layer, e))
+            self._send((layer, e))
             self.book.swaps += 1
             self.ahead.fetched_for(layer, e)
 
-    def _load_async(self, key: Key) -> None:
-        """On CUDA: the blob goes from pinned memory into its slot on a side stream while the
-        current layer computes; the slot stays LOADING until the layer that uses it makes the
-        compute stream wait for the copy's event (no host wait). The pinned copy comes from
-        torch's caching host allocator, which keeps it until the copy has run."""
+    def _send(self, key: Key) -> None:
+        """The blob goes into a free slot off the engine thread (experts/stager.py) while the
+        current layer computes; the slot stays LOADING until the layer that uses it orders the
+        copy first (`_arrived`: on CUDA the compute stream waits for it, no host wait)."""
         view = self.pool.acquire(key)
         if view is None:
             return
-        if self.side_stream is None:
-            self.side_stream = torch.cuda.Stream(device=view.device)
-        src = self.pack.blob(*key).pin_memory()
-        with torch.cuda.stream(self.side_stream):
-            view.copy_(src, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(self.side_stream)
-        self.arriving[key] = done
+        if self.stager is None:
+            largest = max(self.book.sizes.values())
+            self.stager = Stager(view.device, largest, max(2, min(4, STAGING_BYTES // largest)))
+        self.arriving[key] = self.stager.send(key, self.pack.blob(*key), view)
         self.book.admit(key)
 
     def _arrived(self, layer: int | None = None) -> None:
-        """This layer's prefetches (or all): the compute stream waits for their copies (on the
-        device, no host wait), and their slots become resident."""
+        """This layer's prefetches (or all): their copies are ordered first (on CUDA the compute
+        stream waits for them, no host wait), and their slots become resident."""
         for key in [k for k in self.arriving if layer is None or k[0] == layer]:
-            torch.cuda.current_stream().wait_event(self.arriving.pop(key))
+            self.stager.landed(self.arriving.pop(key))
             self.pool.ready(key)
             self._placed(key, self.pool.view(key))
 
+    def settle(self) -> None:
+        """Every prefetch in flight resident (a request's end: the cache's count is its experts)."""
+        if self.arriving:
+            self._arrived()
+
     def _make_room(self, key: Key, keep: set) -> bool:
         """A free slot of key's size class: there is one, or the coldest resident of that
-        class not in `keep` (nor still arriving: a CUDA copy is writing its slot) is evicted for
+        class not in `keep` (nor still arriving: a copy is writing its slot) is evicted for
         it; False when every one is kept."""
         if self.pool.free_slots(key):
             return True
@@ -169,7 +167,7 @@ class ExpertRunner:
 
     def unload(self, key: Key) -> None:
         if key in self.arriving:               # a prefetch in flight into this slot: let it land first
-            torch.cuda.current_stream().wait_event(self.arriving.pop(key))
+            self.stager.landed(self.arriving.pop(key))
         self._addresses.pop(key, None)
         self.slots.pop(key, None)
         if self.table is not None:
@@ -220,7 +218,7 @@ class ExpertRunner:
         resident = [bool(early[1][e]) if early else (layer, e) in self.slots for e in groups.experts]
         self.book.record(layer, groups.experts, resident)
         if self.ahead is not None:                                # the next layer's guess, brought in
-            self.prefetch(self.ahead.next_guessed(layer), layer, groups.experts, x.device.type == "cuda")
+            self.prefetch(self.ahead.next_guessed(layer), layer, groups.experts)
         if early is None and x.shape[0] > 1 and self.costs.enabled:
             resident = self._copy_cheap_misses(layer, x.shape[0], groups, resident)
         if early is None and x.device.type == "cpu":   # slots and the pack's map are both host memory: one call

@@ -255,6 +255,7 @@ class Engine:
                 yield Event(token, text, logprob=lp)
         finally:
             tokens.close()
+            self.runner.settle()               # the look-ahead's copies in flight: in the cache now
 
     def _finish(self, token: int, params: SamplingParams, n: int, budget: int) -> str | None:
         if (token in self.eos_ids and not params.ignore_eos) or token in params.stop_token_ids:

@@ -1,0 +1,69 @@
+"""The look-ahead's copies made off the engine thread (experts/stager.py), on a host-memory card:
+the worker copies, `landed` orders the copy before the slot is read, a worker's error comes
+back on the engine thread, and the engine's output does not change."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from moefit.experts.stager import Stager
+
+
+class SlowSlot:
+    """A slot whose copy takes a while and says which thread made it."""
+
+    def __init__(self, fail: bool = False):
+        self.data, self.thread, self.fail = None, None, fail
+
+    def copy_(self, blob: torch.Tensor) -> None:
+        time.sleep(0.2)
+        if self.fail:
+            raise OSError("the pack's file went away")
+        self.thread, self.data = threading.current_thread().name, blob.clone()
+
+
+def test_the_worker_copies_and_landed_waits_for_it():
+    stager = Stager(torch.device("cpu"), largest_blob=16)
+    slot, blob = SlowSlot(), torch.arange(16, dtype=torch.uint8)
+    t0 = time.perf_counter()
+    ticket = stager.send((3, 5), blob, slot)
+    assert time.perf_counter() - t0 < 0.1 and slot.data is None        # send returns at once
+    stager.landed(ticket)
+    assert torch.equal(slot.data, blob) and slot.thread == "moefit-stager"
+    assert stager.sent == 1
+
+
+def test_a_workers_error_is_raised_on_the_engine_thread_and_the_next_copy_still_runs():
+    stager = Stager(torch.device("cpu"), largest_blob=16)
+    bad = stager.send((0, 1), torch.zeros(4, dtype=torch.uint8), SlowSlot(fail=True))
+    good_slot = SlowSlot()
+    good = stager.send((0, 2), torch.ones(4, dtype=torch.uint8), good_slot)
+    with pytest.raises(OSError, match="went away"):
+        stager.landed(bad)
+    stager.landed(good)
+    assert torch.equal(good_slot.data, torch.ones(4, dtype=torch.uint8))
+
+
+def test_prefetches_land_through_the_stager_and_the_tokens_do_not_change(packs, card):
+    from moefit.config import ServeConfig
+    from moefit.runtime.engine import Engine
+    from moefit.runtime.sampler import SamplingParams
+    greedy = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    prompt = [5, 17, 42, 99, 7, 3, 150, 220]
+    base = dict(device=f"sim:{card(64)}", ctx=64, vram_reserve_mib=1, low_headroom_mib=0, min_expert_slots=0,
+                expert_cache="4")
+    runs = {}
+    for ahead in (0, 2):
+        engine = Engine.open(packs("qwen3_moe", "int8"), ServeConfig(**base, prefetch_per_layer=ahead))
+        runs[ahead] = engine.generate(prompt, greedy)[1].generated
+        stager = engine.runner.stager
+        if ahead:
+            assert stager is not None and stager.sent > 0 and engine.runner.book.swaps >= stager.sent
+            assert not engine.runner.arriving and len(engine.runner.slots) == 4      # settled at the request's end
+        else:
+            assert stager is None
+    assert runs[0] == runs[2]
