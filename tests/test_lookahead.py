@@ -106,6 +106,22 @@ def test_handoffs_are_one_host_call_per_moe_layer_per_forward(packs, card):
     assert 0 < c["handoffs_per_moe_layer_token"] <= 1
 
 
+@pytest.mark.parametrize("family, own_waits", [("mixtral", 0), ("qwen3_moe", 1)])
+def test_the_next_layers_guess_rides_the_hand_off_of_the_layer_computing_now(family, own_waits, packs, card):
+    """No wait of its own for the look-ahead's ids, except where the layer computing now is dense
+    (the tiny Qwen3-MoE's layer 1: its guess for layer 2 has no hand-off to ride)."""
+    engine = Engine.open(packs(family, "int8"), sim(card(64), expert_cache="3", prefetch_per_layer=2))
+    handoff, fetched, carried = engine.runner.handoff, [], []
+    fetch, send = handoff.fetch, handoff.send
+    handoff.fetch = lambda t: fetched.append(t) or fetch(t)
+    handoff.send = lambda x, ids, w, guess=None: carried.append(guess is not None) or send(x, ids, w, guess)
+    engine.generate(PROMPT, GREEDY)
+    moe = engine.pack.model.moe_layers
+    assert len(fetched) == own_waits * engine.forwards
+    assert sum(carried) == engine.forwards * (len(moe) - 1 - own_waits)   # each MoE layer but the last guesses ahead
+    assert engine.runner.ahead.predicted and engine.runner.ahead.prefetched > 0
+
+
 def test_the_prefetch_budget_is_what_pcie_moves_in_a_layers_time():
     from moefit.experts.lookahead import LookAhead
     ahead = LookAhead(num_layers=4, budget=3)

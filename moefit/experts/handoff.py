@@ -29,18 +29,19 @@ class Handoff:
         """(x, ids, weights) on the host; at most one wait."""
         return self.wait(self.send(x, ids, weights))
 
-    def send(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor):
+    def send(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, guess: torch.Tensor | None = None):
         """Queue the copies to the host without waiting: work the stream queues after this (the
-        resident experts) runs while the host waits for them (`wait`)."""
+        resident experts) runs while the host waits for them (`wait`). `guess`: the look-ahead's
+        ids for the next layer, made before this layer's MoE, ride along (no wait of their own)."""
+        sent = (("x", x), ("ids", ids), ("weights", weights)) + ((("guess", guess),) if guess is not None else ())
         if x.device.type == "cpu":
-            return (x, ids, weights), None
-        out = tuple(self._pin(name, t).copy_(t, non_blocking=True)
-                    for name, t in (("x", x), ("ids", ids), ("weights", weights)))
+            return tuple(t for _, t in sent), None
+        out = tuple(self._pin(name, t).copy_(t, non_blocking=True) for name, t in sent)
         event = torch.cuda.Event()
         event.record()
         return out, event
 
-    def wait(self, sent) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def wait(self, sent) -> tuple[torch.Tensor, ...]:
         """The sent tensors on the host: one synchronisation, counted."""
         out, event = sent
         self.syncs += 1
@@ -49,7 +50,8 @@ class Handoff:
         return out
 
     def fetch(self, t: torch.Tensor) -> torch.Tensor:
-        """A small device tensor on the host (the look-ahead's predicted ids): a wait, counted."""
+        """A small device tensor on the host (the look-ahead's predicted ids where no MoE hand-off
+        follows to carry them: the layer computing now is dense): a wait, counted."""
         if t.device.type == "cpu":
             return t
         self.syncs += 1

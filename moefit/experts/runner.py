@@ -60,6 +60,7 @@ class ExpertRunner:
         self.pcie_loads = 0                    # misses copied into the cache because that was cheaper
         self.arriving: dict[Key, Ticket] = {}   # prefetches in flight (experts/stager.py)
         self.stager: Stager | None = None      # made at the first prefetch
+        self._guess: tuple[int, torch.Tensor] | None = None   # the next layer's guess, for this layer's hand-off
         self.tokens = 0                        # token positions run through the MoE layers (engine.forward)
         self.rates = HostRates(self)           # the host's measured rates and GEMM crossovers (experts/host_rates.py)
         self.group = 1                         # resident experts multiplied at once (the plan's resident_group) ...
@@ -78,12 +79,15 @@ class ExpertRunner:
         return self.ahead is not None
 
     def expect(self, layer: int, ids: torch.Tensor, now_routes: bool = True) -> None:
-        """The next MoE layer's ranked guess [T, 2k], recorded; its experts are brought in once the
-        layer computing now has routed (prefetch, from run), so that none it uses is evicted, or
-        at once when that layer is dense (`now_routes` False)."""
+        """The next MoE layer's ranked guess [T, 2k]: it comes to the host with the hand-off of the
+        layer computing now, and its experts are brought in once that layer has routed (prefetch,
+        from run), so that none it uses is evicted; or at once, with a wait of its own, when that
+        layer is dense (`now_routes` False)."""
+        if now_routes:                          # carried by the hand-off of the layer computing now
+            self._guess = (layer, ids)
+            return
         self.ahead.expect(layer, self.handoff.fetch(ids).tolist())
-        if not now_routes:
-            self.prefetch(layer, layer - 1, [])
+        self.prefetch(layer, layer - 1, [])
 
     def prefetch(self, layer: int, now: int, busy: list[int]) -> None:
         """Bring `layer`'s guessed experts that are missing into the cache, most likely first (at
@@ -204,9 +208,12 @@ class ExpertRunner:
         shape = self.fused.shape(layer, x)
         if shape is not None and self.arriving:
             self._arrived(layer)                                   # the table's row holds them
-        sent = self.handoff.send(x, ids, weights)
+        guess, self._guess = self._guess, None
+        sent = self.handoff.send(x, ids, weights, guess[1] if guess else None)
         early = self.fused.queue(layer, x, ids, weights, shape) if shape is not None else None  # before the wait
-        xh, ids_h, w_h = self.handoff.wait(sent)                   # the layer's one synchronisation
+        xh, ids_h, w_h, *guessed = self.handoff.wait(sent)         # the layer's one synchronisation
+        if guess:
+            self.ahead.expect(guess[0], guessed[0].tolist())
         self.profile.record(layer, ids_h.numpy())
         if self.dump is not None:
             self._dump(layer, ids_h, w_h)
