@@ -53,7 +53,7 @@ def test_copies_are_made_once_within_the_budget():
     assert held.parts((1, 1), expert(seed=1), "int4") is not None
     assert held.parts((1, 2), expert(seed=2), "int4") is None                      # over the budget: rows
     assert held.parts((1, 3), expert(seed=3), "int8") is None                      # not int4
-    assert held.report() == {"experts": 2, "bytes": 2 * size, "budget": 2 * size}
+    assert held.report() == {"experts": 2, "making": 0, "bytes": 2 * size, "budget": 2 * size}
     assert HostPanels().parts((1, 0), parts, "int4") is None                       # off
 
 
@@ -95,7 +95,8 @@ def check_engine(pack: str, card: str) -> str:
     for flags in ({}, sim):
         engine, logits, tokens = run(host_panels="auto", **flags)
         assert tokens == want and torch.equal(logits, want_logits), flags
-        made = engine.runner.panels.report()["experts"]
+        report = engine.runner.panels.report()
+        made = report["experts"] + report["making"]            # made on the engine's worker
         assert made > 0 if kernels.int4_panels() else made == 0, flags
     return kernels.isa()
 
@@ -117,3 +118,21 @@ def _under_avx2(call: str) -> None:
                          env={**os.environ, "MOEFIT_ISA": "avx2"})
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.strip().splitlines()[-1] == "avx2"
+
+
+def test_a_host_expert_reads_its_rows_until_the_worker_has_made_its_panels(packs):
+    import threading
+
+    from moefit.config import ServeConfig
+    from moefit.runtime.engine import Engine
+    if not kernels.int4_panels():
+        pytest.skip("this CPU's int4 body reads rows")
+    runner = Engine.open(packs("qwen3_moe", "int4"), ServeConfig(ctx=64)).runner
+    key = (runner.pack.model.moe_layers[0], 3)
+    first = runner._pointers(*key[:1], [key[1]])                   # the first use asks the worker for the copy
+    assert first == kernels.addresses(runner._host_parts[key], panels=False)
+    done = threading.Event()
+    runner.staging().call(done.set)                                # after the copy, on the same worker
+    assert done.wait(30) and runner.panels.holds(key)
+    after = runner._pointers(*key[:1], [key[1]])
+    assert after == kernels.addresses(runner.panels._held[key], panels=True) and after != first

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import time
+from functools import partial
 
 import torch
 
@@ -107,7 +108,7 @@ class ExpertRunner:
         keep = self.ahead.wanted(layer, now, busy)
         for n, e in enumerate(missing):
             if n >= budget or not self._make_room((layer, e), keep):
-                self.pack.warm(layer, e)
+                self.staging().call(partial(self.pack.warm, layer, e))
                 continue
             self._send((layer, e))
             self.book.swaps += 1
@@ -120,11 +121,16 @@ class ExpertRunner:
         view = self.pool.acquire(key)
         if view is None:
             return
+        self.arriving[key] = self.staging().send(key, self.pack.blob(*key), view)
+        self.book.admit(key)
+
+    def staging(self) -> Stager:
+        """The engine's worker (experts/stager.py): the look-ahead's copies and read-aheads, the
+        host panels' copies; made at its first job."""
         if self.stager is None:
             largest = max(self.book.sizes.values())
-            self.stager = Stager(view.device, largest, max(2, min(4, STAGING_BYTES // largest)))
-        self.arriving[key] = self.stager.send(key, self.pack.blob(*key), view)
-        self.book.admit(key)
+            self.stager = Stager(self.mem.torch_device, largest, max(2, min(4, STAGING_BYTES // largest)))
+        return self.stager
 
     def _arrived(self, layer: int | None = None) -> None:
         """This layer's prefetches (or all): their copies are ordered first (on CUDA the compute
@@ -324,6 +330,8 @@ class ExpertRunner:
 
     def _pointers(self, layer: int, experts: list[int]) -> list[int]:
         """The part addresses of each expert in host memory (_on_host), flat in expert order."""
+        for key in self.panels.made_since():   # read from its rows until its panels were made
+            self._addresses.pop(key, None)
         out = []
         for e in experts:
             key = (layer, e)

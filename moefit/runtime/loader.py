@@ -112,6 +112,7 @@ def _place(pack: Pack, cfg: ServeConfig, mem: DeviceMemory, cdt: str, the_plan: 
     runner.rates.setting = cfg.expert_gemm_rows
     runner.panels = host_panels.HostPanels(host_panels.budget_bytes(
         cfg.host_panels, sum(b.nbytes for b in pack.blobs.values() if b.quant == "int4"), host_available_bytes() or 0))
+    runner.panels.maker = lambda job: runner.staging().call(job)   # copies made off the engine thread
     runner.expert_fn = getattr(model, "expert", None)      # a family's own expert (gpt-oss), else SwiGLU
     runner.native_act = getattr(model, "native_act", None)
     runner.group_act = getattr(model, "group_act", None)
