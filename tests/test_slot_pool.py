@@ -238,12 +238,18 @@ def test_the_host_kernels_never_get_a_device_slot(packs):
     """On CUDA a resident expert's slot is device memory: the host's kernels (the start's host
     measurements, the prompt's GEMM crossover, a miss) take the pack's map instead. Device slots
     are stood in for by meta tensors (no data) on a cpu engine."""
+    import threading
+
     import torch
     from moefit.config import ServeConfig
     from moefit import kernels
     from moefit.runtime.engine import Engine
     engine = Engine.open(packs("qwen3_moe", "int4"), ServeConfig(ctx=64))
     runner, layer = engine.runner, engine.pack.model.moe_layers[0]
+    host = {e: runner._on_host(layer, e) for e in range(engine.pack.model.num_experts)}
+    done = threading.Event()
+    runner.staging().call(done.set)                    # the host panels' copies, made on the worker
+    assert done.wait(30)
     host = {e: runner._on_host(layer, e) for e in range(engine.pack.model.num_experts)}
     runner.slots.update({(layer, e): {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in p.items()}
                          for e, (p, _) in host.items()})

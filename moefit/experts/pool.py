@@ -16,6 +16,7 @@ look-ahead's side stream), RESIDENT.
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -35,6 +36,10 @@ class Chunk:
     slot_stride: int
     states: np.ndarray                    # int8 [slots]
     keys: list[Key | None] = field(default_factory=list)
+    free: list[int] = field(default_factory=list)     # the FREE slots' indices, a heap: the lowest first
+
+    def __post_init__(self):
+        self.free = list(range(len(self.states)))
 
     @property
     def slots(self) -> int:
@@ -42,7 +47,13 @@ class Chunk:
 
     @property
     def used(self) -> int:
-        return int(np.count_nonzero(self.states))    # FREE is 0
+        return len(self.states) - len(self.free)
+
+    def take(self) -> int:
+        return heapq.heappop(self.free)
+
+    def give(self, i: int) -> None:
+        heapq.heappush(self.free, i)
 
     def view(self, i: int, nbytes: int) -> torch.Tensor:
         return self.storage[i * self.slot_stride: i * self.slot_stride + nbytes]
@@ -64,7 +75,7 @@ class SlotPool:
 
     def free_slots(self, key: Key) -> int:
         s = stride(self.sizes[key])
-        return sum(c.slots - c.used for c in self.chunks if c.slot_stride == s)
+        return sum(len(c.free) for c in self.chunks if c.slot_stride == s)
 
     def reserve(self, keys: list[Key], keep_free: int = 0) -> int:
         """Allocate the chunks that hold `keys` (on top of what is there); stops before a chunk
@@ -102,8 +113,8 @@ class SlotPool:
         """A free slot of key's class, marked LOADING; None when the class has none."""
         s = stride(self.sizes[key])
         for c in self.chunks:
-            if c.slot_stride == s and c.used < c.slots:
-                i = int(np.flatnonzero(c.states == FREE)[0])
+            if c.slot_stride == s and c.free:
+                i = c.take()
                 c.states[i], c.keys[i] = LOADING, key
                 self.where[key] = (c, i)
                 self._mark(key)
@@ -117,6 +128,7 @@ class SlotPool:
     def release(self, key: Key) -> None:
         c, i = self.where.pop(key)
         c.states[i], c.keys[i] = FREE, None
+        c.give(i)
         self.table[key] = -1
 
     def view(self, key: Key) -> torch.Tensor:
@@ -148,12 +160,13 @@ class SlotPool:
 
     def _move(self, key: Key, src: Chunk, i: int, others: list[Chunk]) -> torch.Tensor:
         state = src.states[i]
-        dst = next(o for o in others if o.used < o.slots)
-        j = int(np.flatnonzero(dst.states == FREE)[0])
+        dst = next(o for o in others if o.free)
+        j = dst.take()
         nbytes = self.sizes[key]
         dst.view(j, nbytes).copy_(src.view(i, nbytes))
         dst.states[j], dst.keys[j] = state, key
         src.states[i], src.keys[i] = FREE, None
+        src.give(i)
         self.where[key] = (dst, j)
         return dst.view(j, nbytes)
 
