@@ -33,6 +33,10 @@ def test_the_slot_table_kernels_sum_the_resident_experts_and_the_runner_takes_th
     assert greedy["swaps"] > 0 and greedy["rows_sent"] > 2, greedy                   # rows went down again
     assert result["run"] < 0.02, result                # the host rounds activations to 8 bits; the kernels do not
     assert result["ops"]["fused"] * 2 < result["ops"]["grouped"], result       # 10 against 33 when written
+    full = result["all_resident"]
+    assert all(full["same"].values()), full
+    assert full["handoffs_off"] == full["forwards"] * full["layers"], full          # one wait a layer ...
+    assert full["handoffs"] <= full["forwards"] + 1, full                          # ... against one a forward
 
 
 @pytest.mark.parametrize("capability", [89, 90])                    # an RTX 4070 (sm_89), an H100 / H200 (sm_90)

@@ -41,6 +41,17 @@ class Handoff:
         event.record()
         return out, event
 
+    def later(self, ids: torch.Tensor, weights: torch.Tensor, guess: torch.Tensor | None = None):
+        """A fully resident layer's routing, copied to the host without a wait into buffers of its
+        own (several layers' may be in flight): `wait` on the last of them reads them all."""
+        sent = (ids, weights) + ((guess,) if guess is not None else ())
+        if ids.device.type == "cpu":
+            return sent, None
+        out = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True) for t in sent)
+        event = torch.cuda.Event()
+        event.record()
+        return out, event
+
     def wait(self, sent) -> tuple[torch.Tensor, ...]:
         """The sent tensors on the host: one synchronisation, counted."""
         out, event = sent

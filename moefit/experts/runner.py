@@ -62,6 +62,7 @@ class ExpertRunner:
         self.arriving: dict[Key, Ticket] = {}   # prefetches in flight (experts/stager.py)
         self.stager: Stager | None = None      # made at the first prefetch
         self._guess: tuple[int, torch.Tensor] | None = None   # the next layer's guess, for this layer's hand-off
+        self._later: list = []                 # routing of layers run without a wait, for catch_up
         self.tokens = 0                        # token positions run through the MoE layers (engine.forward)
         self.rates = HostRates(self)           # the host's measured rates and GEMM crossovers (experts/host_rates.py)
         self.group = 1                         # resident experts multiplied at once (the plan's resident_group) ...
@@ -141,7 +142,9 @@ class ExpertRunner:
             self._placed(key, self.pool.view(key))
 
     def settle(self) -> None:
-        """Every prefetch in flight resident (a request's end: the cache's count is its experts)."""
+        """Every prefetch in flight resident and every layer's routing counted (a request's end:
+        the cache's count is its experts, its hit counts are the request's)."""
+        self.catch_up()
         if self.arriving:
             self._arrived()
 
@@ -215,6 +218,11 @@ class ExpertRunner:
         if shape is not None and self.arriving:
             self._arrived(layer)                                   # the table's row holds them
         guess, self._guess = self._guess, None
+        if shape is not None and self._may_defer(layer):
+            out = self._all_resident(layer, x, ids, weights, shape, guess)
+            if out is not None:
+                return out
+        self.catch_up()
         sent = self.handoff.send(x, ids, weights, guess[1] if guess else None)
         early = self.fused.queue(layer, x, ids, weights, shape) if shape is not None else None  # before the wait
         xh, ids_h, w_h, *guessed = self.handoff.wait(sent)         # the layer's one synchronisation
@@ -241,6 +249,41 @@ class ExpertRunner:
         if misses.experts:                     # ... while the host computes the misses
             out = out + self.handoff.to_device(self._host_experts(layer, xh.float(), misses), out)
         return out.to(x.dtype)
+
+    def _may_defer(self, layer: int) -> bool:
+        """Every expert of the layer is on the card, and of the layer the look-ahead would bring
+        experts in for next: nothing needs the routing on the host now."""
+        if self.dump is not None or not self.table.full(layer):
+            return False
+        if self.ahead is None:
+            return True
+        moe = self.ahead.moe_layers
+        return self.table.full(next((m for m in moe if m > layer), moe[0] if moe else -1))
+
+    def _all_resident(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, shape,
+                      guess) -> torch.Tensor | None:
+        """The layer's experts, all resident, queued with no wait: its routing comes to the host
+        later (catch_up) for the profile, the hit counts and the look-ahead's recency."""
+        early = self.fused.queue(layer, x, ids, weights, shape)
+        if early is None:
+            return None
+        self._later.append((layer, guess, self.handoff.later(ids, weights, guess[1] if guess else None)))
+        return early[0].to(x.dtype)
+
+    def catch_up(self) -> None:
+        """The bookkeeping of the layers that ran without a wait, in their order: one wait for all."""
+        if not self._later:
+            return
+        later, self._later = self._later, []
+        self.handoff.wait(later[-1][2])                         # the last copy's event: all of them are here
+        for layer, guess, ((ids_h, w_h, *guessed), _) in later:
+            if guess:
+                self.ahead.expect(guess[0], guessed[0].tolist())
+            self.profile.record(layer, ids_h.numpy())
+            groups = Groups.of(ids_h, w_h)
+            if self.ahead is not None:
+                self.ahead.score(layer, groups.experts, ids_h[-1].tolist())
+            self.book.record(layer, groups.experts, [True] * len(groups.experts))
 
     def run_on_host(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """A layer whose experts are not the cache's (an MTP layer's): all on the host, from the

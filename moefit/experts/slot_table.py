@@ -48,6 +48,10 @@ class SlotTable:
         """bool [experts]: the experts of `layer` the device's row has a slot for."""
         return self.host[layer] != 0
 
+    def full(self, layer: int) -> bool:
+        """Every expert of `layer` has a slot (False for a layer index out of range: none guessed)."""
+        return 0 <= layer < self.host.shape[0] and bool(self.host[layer].all())
+
     def row(self, layer: int) -> torch.Tensor:
         if layer in self._stale:
             self._stale.discard(layer)

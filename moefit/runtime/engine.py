@@ -146,6 +146,7 @@ class Engine:
         """Logits [T, V] (fp32) of tokens at positions start..start+T (or of the last one).
         A device out of memory (CUDA, or an overfilled simulated card) is DeviceOutOfMemory."""
         self.loaded.mem.check_fits()
+        self.runner.catch_up()                 # the last forward's layers run without a wait: counted now
         self.forwards += 1
         self.runner.tokens += len(tokens)
         ids = torch.tensor(tokens, dtype=torch.long)
@@ -270,6 +271,7 @@ class Engine:
             self.mtp.settle(self.kv_tokens)
         self.steps += 1
         if self.loaded.plan is not None and self.steps % self.cfg.swap_period == 0:
+            self.runner.catch_up()
             for evict, admit in self.runner.book.swap_round():
                 self.runner.swap(evict, admit)
         return logits
