@@ -56,6 +56,28 @@ class Fused:
         return out, held
 
 
+    def may_defer(self, layer: int) -> bool:
+        """Every expert of the layer is on the card, and of the layer the look-ahead would bring
+        experts in for next: nothing needs the routing on the host now."""
+        r = self.runner
+        if r.dump is not None or not r.table.full(layer):
+            return False
+        if r.ahead is None:
+            return True
+        moe = r.ahead.moe_layers
+        return r.table.full(next((m for m in moe if m > layer), moe[0] if moe else -1))
+
+    def all_resident(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                     shape: device_moe.BlobShape, guess) -> torch.Tensor | None:
+        """The layer's experts, all resident, queued with no wait: its routing comes to the host
+        later (ExpertRunner.catch_up) for the profile, the hit counts and the look-ahead."""
+        early = self.queue(layer, x, ids, weights, shape)
+        if early is None:
+            return None
+        self.runner.defer(layer, guess, self.runner.handoff.later(ids, weights, guess[1] if guess else None))
+        return early[0].to(x.dtype)
+
+
 def grouped(runner, layer: int, x: torch.Tensor, groups: Groups) -> torch.Tensor:
     """Resident experts on the device from their pool slots, summed in fp32; every launch is
     queued (rows and weights go down from pinned memory without a wait). `group` at a time

@@ -218,8 +218,8 @@ class ExpertRunner:
         if shape is not None and self.arriving:
             self._arrived(layer)                                   # the table's row holds them
         guess, self._guess = self._guess, None
-        if shape is not None and self._may_defer(layer):
-            out = self._all_resident(layer, x, ids, weights, shape, guess)
+        if shape is not None and self.fused.may_defer(layer):
+            out = self.fused.all_resident(layer, x, ids, weights, shape, guess)
             if out is not None:
                 return out
         self.catch_up()
@@ -250,25 +250,8 @@ class ExpertRunner:
             out = out + self.handoff.to_device(self._host_experts(layer, xh.float(), misses), out)
         return out.to(x.dtype)
 
-    def _may_defer(self, layer: int) -> bool:
-        """Every expert of the layer is on the card, and of the layer the look-ahead would bring
-        experts in for next: nothing needs the routing on the host now."""
-        if self.dump is not None or not self.table.full(layer):
-            return False
-        if self.ahead is None:
-            return True
-        moe = self.ahead.moe_layers
-        return self.table.full(next((m for m in moe if m > layer), moe[0] if moe else -1))
-
-    def _all_resident(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, shape,
-                      guess) -> torch.Tensor | None:
-        """The layer's experts, all resident, queued with no wait: its routing comes to the host
-        later (catch_up) for the profile, the hit counts and the look-ahead's recency."""
-        early = self.fused.queue(layer, x, ids, weights, shape)
-        if early is None:
-            return None
-        self._later.append((layer, guess, self.handoff.later(ids, weights, guess[1] if guess else None)))
-        return early[0].to(x.dtype)
+    def defer(self, layer: int, guess, sent) -> None:
+        self._later.append((layer, guess, sent))
 
     def catch_up(self) -> None:
         """The bookkeeping of the layers that ran without a wait, in their order: one wait for all."""

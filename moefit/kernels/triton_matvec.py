@@ -28,7 +28,17 @@ def _grouped_matvec(x_ptr, w_ptr, s_ptr, out_ptr, T, R, C,
     tmask = ts < T
     x_rows = x_ptr + e * sxm + ts[:, None] * sxt
     w_rows = w_ptr + e * swm + rows[:, None] * swr
-    acc = tl.zeros((TP, BLOCK_R), dtype=tl.float32)
+    acc = rows_dot(x_rows, tmask, w_rows, rmask, s_ptr + e * ssm + rows * ssr, C, GROUP, KIND, TP, BLOCK_R)
+    tl.store(out_ptr + e * som + ts[:, None] * sot + rows[None, :], acc, mask=tmask[:, None] & rmask[None, :])
+
+
+@triton.jit
+def rows_dot(x_rows, tmask, w_rows, rmask, s_rows, C, GROUP: tl.constexpr, KIND: tl.constexpr, TP: tl.constexpr,
+             BLOCK: tl.constexpr):
+    """[TP, BLOCK] fp32: x rows (pointers [TP, 1]) times matrix rows (pointers to their codes
+    [BLOCK, 1], to their first scale [BLOCK]), the codes read as stored, each group's scale
+    applied to its fp32 partial sum (int8: the row's scale at the end). Also triton_moe's."""
+    acc = tl.zeros((TP, BLOCK), dtype=tl.float32)
     for g0 in range(0, C, GROUP):
         if KIND == 0:
             b = tl.arange(0, GROUP // 2)
@@ -46,8 +56,7 @@ def _grouped_matvec(x_ptr, w_ptr, s_ptr, out_ptr, T, R, C,
         if KIND == 2:
             acc += part
         else:
-            sc = tl.load(s_ptr + e * ssm + rows * ssr + g0 // GROUP, mask=rmask, other=0.0).to(tl.float32)
-            acc += part * sc[None, :]
+            acc += part * tl.load(s_rows + g0 // GROUP, mask=rmask, other=0.0).to(tl.float32)[None, :]
     if KIND == 2:
-        acc = acc * tl.load(s_ptr + e * ssm + rows * ssr, mask=rmask, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + e * som + ts[:, None] * sot + rows[None, :], acc, mask=tmask[:, None] & rmask[None, :])
+        acc = acc * tl.load(s_rows, mask=rmask, other=0.0).to(tl.float32)[None, :]
+    return acc

@@ -22,6 +22,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from moefit.kernels.triton_matvec import rows_dot
+
 
 def launch_gate_up(x, ids, table, base, h, tokens: int, k: int, inter: int, cols: int, offsets: tuple,
                    group: int, kind: int, block: int) -> None:
@@ -55,35 +57,16 @@ def _codes_and_scales(blob, codes_at, scales_at, KIND: tl.constexpr):
 @triton.jit
 def _rows_dot(x_rows, tmask, codes, scales, rows, rmask, C, GROUP: tl.constexpr, KIND: tl.constexpr,
               TP: tl.constexpr, BLOCK: tl.constexpr):
-    """[TP, BLOCK] fp32: x rows (pointers [TP, 1]) times matrix rows `rows` (codes read as stored,
-    each group's scale applied to its fp32 partial sum; int8's row scale at the end)."""
+    """triton_matvec.rows_dot over matrix rows `rows` of a slot's contiguous codes and scales."""
     if KIND == 0:
         w_rows = codes + rows[:, None] * (C // 2)
     else:
         w_rows = codes + rows[:, None] * C
-    acc = tl.zeros((TP, BLOCK), dtype=tl.float32)
-    for g0 in range(0, C, GROUP):
-        if KIND == 0:
-            b = tl.arange(0, GROUP // 2)
-            byte = tl.load(w_rows + (g0 // 2 + b)[None, :], mask=rmask[:, None], other=0x88).to(tl.int32)
-            lo = ((byte & 0xF) - 8).to(tl.float32)
-            hi = ((byte >> 4) - 8).to(tl.float32)
-            xe = tl.load(x_rows + (g0 + 2 * b)[None, :], mask=tmask[:, None], other=0.0).to(tl.float32)
-            xo = tl.load(x_rows + (g0 + 2 * b + 1)[None, :], mask=tmask[:, None], other=0.0).to(tl.float32)
-            part = tl.sum(xe[:, None, :] * lo[None, :, :] + xo[:, None, :] * hi[None, :, :], axis=2)
-        else:
-            c = tl.arange(0, GROUP)
-            code = tl.load(w_rows + (g0 + c)[None, :], mask=rmask[:, None], other=0).to(tl.float32)
-            xv = tl.load(x_rows + (g0 + c)[None, :], mask=tmask[:, None], other=0.0).to(tl.float32)
-            part = tl.sum(xv[:, None, :] * code[None, :, :], axis=2)
-        if KIND == 2:
-            acc += part
-        else:
-            sc = tl.load(scales + rows * (C // GROUP) + g0 // GROUP, mask=rmask, other=0.0).to(tl.float32)
-            acc += part * sc[None, :]
     if KIND == 2:
-        acc = acc * tl.load(scales + rows, mask=rmask, other=0.0).to(tl.float32)[None, :]
-    return acc
+        s_rows = scales + rows
+    else:
+        s_rows = scales + rows * (C // GROUP)
+    return rows_dot(x_rows, tmask, w_rows, rmask, s_rows, C, GROUP, KIND, TP, BLOCK)
 
 
 @triton.jit
