@@ -1,0 +1,65 @@
+"""The engine thread's share of the expert runner on a simulated card: cProfile over one
+request's decode, after two warm ones, of a Qwen3-30B-A3B-shaped int4 pack (bench/synthetic_pack.py)
+at a share of its experts cached. What the runner costs the engine thread besides the host's
+expert call is what a GPU would wait on every layer.
+
+    python bench/runner_profile.py --layers 4 --share 0.25 --tokens 48
+
+Prints tok/s, the hit rate and cProfile's top functions by own time and the runner's callees.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.synthetic_pack import build_pack  # noqa: E402
+from moefit.config import ServeConfig  # noqa: E402
+from moefit.memory.simcard import write_card  # noqa: E402
+from moefit.pack.reader import Pack  # noqa: E402
+from moefit.runtime.engine import Engine  # noqa: E402
+from moefit.runtime.sampler import SamplingParams  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--share", type=float, default=0.25)
+    ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--dir", default=str(Path(tempfile.gettempdir()) / "moefit-runner-profile"))
+    a = ap.parse_args()
+    root = Path(a.dir)
+    pack = root / f"q30-{a.layers}.pack"
+    if not (pack / "moefit-pack.json").exists():
+        build_pack(ROOT / "configs" / "qwen3-30b-a3b.json", pack, "int4", layers=a.layers, distinct=16)
+    write_card(root / "card.json", "simulated 12 GiB", 12288, [], 0)
+    total = len(Pack.open(pack, checksums=False).blobs)
+    e = Engine.open(pack, ServeConfig(device=f"sim:{root / 'card.json'}", ctx=2048, prefill_chunk=128,
+                                      expert_cache=str(int(total * a.share)), vram_reserve_mib=64,
+                                      low_headroom_mib=0))
+    params = SamplingParams(max_tokens=a.tokens, temperature=1.0, seed=1, ignore_eos=True)
+    e.generate(list(range(100, 164)), params)
+    e.generate(list(range(200, 264)), params)
+    prof = cProfile.Profile()
+    prof.enable()
+    e.generate(list(range(300, 364)), params)
+    prof.disable()
+    print(f"{a.layers} layers, {a.share:.0%} cached: {e.last.decode_tokens_per_s:.2f} tok/s (profiled), "
+          f"hit rate {e.runner.book.hit_rate():.3f}")
+    buf = io.StringIO()
+    stats = pstats.Stats(prof, stream=buf)
+    stats.sort_stats("tottime").print_stats(25)
+    stats.sort_stats("cumtime").print_callees(r"\(run\)|\(prefetch\)")
+    print(buf.getvalue())
+
+
+if __name__ == "__main__":
+    main()
