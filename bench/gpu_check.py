@@ -308,7 +308,8 @@ def main(argv=None) -> int:
         copy.write_text(Path(args.device[4:]).read_text())
         args.device = f"sim:{copy}"
     demo_pack(log=print)                               # packed once, before the children read it
-    names = args.only.split(",") if args.only else [n for n in CHECKS if n != "launches"] + ["decode", "launches"]
+    names = args.only.split(",") if args.only else [n for n in CHECKS if n != "launches"] + ["graphs", "decode",
+                                                                                           "launches"]
     report = {"device": args.device, "started": time.strftime("%Y-%m-%d %H:%M:%S"), "checks": {}}
 
     def landed(name: str, result: dict) -> None:
@@ -329,13 +330,15 @@ def main(argv=None) -> int:
 
 def run_child(args) -> int:
     """Run the named checks in this process, journalling each as it starts and lands."""
-    from bench.gpu_decode import check_decode          # it imports this module's helpers
+    from bench.gpu_decode import check_decode          # they import this module's helpers
+    from bench.gpu_graphs import check_graphs
+    checks = {**CHECKS, "graphs": check_graphs}
     journal, pack = Journal(args.child), demo_pack(log=print)
     for name in args.only.split(","):
         journal.start(name)
         t = time.time()
         try:
-            result = check_decode(args.device, args.quick, journal, args.pack_dir) if name == "decode" else CHECKS[name](
+            result = check_decode(args.device, args.quick, journal, args.pack_dir) if name == "decode" else checks[name](
                 args.device, pack)
         except Exception as e:  # noqa: BLE001 - one broken check must not hide the others
             result = {"ok": False, "error": f"{type(e).__name__}: {e}"[:500], "trace": traceback.format_exc()[-2000:]}

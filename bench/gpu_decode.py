@@ -4,8 +4,8 @@ experts cached. A 48-layer figure is extrapolated as 12 / 48 of the per-token ti
 attention scale with layers; the lm_head, ~4 % of a token, is counted 4 times: a lower bound).
 Each share is measured after 64 warm tokens (every host expert's first use, when its panel copy
 is made, falls in those); the ledger is compared with NVML at each. Each share also without the
-slot-table kernels (the grouped path), at 100 % also without any fused kernel (the torch path),
-at 25 % also without look-ahead.
+slot-table kernels (the grouped path) and with --decode-graphs on, at 100 % also without any
+fused kernel (the torch path), at 25 % also without look-ahead.
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ def check_decode(device: str, quick: bool, journal=None, pack_dir: str | None = 
         # the same without the slot-table kernels (the resident experts queued after the wait,
         # grouped, through the fused matvec): what queuing them early is worth
         row["tok_s_12_layers_grouped"] = _without(e, prompt, slot_table=True)
+        row.update(_with_graphs(e, prompt))             # each layer's attention and router as one launch
         if share == 1.0:                        # ... and without any fused kernel: the torch path
             row["tok_s_12_layers_torch_path"] = _without(e, prompt, slot_table=True, matvec=True)
         if share == 0.25:                       # ... and without look-ahead: is a prefetch worth its copy here?
@@ -78,6 +79,20 @@ def _without(e, prompt: list[int], slot_table: bool = False, matvec: bool = Fals
     finally:
         device_moe.usable, device_experts.usable = saved
     return e.last.decode_tokens_per_s
+
+
+def _with_graphs(e, prompt: list[int]) -> dict:
+    """Decode tok/s with --decode-graphs on (runtime/decode_graphs.py): a request that records
+    the pieces, then one that replays them."""
+    from moefit.runtime.decode_graphs import DecodeGraphs
+    e.graphs = DecodeGraphs(e.model, e.loaded.mem.torch_device)
+    try:
+        e.generate(list(range(100, 164)), SamplingParams(max_tokens=64, temperature=1.0, seed=1, ignore_eos=True))
+        e.generate(prompt, SamplingParams(max_tokens=64, temperature=1.0, seed=2, ignore_eos=True))
+        return {"tok_s_12_layers_graphs": e.last.decode_tokens_per_s,
+                "graphs": {k: v for k, v in e.decode_graphs_json().items() if k != "on"}}
+    finally:
+        e.graphs = None
 
 
 def _without_look_ahead(pack: Path, device: str, slots: float, prompt: list[int]) -> float:

@@ -2,7 +2,7 @@
 bench/gpu_check.py's decode check, at a few cache shares, under cProfile (the host's Python
 and waits) and torch.profiler (the device's kernels and the launches that feed them).
 
-    python bench/gpu_profile.py --shares 0.25,1.0 --tokens 16 --out DIR
+    python bench/gpu_profile.py --shares 0.25,1.0 --tokens 16 --out DIR [--graphs on]
 
 Writes DIR/profile-<share>.txt per share: tok/s unprofiled, cProfile's top functions by own
 time and by cumulative time, and torch.profiler's top operators by device time and by host time.
@@ -31,16 +31,18 @@ from moefit.runtime.engine import Engine  # noqa: E402
 from moefit.runtime.sampler import SamplingParams  # noqa: E402
 
 
-def profile_share(pack: Path, device: str, share: float, tokens: int) -> str:
+def profile_share(pack: Path, device: str, share: float, tokens: int, graphs: str = "off") -> str:
     total = len(Pack.open(pack, checksums=False).blobs)
-    e = Engine.open(pack, ServeConfig(device=device, ctx=2048, prefill_chunk=128, expert_cache=str(int(share * total))))
+    e = Engine.open(pack, ServeConfig(device=device, ctx=2048, prefill_chunk=128, expert_cache=str(int(share * total)),
+                                      decode_graphs=graphs))
     params = SamplingParams(max_tokens=tokens, temperature=1.0, seed=2, ignore_eos=True)
     # 64 warm tokens first, as gpu_decode measures: every host expert's first use (its panel copy)
     # and the kernels' compiles fall in them, so the profile is the steady state's
     e.generate(list(range(100, 164)), SamplingParams(max_tokens=64, temperature=1.0, seed=1, ignore_eos=True))
     e.generate(list(range(200, 264)), params)
     lines = [f"share {share}: {len(e.runner.slots)} slots, {e.last.decode_tokens_per_s:.2f} tok/s unprofiled, "
-             f"hit rate {e.runner.book.hit_rate():.3f}, handoffs {e.runner.handoffs}"]
+             f"hit rate {e.runner.book.hit_rate():.3f}, handoffs {e.runner.handoffs}, "
+             f"decode graphs {e.decode_graphs_json()}"]
     prof = cProfile.Profile()
     prof.enable()
     e.generate(list(range(300, 364)), params)
@@ -67,6 +69,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--pack", help="an existing pack (default: build the 30B-shaped one)")
     ap.add_argument("--out", default=".")
+    ap.add_argument("--graphs", default="off", choices=("off", "on"), help="--decode-graphs")
     args = ap.parse_args()
     t = time.time()
     pack = Path(args.pack) if args.pack else build_pack(ROOT / "configs" / "qwen3-30b-a3b.json",
@@ -74,8 +77,8 @@ def main() -> None:
                                                         layers=args.layers, distinct=16)
     print(f"pack ready in {time.time() - t:.0f} s", flush=True)
     for share in (float(s) for s in args.shares.split(",")):
-        text = profile_share(pack, args.device, share, args.tokens)
-        Path(args.out, f"profile-{share}.txt").write_text(text)
+        text = profile_share(pack, args.device, share, args.tokens, args.graphs)
+        Path(args.out, f"profile-{share}{'-graphs' if args.graphs == 'on' else ''}.txt").write_text(text)
         print(text[:3000], flush=True)
 
 

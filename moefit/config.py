@@ -72,6 +72,9 @@ class ServeConfig:
     host_panels: str = _opt("auto", "int4 experts the host computes kept in the panel order the kernel reads "
                             "(a copy made on first use; experts/host_panels.py): auto (up to half the memory "
                             "available at start), off, or a budget of N MiB")
+    decode_graphs: str = _opt("off", "record each layer's attention of a decode step once per context bucket and "
+                              "replay it as one launch (CUDA graphs; a tape on a simulated card): on, off (the "
+                              "default until the device check has timed it)", choices=("off", "on"))
     threads: int | None = _opt(None, "host threads for expert and dense compute (default: the physical cores)")
 
     def resident_tokens(self) -> int | None:

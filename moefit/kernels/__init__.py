@@ -24,6 +24,7 @@ import importlib.machinery
 import logging
 import os
 from pathlib import Path
+import threading
 
 import torch
 
@@ -78,11 +79,26 @@ def _load() -> ctypes.CDLL | None:
     return lib
 
 
+_this_thread = threading.local()
+
+
 def library() -> ctypes.CDLL | None:
     global _lib
     if _lib is None:
         _lib = _load() or False
-    return _lib or None
+    return None if getattr(_this_thread, "off", False) else _lib or None
+
+
+@contextmanager
+def host_calls_off():
+    """No native call on this thread for a while (the callers take torch's path): a recorded
+    piece of a forward replays aten operations only (runtime/recorders.py)."""
+    before = getattr(_this_thread, "off", False)
+    _this_thread.off = True
+    try:
+        yield
+    finally:
+        _this_thread.off = before
 
 
 def default_threads() -> int:

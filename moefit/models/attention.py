@@ -130,6 +130,11 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor |
         out = F.scaled_dot_product_attention(q.reshape(k.shape[0], h // k.shape[0] * t, d)[None], k[None], v[None],
                                              scale=scale)[0]
         return out.reshape(h, t, -1)
+    if gqa and mask is not None and q.shape[1] == 1:        # one position under a mask (a recorded decode step's
+        h, _, d = q.shape                                     # bucket): the query heads as rows, the mask broadcast
+        out = F.scaled_dot_product_attention(q.reshape(k.shape[0], h // k.shape[0], d)[None], k[None], v[None],
+                                             attn_mask=mask, scale=scale)[0]
+        return out.reshape(h, 1, -1)
     if q.device.type == "cuda" and mask is not None:
         from torch.nn.attention import SDPBackend, sdpa_kernel
         if gqa:

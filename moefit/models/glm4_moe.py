@@ -16,6 +16,8 @@ from moefit.models.layers import (DecoderModel, RopeTable, Weights, linear, norm
 
 
 class Glm4Moe(DecoderModel):
+    graph_step = True        # its attention reads the state only as decode_graphs.BucketView answers
+
     def __init__(self, cfg, w: Weights, rope: RopeTable):
         self.cfg, self.rope = cfg, rope
         r = cfg.raw
@@ -73,9 +75,13 @@ class Glm4Moe(DecoderModel):
         kv.write(i, start, k, v)
         return linear(attend_state(kv, i, q, start, mask), layer["o"])
 
-    def mlp(self, i, layer, x, experts) -> torch.Tensor:
-        if "router" not in layer:
-            return swiglu(x, layer["gate_up"], layer["down"])
+    def route(self, i, layer, x) -> tuple[torch.Tensor, torch.Tensor]:
         weights, ids = sigmoid_router(x, layer["router"], layer["bias"], self.cfg.top_k, self.groups,
                                       self.top_groups, self.cfg.norm_topk_prob, self.scale)
-        return experts.run(i, x, ids, weights.to(x.dtype)) + swiglu(x, layer["shared_gate_up"], layer["shared_down"])
+        return weights.to(x.dtype), ids
+
+    def mlp(self, i, layer, x, experts, routed=None) -> torch.Tensor:
+        if "router" not in layer:
+            return swiglu(x, layer["gate_up"], layer["down"])
+        weights, ids = routed or self.route(i, layer, x)
+        return experts.run(i, x, ids, weights) + swiglu(x, layer["shared_gate_up"], layer["shared_down"])

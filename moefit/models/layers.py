@@ -54,6 +54,13 @@ class RopeTable:
         emb = torch.cat((freqs, freqs), dim=-1)                                      # [T, D]
         return (emb.cos() * self.scale).to(self.dtype), (emb.sin() * self.scale).to(self.dtype)
 
+    def at(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, D] for the positions a device tensor holds (a recorded decode step's:
+        runtime/decode_graphs.py), the same numbers as rows()."""
+        freqs = pos.float()[:, None] * self.inv_freq[None, :]                         # [T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.scale).to(self.dtype), (emb.sin() * self.scale).to(self.dtype)
+
     def nbytes(self) -> int:
         return self.inv_freq.nbytes
 
@@ -180,6 +187,7 @@ class DecoderModel:
     probes: dict = {}
     probe_fit = None
     steps: dict | None = None               # id(layer dict) -> (it, its native decode-step attention)
+    graph_step = False                      # attention recordable for a bucket (runtime/decode_graphs.py)
 
     def forward(self, tokens: torch.Tensor, start: int, kv, experts) -> torch.Tensor:
         """Final hidden states [T, E] for tokens at positions start..start+T."""

@@ -13,6 +13,8 @@ from moefit.models.layers import DecoderModel, RopeTable, Weights, linear, norme
 
 
 class Mixtral(DecoderModel):
+    graph_step = True        # its attention reads the state only as decode_graphs.BucketView answers
+
     def __init__(self, cfg, w: Weights, rope: RopeTable):
         self.cfg, self.rope = cfg, rope
         self.layers = [self._layer(w, i) for i in range(cfg.num_layers)]
@@ -42,6 +44,10 @@ class Mixtral(DecoderModel):
         kv.write(i, start, k, v)
         return linear(attend_state(kv, i, q, start, mask), layer["o"])
 
-    def mlp(self, i, layer, x, experts) -> torch.Tensor:
+    def route(self, i, layer, x) -> tuple[torch.Tensor, torch.Tensor]:
         weights, ids = softmax_topk(x, layer["router"], self.cfg.top_k, renorm=True)        # [T, k]
-        return experts.run(i, x, ids, weights.to(x.dtype))
+        return weights.to(x.dtype), ids
+
+    def mlp(self, i, layer, x, experts, routed=None) -> torch.Tensor:
+        weights, ids = routed or self.route(i, layer, x)
+        return experts.run(i, x, ids, weights)

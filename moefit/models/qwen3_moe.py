@@ -15,6 +15,8 @@ from moefit.models.layers import (DecoderModel, RopeTable, Weights, linear, norm
 
 
 class Qwen3Moe(DecoderModel):
+    graph_step = True        # its attention reads the state only as decode_graphs.BucketView answers
+
     def __init__(self, cfg, w: Weights, rope: RopeTable):
         self.cfg, self.rope = cfg, rope
         self.layers = [self._layer(w, i) for i in range(cfg.num_layers)]
@@ -54,8 +56,12 @@ class Qwen3Moe(DecoderModel):
         kv.write(i, start, k, v)
         return linear(attend_state(kv, i, q, start, mask), layer["o"])
 
-    def mlp(self, i, layer, x, experts) -> torch.Tensor:
+    def route(self, i, layer, x) -> tuple[torch.Tensor, torch.Tensor]:
+        weights, ids = softmax_topk(x, layer["router"], self.cfg.top_k, self.cfg.norm_topk_prob)  # [T, k]
+        return weights.to(x.dtype), ids
+
+    def mlp(self, i, layer, x, experts, routed=None) -> torch.Tensor:
         if "router" not in layer:
             return swiglu(x, layer["gate_up"], layer["down"])
-        weights, ids = softmax_topk(x, layer["router"], self.cfg.top_k, self.cfg.norm_topk_prob)  # [T, k]
-        return experts.run(i, x, ids, weights.to(x.dtype))
+        weights, ids = routed or self.route(i, layer, x)
+        return experts.run(i, x, ids, weights)

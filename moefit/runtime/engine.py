@@ -26,6 +26,8 @@ from moefit.pack import quant as dense
 from moefit.pack.reader import Pack
 from moefit.runtime.loader import Loaded, load
 from moefit.runtime.state import StateLost
+from moefit.runtime import decode_graphs
+from moefit.runtime.decode_graphs import DecodeGraphs
 from moefit.runtime.decoding import token_stream
 from moefit.runtime.draft_head import load_draft_head
 from moefit.runtime.grammar import Constraint, GrammarTokenizer
@@ -75,6 +77,7 @@ class Engine:
         self._grammar_tokenizer = None              # llguidance's tokenizer, built on first use
         self.forwards = 0                           # forwards run: the watchdog's sign of progress
         self.decode_rate = 0.0                      # tokens/s of the last request that decoded
+        self.graphs, self.graphs_off = self._decode_graphs()
 
     def _spec_mode(self) -> tuple[str, str]:
         plan, cfg = self.loaded.plan, self.cfg
@@ -88,6 +91,17 @@ class Engine:
             return "off", NO_MTP
         mode = spec_mode(cfg.spec, has_head=bool(self.pack.draft), mtp_layers=self.pack.mtp_layers)
         return mode, f"{mode}: window {cfg.spec_window} (cpu device: no reserve to check)"
+
+    def _decode_graphs(self) -> tuple[DecodeGraphs | None, str | None]:
+        """--decode-graphs: the recorded pieces of a decode step, or why there are none."""
+        if self.cfg.decode_graphs == "off":
+            return None, "--decode-graphs off"
+        mem = self.loaded.mem
+        why = decode_graphs.why_not(self.model, self.loaded.states, mem.device.kind)
+        return (None, why) if why else (DecodeGraphs(self.model, mem.torch_device), None)
+
+    def decode_graphs_json(self) -> dict:
+        return {"on": True, **self.graphs.to_json()} if self.graphs else {"on": False, "why_not": self.graphs_off}
 
     @staticmethod
     def open(pack_path, cfg: ServeConfig, log=lambda msg: None) -> "Engine":
@@ -151,7 +165,10 @@ class Engine:
         self.runner.tokens += len(tokens)
         ids = torch.tensor(tokens, dtype=torch.long)
         try:
-            h = self.model.forward(ids, start, self.session.state, self.runner)
+            if len(tokens) == 1 and self.graphs is not None and self.model.probe_fit is None:
+                h = self.graphs.forward(ids, start, self.session.state, self.runner)
+            else:
+                h = self.model.forward(ids, start, self.session.state, self.runner)
             if self.mtp is not None:
                 self.mtp.observe(start, h)
             self.hidden = h[-1:] if last_only else h

@@ -61,6 +61,7 @@ def status_json(engine) -> dict:
         except DeviceUnavailable as e:
             out["device_now"] = {"error": str(e)}
     out["speculative"] = speculative_json(engine)
+    out["decode_graphs"] = engine.decode_graphs_json()
     out["sessions"] = sessions_json(engine)
     out["compute_dtype"] = engine.loaded.compute_dtype
     out["prompt_product_ways"] = gemm.chosen()

@@ -1,0 +1,129 @@
+"""A decode step as recorded pieces (--decode-graphs, runtime/decode_graphs.py) on a simulated
+card, where a tape stands in for CUDA graphs (runtime/recorders.py): it replays the aten
+operations a piece issued on the tensors it was recorded with, so a Python value frozen into a
+piece is wrong here as it would be in a graph. What differs on a GPU is the recorder, not the
+pieces."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+from moefit.config import ServeConfig
+from moefit.runtime import decode_graphs
+from moefit.runtime.engine import Engine
+from moefit.runtime.recorders import RecordError, Tape
+from moefit.runtime.sampler import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture
+def small_buckets(monkeypatch):
+    """Buckets of 16, 32, 64 keys: a 45-token request crosses two boundaries."""
+    monkeypatch.setattr(decode_graphs, "MIN_BUCKET", 16)
+
+
+def _engine(pack, card, graphs: str, **kw) -> Engine:
+    return Engine.open(pack, ServeConfig(**{"device": f"sim:{card(256)}", "ctx": 128, "vram_reserve_mib": 1,
+                                            "low_headroom_mib": 0, "min_expert_slots": 0, "expert_cache": "auto",
+                                            "decode_graphs": graphs, **kw}))
+
+
+def _teacher_forced(engine: Engine, tokens: list[int], prompt: int) -> list[torch.Tensor]:
+    engine.prefill(tokens[:prompt])
+    return [engine.decode_step(tokens[p], p).float() for p in range(prompt, len(tokens))]
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "glm4_moe", "olmoe"])
+def test_recorded_pieces_give_the_logits_of_the_forward_across_buckets(family, packs, card, small_buckets):
+    tokens = torch.randint(0, 300, (60,), generator=torch.Generator().manual_seed(1)).tolist()
+    on, off = (_engine(packs(family, "fp32"), card, g) for g in ("on", "off"))    # (int4 experts on the host
+    worst = max(float((a - b).abs().max() / b.abs().max())                          # round their inputs to 8 bits:
+                for a, b in zip(_teacher_forced(on, tokens, 5), _teacher_forced(off, tokens, 5)))   # 1e-7 can flip one)
+    assert worst < 1e-5                        # fp32: torch's ops in the pieces against the host's native ones
+    m = on.pack.model
+    assert on.graphs.to_json()["pieces"] == 3 * (m.num_layers + 1) + 1     # 3 buckets x (layers + head), the tail
+    assert on.decode_graphs_json()["replays"] > 0 and on.decode_graphs_json()["broken"] is None
+
+
+def test_greedy_tokens_do_not_change_with_decode_graphs_or_sessions(packs, card, small_buckets):
+    pack = packs("qwen3_moe", "int4")
+    off = _engine(pack, card, "off")
+    expect = [off.generate(p, GREEDY)[1].generated for p in ([1, 2, 3, 4, 5], [9, 8, 7])]
+    on = _engine(pack, card, "on", sessions=2)
+    got = [on.generate(p, GREEDY)[1].generated for p in ([1, 2, 3, 4, 5], [9, 8, 7])]
+    assert got == expect
+    assert on.generate([1, 2, 3, 4, 5], GREEDY)[1].generated == expect[0]    # the first session's pieces again
+
+
+class _CountOps(TorchDispatchMode):
+    ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        _CountOps.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _ops_outside_experts(engine: Engine) -> int:
+    """The torch operations one decode step issues besides the runner's (a replay counts one)."""
+    if engine.graphs:
+        for key, replay in list(engine.graphs.pieces.items()):
+            def one(replay=replay):
+                with _disable_current_modes():
+                    replay()
+                _CountOps.ops += 1
+            engine.graphs.pieces[key] = one
+    run, inside = engine.runner.run, [0]
+
+    def counted(*args, **kwargs):
+        before = _CountOps.ops
+        out = run(*args, **kwargs)
+        inside[0] += _CountOps.ops - before
+        return out
+    engine.runner.run = counted
+    _CountOps.ops = 0
+    with _CountOps():
+        engine.decode_step(7, 9)
+    return _CountOps.ops - inside[0]
+
+
+def test_a_decode_step_issues_a_few_operations_a_layer_besides_its_experts(packs, card):
+    counts = {}
+    for graphs in ("off", "on"):
+        engine = _engine(packs("qwen3_moe", "int4"), card, graphs, compute_dtype="bf16")   # the CUDA path's dtype
+        engine.generate([1, 2, 3, 4, 5], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+        counts[graphs] = _ops_outside_experts(engine) / engine.pack.model.num_layers
+    assert counts["on"] * 5 < counts["off"], counts      # measured: 80 a layer against 9
+
+
+@pytest.mark.parametrize("change, why", [
+    ({"device": "cpu"}, "cpu device"),
+    ({"kv_dtype": "int8"}, "quantised"),
+    ({"kv_resident": "32", "prefill_chunk": 16}, "whole-context"),
+])
+def test_where_pieces_cannot_be_recorded_the_step_runs_as_before_and_says_why(change, why, packs, card):
+    engine = _engine(packs("qwen3_moe", "int4"), card, "on", **change)
+    assert engine.graphs is None and why in engine.decode_graphs_json()["why_not"]
+    assert engine.generate([1, 2, 3], SamplingParams(max_tokens=3, temperature=0))[1].generated
+
+
+def test_a_family_that_does_not_declare_its_attention_graph_safe_runs_as_before(packs, card):
+    engine = _engine(packs("gpt_oss", "int4"), card, "on")
+    assert "graph_step" in engine.decode_graphs_json()["why_not"]
+
+
+def test_the_tape_replays_on_the_recorded_tensors_with_python_frozen():
+    x, out, scale = torch.ones(3), torch.zeros(3), [2.0]
+    replay = Tape().record(lambda: (out.copy_(x * scale[0]), x.add_(1)))
+    assert out.tolist() == [2.0] * 3 and x.tolist() == [2.0] * 3     # recording ran it once
+    scale[0] = 10.0                                                  # Python is not read again
+    replay()
+    assert out.tolist() == [4.0] * 3 and x.tolist() == [3.0] * 3
+
+
+def test_a_piece_that_waits_for_the_device_cannot_be_recorded():
+    x = torch.ones(3)
+    with pytest.raises(RecordError, match="waits for the device"):
+        Tape().record(lambda: x.sum().item())
