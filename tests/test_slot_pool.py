@@ -260,3 +260,16 @@ def test_the_host_kernels_never_get_a_device_slot(packs):
         pytest.skip("the native kernel is not built")
     assert runner._pointers(layer, [0, 1]) == [a for e in (0, 1) for a in kernels.addresses(host[e][0], host[e][1] == "int4p")]
     assert min(runner.rates.measure()) > 0 and runner.rates.time_experts(layer, 16, True) > 0
+
+
+def test_auto_with_room_for_every_expert_caches_every_expert(packs, card):
+    """--expert-cache auto budgets every expert as the pool allocates it: a slot is its blob
+    rounded up to the alignment, so the blobs' own sum held one expert fewer (15 of 16 here)."""
+    from moefit.config import ServeConfig
+    from moefit.runtime.engine import Engine
+    engine = Engine.open(packs("qwen3_moe", "int4"), ServeConfig(
+        device=f"sim:{card(64)}", ctx=64, vram_reserve_mib=1, low_headroom_mib=0, min_expert_slots=0,
+        expert_cache="auto"))
+    total = len(engine.pack.model_blobs)
+    assert engine.plan.slots == len(engine.runner.slots) == total
+    assert engine.runner.pool.allocated == engine.plan.line("expert cache").bytes

@@ -261,8 +261,8 @@ def _host_check(status, message, fixes, cfg: ServeConfig, resident, host: int, h
 
 
 def _cache_budget(cfg: ServeConfig, fp: Footprint, available: int) -> int:
-    if cfg.expert_cache == "auto":
-        return max(0, min(available, sum(fp.blob_sizes.values())))
+    if cfg.expert_cache == "auto":                  # every expert, as the pool allocates them (slots are aligned)
+        return max(0, min(available, pool_bytes(list(fp.blob_sizes), fp.blob_sizes)))
     return slots_bytes(int(cfg.expert_cache), fp.largest_blob)
 
 

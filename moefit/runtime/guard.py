@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from moefit.errors import DeviceOutOfMemory
 from moefit.experts.cache import fill
-from moefit.experts.slots import stride
+from moefit.experts.slots import pool_bytes, stride
 from moefit.memory.devices import MIB
 
 log = logging.getLogger("moefit.guard")
@@ -76,7 +76,8 @@ class Guard:
         expert (a dirty start's small plan is not a ceiling once the culprit is gone)."""
         if self.engine.cfg.expert_cache != "auto":
             return self.engine.loaded.plan.cache_budget
-        return sum(self.engine.runner.book.sizes.values())
+        sizes = self.engine.runner.book.sizes
+        return pool_bytes(list(sizes), sizes)       # every expert, as the pool allocates them
 
     def shrink(self, need_bytes: int, why: str) -> int:
         """Give back the coldest experts' pool chunks until need_bytes are freed (to the
