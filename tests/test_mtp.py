@@ -263,3 +263,19 @@ def test_a_kept_session_keeps_its_mtp_rows(mtp_packs, tmp_path):
     turn = PROMPT + reply + [11, 12]
     resumed, continued = after.generate(turn, GREEDY)[1], before.generate(turn, GREEDY)[1]
     assert resumed.generated == continued.generated and resumed.cached_tokens == continued.cached_tokens
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "glm4_moe"])
+def test_mtp_drafts_with_recorded_decode_steps_keep_greedy_output(family, mtp_packs, card, monkeypatch):
+    """--decode-graphs on (runtime/decode_graphs.py, the simulated card's tape): decode steps replay
+    their pieces, verify windows run as before, DeltaNet layers roll back from their checkpoints
+    between them; the tokens are those of plain greedy decoding."""
+    from moefit.runtime import decode_graphs
+    monkeypatch.setattr(decode_graphs, "MIN_BUCKET", 16)
+    pack = mtp_packs(family, "int8")
+    base = ServeConfig(device=f"sim:{card(64)}", ctx=128, vram_reserve_mib=24, low_headroom_mib=0)
+    want = Engine.open(pack, base).generate(PROMPT, GREEDY)[1].generated
+    engine = Engine.open(pack, base.with_(spec="mtp", spec_window=3, decode_graphs="on"))
+    got = engine.generate(PROMPT, GREEDY)[1].generated
+    assert engine.spec_stats.drafted > 0 and engine.graphs.replays > 0
+    assert got == want

@@ -86,7 +86,11 @@ def library() -> ctypes.CDLL | None:
     global _lib
     if _lib is None:
         _lib = _load() or False
-    return None if getattr(_this_thread, "off", False) else _lib or None
+    return None if host_calls_are_off() else _lib or None
+
+
+def host_calls_are_off() -> bool:
+    return getattr(_this_thread, "off", False)
 
 
 @contextmanager

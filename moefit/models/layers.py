@@ -231,6 +231,8 @@ class DecoderModel:
 def made_once(cache: dict, layer: dict, make):
     """What make() builds for a layer's weights (a native step), built once and kept in cache by
     the weights, not the index: an MTP layer is "layer 0" too. Entries are (layer, it)."""
+    if kernels.host_calls_are_off():          # made now it would never call the host: not kept
+        return make()
     made = cache.get(id(layer))
     if made is None or made[0] is not layer:
         made = cache[id(layer)] = (layer, make())

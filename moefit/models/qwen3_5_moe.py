@@ -27,6 +27,8 @@ from moefit.models.layers import (DecoderModel, RopeTable, Weights, linear, made
 
 
 class Qwen3_5Moe(DecoderModel):
+    graph_step = True        # its attention and DeltaNet read the state only as decode_graphs.BucketView answers
+
     def __init__(self, cfg, w: Weights, rope: RopeTable):
         self.cfg, self.rope = cfg, rope
         self.dims = spec.linear_dims(cfg)                  # Hk, Hv, Dk, Dv, conv kernel
@@ -139,8 +141,12 @@ class Qwen3_5Moe(DecoderModel):
             state.conv_inputs = proj[:, :2 * hk * dk + hv * dv]
         return torch.cat(out)
 
-    def mlp(self, i, layer, x, experts) -> torch.Tensor:
+    def route(self, i, layer, x) -> tuple[torch.Tensor, torch.Tensor]:
         weights, ids = softmax_topk(x, layer["router"], self.cfg.top_k, renorm=True)        # [T, k]
+        return weights.to(x.dtype), ids
+
+    def mlp(self, i, layer, x, experts, routed=None) -> torch.Tensor:
+        weights, ids = routed or self.route(i, layer, x)
         shared = torch.sigmoid(linear(x, layer["shared_gate"])) * swiglu(x, layer["shared_gate_up"],
                                                                           layer["shared_down"])
-        return experts.run(i, x, ids, weights.to(x.dtype)) + shared
+        return experts.run(i, x, ids, weights) + shared

@@ -21,8 +21,9 @@ the pieces leave each other lives in tensors made here (x, moe, h_i, the guesses
 recorder's pool.
 
 It applies where the family says its attention reads the sequence state only through the view
-below (`graph_step`), to a whole-context KV store in a float codec, one token a forward; a
-verify window, a prompt chunk, a ring, a quantised or streamed KV cache run as before.
+below (`graph_step`), to a whole-context KV store in a float codec and Gated DeltaNet layers
+(whose state is updated in place; their bookkeeping runs before the pieces), one token a
+forward; a verify window, a prompt chunk, a ring, a quantised or streamed KV cache run as before.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import torch
 from moefit.models.layers import GUESS_RANKS, next_layer_guess, rms_norm
 from moefit.runtime.kv_codecs import FloatRows
 from moefit.runtime.recorders import RecordError, recorder_for
-from moefit.runtime.state import AttentionState
+from moefit.runtime.state import AttentionState, RecurrentLayerState
 
 MIN_BUCKET = 256
 
@@ -48,8 +49,10 @@ def why_not(model, states, device_kind: str) -> str | None:
     if not hasattr(model.rope, "at"):
         return "its rope has no angles from a device position"
     for layer in (x for s in states for x in s.layers):
+        if isinstance(layer, RecurrentLayerState):
+            continue
         if not isinstance(layer, AttentionState) or layer.slot_pos is not None or layer.window is not None:
-            return "a layer's state is not a whole-context KV store (a ring, a window, a recurrent layer)"
+            return "a layer's state is not a whole-context KV store (a ring, a window)"
         if not (type(layer.kc) is FloatRows and type(layer.vc) is FloatRows):
             return "the KV cache is quantised (its codes and scales are written by slices)"
     return None
@@ -66,6 +69,7 @@ class BucketView:
 
     def __init__(self, state, pos: torch.Tensor, bucket: int):
         self.state, self.pos, self.bucket = state, pos, bucket
+        self.layers = [Begun(x) if isinstance(x, RecurrentLayerState) else x for x in state.layers]
 
     def write(self, i: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         layer = self.state.layers[i]
@@ -96,6 +100,20 @@ class BucketView:
         return None
 
 
+class Begun:
+    """A recurrent layer's state inside a piece: its begin() (Python bookkeeping, and at a resume a
+    copy) ran before the piece, each token (DecodeGraphs.forward); its tensors are the layer's."""
+
+    def __init__(self, state: RecurrentLayerState):
+        self._state = state
+
+    def begin(self, start: int, t: int) -> None:
+        pass
+
+    def __getattr__(self, name: str):
+        return getattr(self._state, name)
+
+
 class DecodeGraphs:
     """The pieces of one model's decode step, recorded per (session state, layer, bucket)."""
 
@@ -120,11 +138,14 @@ class DecodeGraphs:
     def forward(self, token: torch.Tensor, start: int, state, experts) -> torch.Tensor:
         """Final hidden states [1, E] of one token at position start, as decoder_stack computes them."""
         m = self.model
-        bucket = bucket_of(start, state.layers[0].capacity)
+        bucket = bucket_of(start, min(x.capacity for x in state.layers if isinstance(x, AttentionState)))
         view = BucketView(state, self.pos, bucket)
         if bucket not in self.masks:
             self.masks[bucket] = torch.zeros(1, bucket, dtype=torch.bool, device=self.pos.device)
         self.pos.fill_(start)
+        for layer in state.layers:                      # recurrent layers' bookkeeping: not in a piece
+            if isinstance(layer, RecurrentLayerState):
+                layer.begin(start, 1)
         self.x.copy_(m.embed[token].to(device=self.x.device, dtype=self.x.dtype))
         self._run(("head", bucket), functools.partial(self._head, bucket))
         look = experts.look_ahead
