@@ -6,10 +6,13 @@ pieces."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
+from moefit import kernels
 from moefit.config import ServeConfig
 from moefit.runtime import decode_graphs
 from moefit.runtime.engine import Engine
@@ -31,9 +34,12 @@ def _engine(pack, card, graphs: str, **kw) -> Engine:
                                             "decode_graphs": graphs, **kw}))
 
 
-def _teacher_forced(engine: Engine, tokens: list[int], prompt: int) -> list[torch.Tensor]:
+def _teacher_forced(engine: Engine, tokens: list[int], prompt: int, torch_ops: bool = False) -> list[torch.Tensor]:
+    """Each decode step's logits over `tokens`; torch_ops: the steps through torch's operations
+    (a card's path) instead of the host's native calls."""
     engine.prefill(tokens[:prompt])
-    return [engine.decode_step(tokens[p], p).float() for p in range(prompt, len(tokens))]
+    with kernels.host_calls_off() if torch_ops else contextlib.nullcontext():
+        return [engine.decode_step(tokens[p], p).float() for p in range(prompt, len(tokens))]
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "glm4_moe", "olmoe", "qwen3_5_moe", "qwen3_next"])
@@ -98,9 +104,30 @@ def test_a_decode_step_issues_a_few_operations_a_layer_besides_its_experts(packs
     assert counts["on"] * 5 < counts["off"], counts      # measured: 80 a layer against 9
 
 
+@pytest.fixture(scope="module")
+def head_dim_32(tmp_path_factory):
+    """The tiny Qwen3-MoE with heads of 32 (q4's group), fp32 experts."""
+    import tiny
+    from moefit.pack.convert import convert
+    root = tmp_path_factory.mktemp("hd32")
+    convert(tiny.build_checkpoint("qwen3_moe", root / "hf", head_dim=32), root / "pack", "fp32", progress=False)
+    return root / "pack"
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "q4", "k8v4", "bf16"])
+def test_a_quantised_kv_cache_is_written_and_read_in_the_pieces_as_the_forward_does(kv_dtype, head_dim_32, card,
+                                                                                    small_buckets):
+    """The same codes and scales put at the device's position (q4's rows rotated, the query turned
+    into their space and the output back), the bucket decoded and attended: the forward's logits."""
+    tokens = torch.randint(0, 300, (40,), generator=torch.Generator().manual_seed(2)).tolist()
+    on, off = (_engine(head_dim_32, card, g, kv_dtype=kv_dtype) for g in ("on", "off"))
+    worst = max(float((a - b).abs().max() / b.abs().max()) for a, b in      # (the host's native step reads bf16
+                zip(_teacher_forced(on, tokens, 5), _teacher_forced(off, tokens, 5, torch_ops=True)))  # rows 5e-5 off)
+    assert on.graphs.replays > 0 and worst < 1e-5
+
+
 @pytest.mark.parametrize("change, why", [
     ({"device": "cpu"}, "cpu device"),
-    ({"kv_dtype": "int8"}, "quantised"),
     ({"kv_resident": "32", "prefill_chunk": 16}, "whole-context"),
 ])
 def test_where_pieces_cannot_be_recorded_the_step_runs_as_before_and_says_why(change, why, packs, card):

@@ -21,9 +21,9 @@ the pieces leave each other lives in tensors made here (x, moe, h_i, the guesses
 recorder's pool.
 
 It applies where the family says its attention reads the sequence state only through the view
-below (`graph_step`), to a whole-context KV store in a float codec and Gated DeltaNet layers
+below (`graph_step`), to a whole-context KV store (any KV dtype) and Gated DeltaNet layers
 (whose state is updated in place; their bookkeeping runs before the pieces), one token a
-forward; a verify window, a prompt chunk, a ring, a quantised or streamed KV cache run as before.
+forward; a verify window, a prompt chunk, a ring or a streamed KV cache run as before.
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ import functools
 import torch
 
 from moefit.models.layers import GUESS_RANKS, next_layer_guess, rms_norm
-from moefit.runtime.kv_codecs import FloatRows
 from moefit.runtime.recorders import RecordError, recorder_for
 from moefit.runtime.state import AttentionState, RecurrentLayerState
 
@@ -53,8 +52,6 @@ def why_not(model, states, device_kind: str) -> str | None:
             continue
         if not isinstance(layer, AttentionState) or layer.slot_pos is not None or layer.window is not None:
             return "a layer's state is not a whole-context KV store (a ring, a window)"
-        if not (type(layer.kc) is FloatRows and type(layer.vc) is FloatRows):
-            return "the KV cache is quantised (its codes and scales are written by slices)"
     return None
 
 
@@ -72,17 +69,17 @@ class BucketView:
         self.layers = [Begun(x) if isinstance(x, RecurrentLayerState) else x for x in state.layers]
 
     def write(self, i: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        layer = self.state.layers[i]
-        for store, x in ((layer.k["x"], k), (layer.v["x"], v)):
-            store.index_copy_(1, self.pos, x.to(store.dtype))
+        layer = self.state.layers[i]                  # any codec: its rows put at the device's index
+        layer.kc.put(layer.k, self.pos, k)
+        layer.vc.put(layer.v, self.pos, v)
 
     def parts(self, i: int, end: int, stored: bool = False) -> list[tuple]:
-        layer = self.state.layers[i]
-        return [(layer.k["x"][:, :self.bucket].to(layer.compute_dtype),
-                 layer.v["x"][:, :self.bucket].to(layer.compute_dtype), None)]
+        layer, rows = self.state.layers[i], slice(0, self.bucket)
+        dt = layer.compute_dtype
+        return [(layer.kc.get(layer.k, rows, dt), layer.vc.get(layer.v, rows, dt), None)]
 
     def rotations(self, i: int):
-        return None, None
+        return self.state.layers[i].rotations
 
     def window(self, i: int) -> None:
         return None
