@@ -99,6 +99,15 @@ def check_cache(device: str, pack) -> dict:
 def check_syncs(device: str, pack) -> dict:
     engine = Engine.open(pack, cfg(device))
     engine.generate(engine.codec.encode(PROMPT), SamplingParams(max_tokens=4, temperature=0))   # warm
+    out = watching_syncs(engine, device, lambda: engine.generate(engine.codec.encode(PROMPT), GREEDY))
+    out.pop("result")
+    out["ok"] = out["handoffs_per_moe_layer_token"] <= 2 and out.get("sync_debug_warnings_per_moe_layer_token", 0) <= 2
+    return out
+
+
+def watching_syncs(engine: Engine, device: str, run) -> dict:
+    """run()'s result, with the hand-offs a MoE layer-token it made and, on CUDA, the
+    synchronisations torch.cuda.set_sync_debug_mode warned of."""
     runner, layers = engine.runner, len(engine.pack.model.moe_layers)
     before, tokens_before = runner.handoffs, runner.tokens
     cuda = device.startswith("cuda")
@@ -107,21 +116,18 @@ def check_syncs(device: str, pack) -> dict:
         if cuda:
             torch.cuda.set_sync_debug_mode("warn")
         try:
-            engine.generate(engine.codec.encode(PROMPT), GREEDY)
+            result = run()
         finally:
             if cuda:
                 torch.cuda.set_sync_debug_mode("default")
-    decoded = runner.tokens - tokens_before
-    per_layer = (runner.handoffs - before) / decoded / layers
+    decoded = max(1, runner.tokens - tokens_before)
     synced = [str(w.message)[:120] for w in caught if "synchroniz" in str(w.message).lower()]
-    out = {"handoffs_per_moe_layer_token": per_layer, "tokens": decoded}
+    out = {"result": result, "handoffs_per_moe_layer_token": (runner.handoffs - before) / decoded / layers,
+           "tokens": decoded}
     if cuda:
         out["sync_debug_warnings_per_token"] = len(synced) / max(1, len(engine.last.generated))
         out["sync_debug_warnings_per_moe_layer_token"] = len(synced) / decoded / layers
         out["sync_debug_samples"] = sorted(set(synced))[:8]
-        out["ok"] = per_layer <= 2 and out["sync_debug_warnings_per_moe_layer_token"] <= 2
-    else:
-        out["ok"] = per_layer <= 2
     return out
 
 
