@@ -42,7 +42,8 @@ def _teacher_forced(engine: Engine, tokens: list[int], prompt: int, torch_ops: b
         return [engine.decode_step(tokens[p], p).float() for p in range(prompt, len(tokens))]
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "glm4_moe", "olmoe", "qwen3_5_moe", "qwen3_next"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "glm4_moe", "olmoe", "qwen3_5_moe", "qwen3_next",
+                                    "deepseek_v3", "glm4_moe_lite"])
 def test_recorded_pieces_give_the_logits_of_the_forward_across_buckets(family, packs, card, small_buckets):
     tokens = torch.randint(0, 300, (60,), generator=torch.Generator().manual_seed(1)).tolist()
     on, off = (_engine(packs(family, "fp32"), card, g) for g in ("on", "off"))    # (int4 experts on the host
