@@ -132,22 +132,26 @@ def watching_syncs(engine: Engine, device: str, run) -> dict:
 
 
 def check_launches(device: str, pack) -> dict:
-    """CUDA kernel launches per decode token (torch.profiler's launch calls over 8 tokens); the
-    resident experts go a group at a time (experts/grouped.py), so this should not grow with them."""
+    """CUDA kernel and graph launches per decode token (torch.profiler's launch calls over 8
+    tokens), without and with --decode-graphs: what the host issues each token."""
     if not device.startswith("cuda"):
         return {"ok": None, "skipped": "counts CUDA launches"}
-    engine = Engine.open(pack, cfg(device))
-    engine.generate(engine.codec.encode(PROMPT), SamplingParams(max_tokens=4, temperature=0))   # warm
     from torch.profiler import ProfilerActivity, profile
-    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-    try:
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            engine.generate(engine.codec.encode(PROMPT), params)
-    except Exception as e:                          # a profiler that will not start is not a failed check
-        return {"ok": None, "skipped": f"not measured: {type(e).__name__}: {e}"[:200]}
-    launches = sum(ev.count for ev in prof.key_averages() if "LaunchKernel" in ev.key)
-    return {"ok": None, "launches_per_token": launches / max(1, len(engine.last.generated)),
-            "moe_layers": len(engine.pack.model.moe_layers)}
+    out = {"ok": None, "moe_layers": len(Engine.open(pack, cfg(device)).pack.model.moe_layers)}
+    for graphs in ("off", "on"):
+        engine = Engine.open(pack, cfg(device, decode_graphs=graphs))
+        engine.generate(engine.codec.encode(PROMPT), SamplingParams(max_tokens=4, temperature=0))   # warm
+        params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+        try:
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                engine.generate(engine.codec.encode(PROMPT), params)
+        except Exception as e:                      # a profiler that will not start is not a failed check
+            return {"ok": None, "skipped": f"not measured: {type(e).__name__}: {e}"[:200]}
+        n = max(1, len(engine.last.generated))
+        counts = {ev.key: ev.count for ev in prof.key_averages() if "Launch" in ev.key}
+        out[f"graphs_{graphs}"] = {"kernel_launches_per_token": sum(c for k, c in counts.items() if "Kernel" in k) / n,
+                                   "graph_launches_per_token": sum(c for k, c in counts.items() if "Graph" in k) / n}
+    return out
 
 
 def check_ledger(device: str, pack) -> dict:

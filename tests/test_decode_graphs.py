@@ -155,3 +155,17 @@ def test_a_piece_that_waits_for_the_device_cannot_be_recorded():
     x = torch.ones(3)
     with pytest.raises(RecordError, match="waits for the device"):
         Tape().record(lambda: x.sum().item())
+
+
+def test_when_the_guard_gives_memory_back_the_recordings_go_and_are_made_again(packs, card):
+    from moefit.runtime.guard import Guard
+    engine = _engine(packs("qwen3_moe", "int4"), card, "on")
+    want = engine.generate([1, 2, 3, 4, 5], GREEDY)[1].generated
+    assert engine.graphs.pieces
+    Guard(engine, floor_bytes=0).shrink(engine.runner.pool.allocated // 4, "test")
+    assert not engine.graphs.pieces and engine.graphs.rec.pool_bytes == 0
+    off = _engine(packs("qwen3_moe", "int4"), card, "off")
+    off.generate([1, 2, 3, 4, 5], GREEDY)
+    Guard(off, floor_bytes=0).shrink(off.runner.pool.allocated // 4, "test")
+    assert engine.generate([9, 8, 7], GREEDY)[1].generated == off.generate([9, 8, 7], GREEDY)[1].generated
+    assert engine.graphs.pieces

@@ -197,6 +197,11 @@ class DecodeGraphs:
     def _tail(self) -> None:
         self.out.copy_(rms_norm(self.x + self.moe, self.model.norm, self.model.cfg.rms_norm_eps))
 
+    def forget(self) -> None:
+        """Drop every recording and its pool (the guard gives memory back): the next steps record again."""
+        self.pieces.clear()
+        self.rec = recorder_for(self.pos.device)
+
     def to_json(self) -> dict:
         return {"recorder": self.rec.kind, "pieces": len(self.pieces), "replays": self.replays,
                 "pool_bytes": self.rec.pool_bytes, "broken": self.broken}

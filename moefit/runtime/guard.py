@@ -85,6 +85,8 @@ class Guard:
         runner, before = self.engine.runner, len(self.engine.runner.slots)
         freed = runner.give_back(need_bytes)
         runner.book.budget = runner.book.used
+        if self.engine.graphs is not None:        # the recordings' pool goes too (recorded again as steps run)
+            self.engine.graphs.forget()
         self.engine.loaded.mem.release_cached()
         if before != len(runner.slots) or freed:
             self.resizes += 1
