@@ -180,9 +180,16 @@ def _against_nvml(engine: Engine) -> dict:
     snap = mem.snapshot()
     used = snap.total_bytes - snap.free_bytes
     expected = plan.line(L.OTHER).bytes + plan.planned_device_bytes()
+    allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+    # what is beyond the plan, split: torch's cache of freed blocks (the reserve's scratch, held
+    # for the next prompt), tensors beyond the planned lines, and what is not torch's at all
+    # (the context's growth since the start: cuBLAS, loaded kernels)
+    split = {"torch_cached_bytes": reserved - allocated, "allocated_beyond_plan_bytes": allocated - sum(mem.charged.values()),
+             "outside_torch_bytes": used - plan.line(L.OTHER).bytes - reserved}
     return {"nvml_used_bytes": used, "ledger_used_bytes": expected, "reserve_bytes": plan.reserve.total,
             "beyond_plan_bytes": used - expected, "ledger_vs_nvml": (used - expected) / used,
-            "memory_allocated": torch.cuda.memory_allocated(), "memory_reserved": torch.cuda.memory_reserved(),
+            "ledger_and_cache_vs_nvml": (used - expected - split["torch_cached_bytes"]) / used, **split,
+            "memory_allocated": allocated, "memory_reserved": reserved,
             "nvml_this_process": next((p.bytes for p in snap.processes if p.pid == _pid()), None)}
 
 

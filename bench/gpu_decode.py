@@ -47,8 +47,9 @@ def check_decode(device: str, quick: bool, journal=None, pack_dir: str | None = 
             "slots": len(e.runner.slots), "tok_s_12_layers_first_64": first,
             "tok_s_12_layers": 1 / dt, "tok_s_48_layers_extrapolated": 1 / (dt * 4),
             "hit_rate": e.runner.book.hit_rate(), "prefill_tok_s": e.last.prefill_tokens_per_s,
-            **{k: v for k, v in _against_nvml(e).items() if k in ("ledger_vs_nvml", "beyond_plan_bytes",
-                                                                   "nvml_used_bytes", "ledger_used_bytes")}}
+            **{k: v for k, v in _against_nvml(e).items() if k in (
+                "ledger_vs_nvml", "ledger_and_cache_vs_nvml", "beyond_plan_bytes", "nvml_used_bytes", "ledger_used_bytes",
+                "torch_cached_bytes", "allocated_beyond_plan_bytes", "outside_torch_bytes")}}
         # the same without the slot-table kernels (the resident experts queued after the wait,
         # grouped, through the fused matvec): what queuing them early is worth
         row["tok_s_12_layers_grouped"] = _without(e, prompt, slot_table=True)
