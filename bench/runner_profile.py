@@ -57,7 +57,7 @@ def main() -> None:
     buf = io.StringIO()
     stats = pstats.Stats(prof, stream=buf)
     stats.sort_stats("tottime").print_stats(25)
-    stats.sort_stats("cumtime").print_callees(r"\(run\)|\(prefetch\)")
+    stats.sort_stats("cumtime").print_callees(r"\(run\)|\(prefetch\)|\(_load_async\)|\(_make_room\)|\(_arrived\)|\(landed\)")
     print(buf.getvalue())
 
 

@@ -151,10 +151,12 @@ def test_the_tape_replays_on_the_recorded_tensors_with_python_frozen():
     assert out.tolist() == [4.0] * 3 and x.tolist() == [3.0] * 3
 
 
-def test_a_piece_that_waits_for_the_device_cannot_be_recorded():
+@pytest.mark.parametrize("piece", [lambda x: x.sum().item(), lambda x: x.nonzero(), lambda x: x[x > 0],
+                                   lambda x: x.repeat_interleave(x.long())])
+def test_a_piece_that_waits_for_the_device_cannot_be_recorded(piece):
     x = torch.ones(3)
     with pytest.raises(RecordError, match="waits for the device"):
-        Tape().record(lambda: x.sum().item())
+        Tape().record(lambda: piece(x))
 
 
 def test_when_the_guard_gives_memory_back_the_recordings_go_and_are_made_again(packs, card):

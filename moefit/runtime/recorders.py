@@ -21,7 +21,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from moefit import kernels
 
-SYNCING = ("aten._local_scalar_dense", "aten.nonzero", "aten.masked_select", "aten.unique", "aten.item")
+SYNCING = ("aten._local_scalar_dense", "aten.nonzero", "aten.masked_select", "aten.unique", "aten._unique",
+           "aten.item", "aten.repeat_interleave.Tensor")          # each waits to learn a value or a size
 
 
 class RecordError(RuntimeError):
@@ -52,7 +53,7 @@ class _Recording(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if any(str(func).startswith(s) for s in SYNCING):
+        if _waits(func, args):
             raise RecordError(f"{func} waits for the device: a recorded piece may not")
         out = func(*args, **kwargs)
         fresh = [t for t in _tensors(out) if not _aliases(t, args, kwargs)]
@@ -66,6 +67,17 @@ class _Recording(TorchDispatchMode):
             for was, now in zip(_tensors(out), _tensors(again)):
                 if id(was) in fresh:
                     was.copy_(now)
+
+
+def _waits(func, args) -> bool:
+    """Whether the operation needs a value from the device before it can go on: an item, a
+    data-dependent size, or indexing by a boolean mask (which finds its True positions first)."""
+    name = str(func)
+    if any(name.startswith(s) for s in SYNCING):
+        return True
+    if name.startswith(("aten.index.Tensor", "aten.index_put")) and len(args) > 1:
+        return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1] or ())
+    return False
 
 
 def _tensors(out) -> list[torch.Tensor]:
