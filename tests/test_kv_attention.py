@@ -163,3 +163,19 @@ def check_every_dtype() -> str:
 def test_the_narrower_instruction_sets_compute_the_same(isa):
     from narrow_isa import check_under
     check_under(isa, "test_kv_attention", "check_every_dtype")
+
+
+@pytest.mark.parametrize("t", [1, 3, 16])
+def test_a_few_masked_positions_attend_as_the_expanded_heads_would_without_expanding_them(t):
+    """models/attention.sdpa: a verify window's (or a recorded step's bucket's) grouped-query
+    attention under a mask as each kv head's query heads x positions in rows, the mask repeated:
+    the numbers of the expanded [H, S, D] keys and values, which it no longer copies."""
+    import torch.nn.functional as F
+    from moefit.models.attention import causal_mask, sdpa
+    gen = torch.Generator().manual_seed(t)
+    h, kv, s, d = 8, 2, 40, 16
+    q, k, v = (torch.randn(*shape, generator=gen) for shape in ((h, t, d), (kv, s, d), (kv, s, d)))
+    mask = causal_mask(s - t, t, None, "cpu") if t > 1 else torch.arange(s)[None] <= 30
+    want = F.scaled_dot_product_attention(q[None], k.repeat_interleave(h // kv, 0)[None],
+                                          v.repeat_interleave(h // kv, 0)[None], attn_mask=mask)[0]
+    assert (sdpa(q, k, v, mask, None) - want).abs().max() < 1e-6

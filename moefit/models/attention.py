@@ -130,11 +130,8 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor |
         out = F.scaled_dot_product_attention(q.reshape(k.shape[0], h // k.shape[0] * t, d)[None], k[None], v[None],
                                              scale=scale)[0]
         return out.reshape(h, t, -1)
-    if gqa and mask is not None and q.shape[1] == 1:        # one position under a mask (a recorded decode step's
-        h, _, d = q.shape                                     # bucket): the query heads as rows, the mask broadcast
-        out = F.scaled_dot_product_attention(q.reshape(k.shape[0], h // k.shape[0], d)[None], k[None], v[None],
-                                             attn_mask=mask, scale=scale)[0]
-        return out.reshape(h, 1, -1)
+    if gqa and mask is not None and q.shape[1] <= SPLIT_TOKENS:   # a few positions under a mask (a verify window,
+        return _rows_per_kv_head(q, k, v, mask, scale)               # a recorded step's bucket): no [H, S, D] copy
     if q.device.type == "cuda" and mask is not None:
         from torch.nn.attention import SDPBackend, sdpa_kernel
         if gqa:
@@ -180,6 +177,17 @@ def attend_parts(q: torch.Tensor, parts, q_pos: torch.Tensor, window: int | None
 
 
 SPLIT_TOKENS = 16       # a forward of at most this many tokens reads the keys before it as stored
+
+
+def _rows_per_kv_head(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                      scale: float | None) -> torch.Tensor:
+    """Grouped-query attention of a few positions as one kv head's query heads x positions in
+    rows (q [H, T, D] -> [K, G T, D], row g T + t), the mask [T, S] repeated for each of G."""
+    h, t, d = q.shape
+    g = h // k.shape[0]
+    out = F.scaled_dot_product_attention(q.reshape(k.shape[0], g * t, d)[None], k[None], v[None],
+                                         attn_mask=mask.repeat(g, 1) if t > 1 else mask, scale=scale)[0]
+    return out.reshape(h, t, -1)
 
 
 def _splits(parts, start: int, t: int, window: int | None) -> bool:
