@@ -55,6 +55,24 @@ def test_recorded_pieces_give_the_logits_of_the_forward_across_buckets(family, p
     assert on.decode_graphs_json()["replays"] > 0 and on.decode_graphs_json()["broken"] is None
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_verify_windows_replay_their_own_pieces_with_the_forwards_logits(family, packs, card, small_buckets):
+    """Windows of 2-5 tokens (each length recorded once per bucket), rejected tails written over
+    by the next window, across two bucket boundaries."""
+    tokens = torch.randint(0, 300, (60,), generator=torch.Generator().manual_seed(3)).tolist()
+    engines, logits = {g: _engine(packs(family, "fp32"), card, g) for g in ("on", "off")}, {}
+    for graphs, engine in engines.items():
+        got, pos = [], 5
+        engine.prefill(tokens[:5])
+        for t in [4, 2, 5, 3] * 4:
+            got.append(engine.forward(tokens[pos:pos + t], pos).float())
+            pos += t - 1                                  # the window's last token rejected
+        logits[graphs] = got
+    assert max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(logits["on"], logits["off"])) < 1e-5
+    assert {key[-1] for key in engines["on"].graphs.pieces if key[0] == "tail"} == {2, 3, 4, 5}
+    assert engines["on"].graphs.replays > 0
+
+
 def test_greedy_tokens_do_not_change_with_decode_graphs_or_sessions(packs, card, small_buckets):
     pack = packs("qwen3_moe", "int4")
     off = _engine(pack, card, "off")

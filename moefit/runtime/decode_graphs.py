@@ -15,15 +15,17 @@ between the pieces (the router, the runner's hand-off with the host, the experts
 
 A piece may not read a Python position, so attention reads a bucket of the cache (256, 512, ...
 positions: the least that holds this one) with the keys past the position masked, and writes
-its key and value at the position the device holds (index_copy_): a piece recorded for a bucket
-serves each position in it, and a context of 128K records at most ten buckets a layer. What
-the pieces leave each other lives in tensors made here (x, moe, h_i, the guesses), never in a
-recorder's pool.
+its key and value at the positions the device holds (the codec's put at an index tensor): a
+piece recorded for a bucket serves each position in it, and a context of 128K records at most
+ten buckets a layer. A verify window of T tokens (T <= 16) has pieces of its own, per T. What
+the pieces leave each other lives in tensors made here (`Rows`: x, moe, h_i, the router's
+output, the guesses), never in a recorder's pool.
 
 It applies where the family says its attention reads the sequence state only through the view
 below (`graph_step`), to a whole-context KV store (any KV dtype) and Gated DeltaNet layers
-(whose state is updated in place; their bookkeeping runs before the pieces), one token a
-forward; a verify window, a prompt chunk, a ring or a streamed KV cache run as before.
+(whose state is updated in place; their bookkeeping runs before the pieces; a window of theirs
+keeps a checkpoint a position and runs as before); a prompt chunk, a ring or a streamed KV
+cache run as before.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import functools
 
 import torch
 
+from moefit.experts.grouped import DENSE_TOKENS
 from moefit.models.layers import GUESS_RANKS, next_layer_guess, rms_norm
 from moefit.runtime.recorders import RecordError, recorder_for
 from moefit.runtime.state import AttentionState, RecurrentLayerState
@@ -111,50 +114,70 @@ class Begun:
         return getattr(self._state, name)
 
 
+class Rows:
+    """What the pieces of a forward of T tokens leave each other, made outside any recorder's pool:
+    the residual stream x, the MoE output, each layer's MoE input h, router output and
+    look-ahead guess, the positions, RoPE's angles and each bucket's mask."""
+
+    def __init__(self, model, t: int, pos: torch.Tensor):
+        device, e, dt, k = pos.device, model.cfg.hidden_size, model.norm.dtype, model.cfg.top_k
+        zeros = functools.partial(torch.zeros, dtype=dt, device=device)
+        longs = functools.partial(torch.zeros, dtype=torch.long, device=device)
+        self.t, self.positions = t, longs(t)
+        self.x, self.moe, self.out = zeros(t, e), zeros(t, e), zeros(t, e)
+        self.h = [zeros(t, e) for _ in model.layers]
+        ranks = min(GUESS_RANKS * k, model.cfg.num_experts)
+        self.guess = [longs(t, ranks) for _ in model.layers]
+        moe = [i for i, layer in enumerate(model.layers) if "router" in layer and hasattr(model, "route")]
+        self.weights, self.ids = {i: zeros(t, k) for i in moe}, {i: longs(t, k) for i in moe}
+        self.cos, self.sin = (c.clone() for c in model.rope.at(self.positions))
+        self.masks: dict[int, torch.Tensor] = {}
+
+    def mask(self, bucket: int) -> torch.Tensor:
+        if bucket not in self.masks:
+            self.masks[bucket] = torch.zeros(self.t, bucket, dtype=torch.bool, device=self.x.device)
+        return self.masks[bucket]
+
+
 class DecodeGraphs:
-    """The pieces of one model's decode step, recorded per (session state, layer, bucket)."""
+    """The pieces of one model's decode step (and verify window), recorded per (session state,
+    layer, bucket, tokens)."""
 
     def __init__(self, model, device: torch.device):
         self.model, self.rec = model, recorder_for(device)
-        e, dt = model.cfg.hidden_size, model.norm.dtype
-        zeros = functools.partial(torch.zeros, dtype=dt, device=device)
         self.pos = torch.zeros(1, dtype=torch.long, device=device)
-        self.x, self.moe, self.out = zeros(1, e), zeros(1, e), zeros(1, e)
-        self.h = [zeros(1, e) for _ in model.layers]
-        ranks = min(GUESS_RANKS * model.cfg.top_k, model.cfg.num_experts)
-        self.guess = [torch.zeros(1, ranks, dtype=torch.long, device=device) for _ in model.layers]
-        moe = [i for i, layer in enumerate(model.layers) if "router" in layer and hasattr(model, "route")]
-        self.weights = {i: zeros(1, model.cfg.top_k) for i in moe}
-        self.ids = {i: torch.zeros(1, model.cfg.top_k, dtype=torch.long, device=device) for i in moe}
-        self.cos, self.sin = (t.clone() for t in model.rope.at(self.pos))
-        self.masks: dict[int, torch.Tensor] = {}
+        self.rows: dict[int, Rows] = {}
         self.pieces: dict[tuple, tuple] = {}
         self.replays = 0
         self.broken: str | None = None          # a capture that failed: later steps run as before
 
-    def forward(self, token: torch.Tensor, start: int, state, experts) -> torch.Tensor:
-        """Final hidden states [1, E] of one token at position start, as decoder_stack computes them."""
-        m = self.model
-        bucket = bucket_of(start, min(x.capacity for x in state.layers if isinstance(x, AttentionState)))
-        view = BucketView(state, self.pos, bucket)
-        if bucket not in self.masks:
-            self.masks[bucket] = torch.zeros(1, bucket, dtype=torch.bool, device=self.pos.device)
+    def takes(self, tokens: int, state) -> bool:
+        """A decode step, or a verify window of a model without recurrent layers (theirs keeps a
+        checkpoint a position, made for each window)."""
+        return tokens == 1 or (tokens <= DENSE_TOKENS and not state.recurrent)
+
+    def forward(self, tokens: torch.Tensor, start: int, state, experts) -> torch.Tensor:
+        """Final hidden states [T, E] of tokens at positions start.., as decoder_stack computes them."""
+        m, t = self.model, tokens.shape[0]
+        rows = self.rows.get(t) or self.rows.setdefault(t, Rows(m, t, self.pos))
+        bucket = bucket_of(start + t - 1, min(x.capacity for x in state.layers if isinstance(x, AttentionState)))
+        view, mask = BucketView(state, rows.positions, bucket), rows.mask(bucket)
         self.pos.fill_(start)
         for layer in state.layers:                      # recurrent layers' bookkeeping: not in a piece
             if isinstance(layer, RecurrentLayerState):
-                layer.begin(start, 1)
-        self.x.copy_(m.embed[token].to(device=self.x.device, dtype=self.x.dtype))
-        self._run(("head", bucket), functools.partial(self._head, bucket))
+                layer.begin(start, t)
+        rows.x.copy_(m.embed[tokens].to(device=rows.x.device, dtype=rows.x.dtype))
+        self._run(("head", t, bucket), functools.partial(self._head, rows, mask))
         look = experts.look_ahead
         for i, layer in enumerate(m.layers):
             guess = look and i + 1 < len(m.layers) and "router" in m.layers[i + 1]
-            self._run((state, i, bucket, guess), functools.partial(self._layer, i, layer, bucket, view, guess))
+            self._run((state, i, bucket, guess, t), functools.partial(self._layer, rows, i, layer, view, mask, guess))
             if guess:
-                experts.expect(i + 1, self.guess[i + 1], "router" in layer)
-            routed = (self.weights[i], self.ids[i]) if i in self.weights else None
-            self.moe.copy_(m.mlp(i, layer, self.h[i], experts, routed))
-        self._run(("tail",), self._tail)
-        return self.out.clone()
+                experts.expect(i + 1, rows.guess[i + 1], "router" in layer)
+            routed = (rows.weights[i], rows.ids[i]) if i in rows.weights else None
+            rows.moe.copy_(m.mlp(i, layer, rows.h[i], experts, routed))
+        self._run(("tail", t), functools.partial(self._tail, rows))
+        return rows.out.clone()
 
     def _run(self, key: tuple, piece) -> None:
         """Replay the piece recorded under key, or record it (which runs it)."""
@@ -173,29 +196,30 @@ class DecodeGraphs:
                 raise
             self.broken = str(e)                 # CUDA ran it before the capture: this step is whole
 
-    def _head(self, bucket: int) -> None:
-        cos, sin = self.model.rope.at(self.pos)
-        self.cos.copy_(cos)
-        self.sin.copy_(sin)
-        self.masks[bucket].copy_((torch.arange(bucket, device=self.pos.device) <= self.pos)[None])
+    def _head(self, rows: Rows, mask: torch.Tensor) -> None:
+        rows.positions.copy_(self.pos + torch.arange(rows.t, device=self.pos.device))
+        cos, sin = self.model.rope.at(rows.positions)
+        rows.cos.copy_(cos)
+        rows.sin.copy_(sin)
+        mask.copy_(torch.arange(mask.shape[1], device=mask.device)[None, :] <= rows.positions[:, None])
 
-    def _layer(self, i: int, layer: dict, bucket: int, view: BucketView, guess: bool) -> None:
+    def _layer(self, rows: Rows, i: int, layer: dict, view: BucketView, mask: torch.Tensor, guess: bool) -> None:
         m, eps = self.model, self.model.cfg.rms_norm_eps
-        x = self.x + self.moe if i > 0 else self.x
-        x = x + m.attention(i, layer, rms_norm(x, layer["input_norm"], eps), bucket - 1, self.cos, self.sin,
-                            self.masks[bucket], view)
-        self.x.copy_(x)
+        x = rows.x + rows.moe if i > 0 else rows.x
+        x = x + m.attention(i, layer, rms_norm(x, layer["input_norm"], eps), view.bucket - rows.t, rows.cos,
+                            rows.sin, mask, view)
+        rows.x.copy_(x)
         if guess:
-            self.guess[i + 1].copy_(next_layer_guess(m, i + 1, x))
+            rows.guess[i + 1].copy_(next_layer_guess(m, i + 1, x))
         h = rms_norm(x, layer["post_norm"], eps)
-        self.h[i].copy_(h)
-        if i in self.weights:                                 # the router too (the family's `route`)
+        rows.h[i].copy_(h)
+        if i in rows.weights:                                 # the router too (the family's `route`)
             weights, ids = m.route(i, layer, h)
-            self.weights[i].copy_(weights)
-            self.ids[i].copy_(ids)
+            rows.weights[i].copy_(weights)
+            rows.ids[i].copy_(ids)
 
-    def _tail(self) -> None:
-        self.out.copy_(rms_norm(self.x + self.moe, self.model.norm, self.model.cfg.rms_norm_eps))
+    def _tail(self, rows: Rows) -> None:
+        rows.out.copy_(rms_norm(rows.x + rows.moe, self.model.norm, self.model.cfg.rms_norm_eps))
 
     def forget(self) -> None:
         """Drop every recording and its pool (the guard gives memory back): the next steps record again."""

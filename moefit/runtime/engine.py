@@ -165,7 +165,8 @@ class Engine:
         self.runner.tokens += len(tokens)
         ids = torch.tensor(tokens, dtype=torch.long)
         try:
-            if len(tokens) == 1 and self.graphs is not None and self.model.probe_fit is None:
+            if self.graphs is not None and self.graphs.takes(len(tokens), self.session.state) and \
+                    self.model.probe_fit is None and not last_only:     # not a prompt's chunk
                 h = self.graphs.forward(ids, start, self.session.state, self.runner)
             else:
                 h = self.model.forward(ids, start, self.session.state, self.runner)
