@@ -67,3 +67,13 @@ def test_prefetches_land_through_the_stager_and_the_tokens_do_not_change(packs, 
         else:
             assert stager is None
     assert runs[0] == runs[2]
+
+
+def test_at_exit_the_worker_finishes_its_jobs_before_it_stops():
+    """Stager.close (run for every stager at exit): a job cut off inside torch or the native
+    kernel while the interpreter goes down aborts the process, so the worker drains first."""
+    worker, done = Stager(torch.device("cpu"), 16), []
+    worker.call(lambda: (time.sleep(0.2), done.append(1)))
+    worker.close()
+    assert done == [1] and not worker._thread.is_alive()
+    worker.close(timeout_s=0.1)                                # again (at exit, after a close): returns at once

@@ -21,8 +21,10 @@ waited on by the worker). A worker's error is raised on the engine thread, at th
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -38,6 +40,17 @@ class Ticket:
     error: BaseException | None = None
 
 
+_live: "weakref.WeakSet[Stager]" = weakref.WeakSet()
+
+
+@atexit.register
+def _drain() -> None:
+    """At exit each worker finishes its jobs and stops first: one cut off inside torch or the
+    native kernel while the interpreter goes down aborts the process ("terminate called")."""
+    for stager in list(_live):
+        stager.close()
+
+
 class Stager:
     def __init__(self, device: torch.device, largest_blob: int, depth: int = 4):
         self.device, self.cuda = device, device.type == "cuda"
@@ -48,7 +61,14 @@ class Stager:
             self._free.put((i, None))
         self._work: queue.Queue = queue.Queue()
         self.sent = 0
-        threading.Thread(target=self._run, name="moefit-stager", daemon=True).start()
+        self._thread = threading.Thread(target=self._run, name="moefit-stager", daemon=True)
+        self._thread.start()
+        _live.add(self)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Let the worker finish what it was given, then stop it."""
+        self._work.put(None)
+        self._thread.join(timeout_s)
 
     def send(self, key: tuple[int, int], blob: torch.Tensor, slot: torch.Tensor) -> Ticket:
         ticket = Ticket(key)
@@ -72,8 +92,8 @@ class Stager:
     def _run(self) -> None:
         if self.cuda:
             torch.cuda.set_device(self.device)
-        while True:
-            self._work.get()()
+        while (job := self._work.get()) is not None:
+            job()
 
     def _copy(self, ticket: Ticket, blob: torch.Tensor, slot: torch.Tensor) -> None:
         try:
