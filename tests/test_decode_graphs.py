@@ -73,6 +73,28 @@ def test_verify_windows_replay_their_own_pieces_with_the_forwards_logits(family,
     assert engines["on"].graphs.replays > 0
 
 
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_next"])
+def test_deltanet_windows_roll_back_from_checkpoints_their_pieces_wrote(family, packs, card, small_buckets):
+    """A verify window over DeltaNet layers keeps the state after each position (written in the
+    piece to a scratch, copied to the layer's own after it); keeping part of the window puts each
+    layer back there: the next window's logits are the forward's."""
+    tokens = torch.randint(0, 300, (60,), generator=torch.Generator().manual_seed(4)).tolist()
+    engines, logits = {g: _engine(packs(family, "fp32"), card, g) for g in ("on", "off")}, {}
+    for graphs, engine in engines.items():
+        got, pos = [], 5
+        engine.prefill(tokens[:5])
+        for t, kept in [(4, 2), (3, 3), (5, 1), (2, 2)] * 3:
+            state = engine.session.state
+            state.checkpoint(True)
+            got.append(engine.forward(tokens[pos:pos + t], pos).float())
+            state.checkpoint(False)
+            engine.keep(pos, tokens[pos:pos + kept])
+            pos += kept
+        logits[graphs] = got
+    assert max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(logits["on"], logits["off"])) < 1e-5
+    assert {key[-2] for key in engines["on"].graphs.pieces if len(key) == 6} == {2, 3, 4, 5}
+
+
 def test_greedy_tokens_do_not_change_with_decode_graphs_or_sessions(packs, card, small_buckets):
     pack = packs("qwen3_moe", "int4")
     off = _engine(pack, card, "off")

@@ -268,9 +268,8 @@ def test_a_kept_session_keeps_its_mtp_rows(mtp_packs, tmp_path):
 @pytest.mark.parametrize("family", ["qwen3_5_moe", "glm4_moe"])
 def test_mtp_drafts_with_recorded_decode_steps_keep_greedy_output(family, mtp_packs, card, monkeypatch):
     """--decode-graphs on (runtime/decode_graphs.py, the simulated card's tape): decode steps and
-    GLM's verify windows replay their pieces; Qwen3.5's windows run as before, its DeltaNet layers
-    rolling back from their checkpoints between recorded steps; the tokens are those of plain
-    greedy decoding."""
+    verify windows replay their pieces, Qwen3.5's DeltaNet layers rolling back from checkpoints
+    the pieces wrote; the tokens are those of plain greedy decoding."""
     from moefit.runtime import decode_graphs
     monkeypatch.setattr(decode_graphs, "MIN_BUCKET", 16)
     pack = mtp_packs(family, "int8")
@@ -279,6 +278,5 @@ def test_mtp_drafts_with_recorded_decode_steps_keep_greedy_output(family, mtp_pa
     engine = Engine.open(pack, base.with_(spec="mtp", spec_window=3, decode_graphs="on"))
     got = engine.generate(PROMPT, GREEDY)[1].generated
     assert engine.spec_stats.drafted > 0 and engine.graphs.replays > 0
-    windows = {key[-1] for key in engine.graphs.pieces if key[0] == "tail"}   # the token counts recorded
-    assert (max(windows) > 1) == (family == "glm4_moe")     # DeltaNet's windows keep checkpoints: as before
+    assert max(key[-1] for key in engine.graphs.pieces if key[0] == "tail") > 1     # windows recorded
     assert got == want

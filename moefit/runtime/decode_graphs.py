@@ -23,9 +23,9 @@ output, the guesses), never in a recorder's pool.
 
 It applies where the family says its attention reads the sequence state only through the view
 below (`graph_step`), to a whole-context KV store (any KV dtype) and Gated DeltaNet layers
-(whose state is updated in place; their bookkeeping runs before the pieces; a window of theirs
-keeps a checkpoint a position and runs as before); a prompt chunk, a ring or a streamed KV
-cache run as before.
+(whose state is updated in place; their bookkeeping runs before the pieces; a window's
+checkpoints are written to a scratch in the piece and copied to the layer's own after it); a
+prompt chunk, a ring or a streamed KV cache run as before.
 """
 
 from __future__ import annotations
@@ -67,9 +67,8 @@ class BucketView:
     """The sequence state as a recorded piece sees it: writes at the device's position, reads a
     bucket of rows. Every other question attend_state asks has the whole-context answer."""
 
-    def __init__(self, state, pos: torch.Tensor, bucket: int):
-        self.state, self.pos, self.bucket = state, pos, bucket
-        self.layers = [Begun(x) if isinstance(x, RecurrentLayerState) else x for x in state.layers]
+    def __init__(self, state, pos: torch.Tensor, bucket: int, layers: list):
+        self.state, self.pos, self.bucket, self.layers = state, pos, bucket, layers
 
     def write(self, i: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         layer = self.state.layers[i]                  # any codec: its rows put at the device's index
@@ -102,13 +101,23 @@ class BucketView:
 
 class Begun:
     """A recurrent layer's state inside a piece: its begin() (Python bookkeeping, and at a resume a
-    copy) ran before the piece, each token (DecodeGraphs.forward); its tensors are the layer's."""
+    copy) ran before the piece (DecodeGraphs.forward); s and the conv window are the layer's. A
+    verify window's checkpoints (the state after each position but the last) go to `saved`, a
+    scratch every layer shares, and its conv inputs are kept here: `copy_out` gives both to the
+    layer after its piece (its own checkpoints are taken in the verify arena each window)."""
 
-    def __init__(self, state: RecurrentLayerState):
-        self._state = state
+    def __init__(self, state: RecurrentLayerState, saved: torch.Tensor | None):
+        self._state, self.saved, self.conv_inputs = state, saved, None
 
     def begin(self, start: int, t: int) -> None:
         pass
+
+    def save(self, i: int) -> None:
+        self.saved[i].copy_(self._state.s)
+
+    def copy_out(self) -> None:
+        self._state.saved.copy_(self.saved)
+        self._state.conv_inputs = self.conv_inputs.clone()
 
     def __getattr__(self, name: str):
         return getattr(self._state, name)
@@ -132,6 +141,12 @@ class Rows:
         self.weights, self.ids = {i: zeros(t, k) for i in moe}, {i: longs(t, k) for i in moe}
         self.cos, self.sin = (c.clone() for c in model.rope.at(self.positions))
         self.masks: dict[int, torch.Tensor] = {}
+        self.checkpoints: torch.Tensor | None = None      # a window's DeltaNet states, every layer's in turn
+
+    def nbytes(self) -> int:
+        tensors = [self.positions, self.x, self.moe, self.out, self.cos, self.sin, *self.h, *self.guess,
+                   *self.weights.values(), *self.ids.values(), *self.masks.values()]
+        return sum(t.nbytes for t in tensors) + (self.checkpoints.nbytes if self.checkpoints is not None else 0)
 
     def mask(self, bucket: int) -> torch.Tensor:
         if bucket not in self.masks:
@@ -147,21 +162,37 @@ class DecodeGraphs:
         self.model, self.rec = model, recorder_for(device)
         self.pos = torch.zeros(1, dtype=torch.long, device=device)
         self.rows: dict[int, Rows] = {}
+        self._views: dict[tuple, list] = {}
         self.pieces: dict[tuple, tuple] = {}
         self.replays = 0
         self.broken: str | None = None          # a capture that failed: later steps run as before
 
     def takes(self, tokens: int, state) -> bool:
-        """A decode step, or a verify window of a model without recurrent layers (theirs keeps a
-        checkpoint a position, made for each window)."""
-        return tokens == 1 or (tokens <= DENSE_TOKENS and not state.recurrent)
+        """A decode step or a verify window."""
+        return tokens <= DENSE_TOKENS
+
+    def _layers(self, state, rows: Rows) -> tuple[list, bool]:
+        """state's layers as the pieces of a forward of rows.t tokens see them (the same objects
+        each time: a recording holds them), and whether a window keeps DeltaNet checkpoints."""
+        keeping = rows.t > 1 and any(getattr(x, "checkpointing", False) for x in state.layers)
+        key = (state, rows.t, keeping)
+        if key not in self._views:
+            self._views[key] = [Begun(x, self._checkpoints(rows, x) if keeping else None)
+                                if isinstance(x, RecurrentLayerState) else x for x in state.layers]
+        return self._views[key], keeping
+
+    def _checkpoints(self, rows: Rows, layer: RecurrentLayerState) -> torch.Tensor:
+        if rows.checkpoints is None:
+            rows.checkpoints = torch.zeros(rows.t - 1, *layer.s.shape, dtype=layer.s.dtype, device=layer.s.device)
+        return rows.checkpoints
 
     def forward(self, tokens: torch.Tensor, start: int, state, experts) -> torch.Tensor:
         """Final hidden states [T, E] of tokens at positions start.., as decoder_stack computes them."""
         m, t = self.model, tokens.shape[0]
         rows = self.rows.get(t) or self.rows.setdefault(t, Rows(m, t, self.pos))
         bucket = bucket_of(start + t - 1, min(x.capacity for x in state.layers if isinstance(x, AttentionState)))
-        view, mask = BucketView(state, rows.positions, bucket), rows.mask(bucket)
+        layers, keeping = self._layers(state, rows)
+        view, mask = BucketView(state, rows.positions, bucket, layers), rows.mask(bucket)
         self.pos.fill_(start)
         for layer in state.layers:                      # recurrent layers' bookkeeping: not in a piece
             if isinstance(layer, RecurrentLayerState):
@@ -171,7 +202,10 @@ class DecodeGraphs:
         look = experts.look_ahead
         for i, layer in enumerate(m.layers):
             guess = look and i + 1 < len(m.layers) and "router" in m.layers[i + 1]
-            self._run((state, i, bucket, guess, t), functools.partial(self._layer, rows, i, layer, view, mask, guess))
+            self._run((state, i, bucket, guess, t, keeping),
+                      functools.partial(self._layer, rows, i, layer, view, mask, guess))
+            if keeping and isinstance(layers[i], Begun):
+                layers[i].copy_out()
             if guess:
                 experts.expect(i + 1, rows.guess[i + 1], "router" in layer)
             routed = (rows.weights[i], rows.ids[i]) if i in rows.weights else None
@@ -228,4 +262,5 @@ class DecodeGraphs:
 
     def to_json(self) -> dict:
         return {"recorder": self.rec.kind, "pieces": len(self.pieces), "replays": self.replays,
-                "pool_bytes": self.rec.pool_bytes, "broken": self.broken}
+                "pool_bytes": self.rec.pool_bytes, "rows_bytes": sum(r.nbytes() for r in self.rows.values()),
+                "broken": self.broken}
