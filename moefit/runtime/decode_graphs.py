@@ -64,16 +64,17 @@ def bucket_of(pos: int, capacity: int) -> int:
 
 
 class BucketView:
-    """The sequence state as a recorded piece sees it: writes at the device's position, reads a
-    bucket of rows. Every other question attend_state asks has the whole-context answer."""
+    """The sequence state as a recorded piece sees it: writes at the positions the device holds,
+    reads a bucket of rows; `layers` as the pieces see them (Begun for a recurrent layer). Every
+    other question attend_state asks has the whole-context answer."""
 
-    def __init__(self, state, pos: torch.Tensor, bucket: int, layers: list):
-        self.state, self.pos, self.bucket, self.layers = state, pos, bucket, layers
+    def __init__(self, state, positions: torch.Tensor, bucket: int, layers: list):
+        self.state, self.positions, self.bucket, self.layers = state, positions, bucket, layers
 
     def write(self, i: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        layer = self.state.layers[i]                  # any codec: its rows put at the device's index
-        layer.kc.put(layer.k, self.pos, k)
-        layer.vc.put(layer.v, self.pos, v)
+        layer = self.state.layers[i]                  # any codec: its rows put at the device's indices
+        layer.kc.put(layer.k, self.positions, k)
+        layer.vc.put(layer.v, self.positions, v)
 
     def parts(self, i: int, end: int, stored: bool = False) -> list[tuple]:
         layer, rows = self.state.layers[i], slice(0, self.bucket)
