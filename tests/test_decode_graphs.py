@@ -192,7 +192,8 @@ def test_the_tape_replays_on_the_recorded_tensors_with_python_frozen():
 
 
 @pytest.mark.parametrize("piece", [lambda x: x.sum().item(), lambda x: x.nonzero(), lambda x: x[x > 0],
-                                   lambda x: x.repeat_interleave(x.long())])
+                                   lambda x: x.repeat_interleave(x.long()), lambda x: bool(x[0] > 0),
+                                   lambda x: torch.equal(x, x)])
 def test_a_piece_that_waits_for_the_device_cannot_be_recorded(piece):
     x = torch.ones(3)
     with pytest.raises(RecordError, match="waits for the device"):

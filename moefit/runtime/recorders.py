@@ -21,8 +21,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from moefit import kernels
 
-SYNCING = ("aten._local_scalar_dense", "aten.nonzero", "aten.masked_select", "aten.unique", "aten._unique",
-           "aten.item", "aten.repeat_interleave.Tensor")          # each waits to learn a value or a size
+SYNCING = ("aten._local_scalar_dense", "aten.is_nonzero", "aten.equal", "aten.nonzero", "aten.masked_select",
+           "aten.unique", "aten._unique", "aten.item", "aten.repeat_interleave.Tensor")   # each waits for a value
 
 
 class RecordError(RuntimeError):
