@@ -106,25 +106,31 @@ class CudaGraphs:
 
     def __init__(self, device: torch.device):
         self.device, self.pool = device, torch.cuda.graph_pool_handle()
+        self.side = torch.cuda.Stream(device)       # every capture on one stream: cuBLAS keeps a workspace a stream
         self.pool_bytes = 0
 
     def record(self, piece: Callable[[], None]) -> Callable[[], None]:
-        piece()                                     # this step's result (capture runs nothing), and lazy set-ups
-        before = torch.cuda.memory_reserved(self.device)
-        graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        try:                                        # thread_local: the stager's copies go on during a capture
+        graph, side, main = torch.cuda.CUDAGraph(), self.side, torch.cuda.current_stream(self.device)
+        side.wait_stream(main)
+        try:
             with torch.cuda.stream(side):
-                graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
-                try:
-                    piece()
-                finally:
-                    graph.capture_end()
-        except Exception as e:                      # noqa: BLE001  (the step ran eagerly: only later ones lose the graph)
-            raise RecordError(f"CUDA graph capture failed: {type(e).__name__}: {e}") from e
-        torch.cuda.current_stream(self.device).wait_stream(side)
+                piece()                             # this step's result (a capture runs nothing), on the capture's
+                before = torch.cuda.memory_reserved(self.device)   # stream: its lazy set-ups happen here
+                self._capture(graph, piece)
+        finally:
+            main.wait_stream(side)
         self.pool_bytes += torch.cuda.memory_reserved(self.device) - before
         return graph.replay
+
+    def _capture(self, graph, piece) -> None:
+        try:                                        # thread_local: the stager's copies go on during a capture
+            graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+            try:
+                piece()
+            finally:
+                graph.capture_end()
+        except Exception as e:                      # noqa: BLE001  (the step ran eagerly: only later ones lose the graph)
+            raise RecordError(f"CUDA graph capture failed: {type(e).__name__}: {e}") from e
 
 
 def recorder_for(device: torch.device):
