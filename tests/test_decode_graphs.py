@@ -212,3 +212,16 @@ def test_when_the_guard_gives_memory_back_the_recordings_go_and_are_made_again(p
     Guard(off, floor_bytes=0).shrink(off.runner.pool.allocated // 4, "test")
     assert engine.generate([9, 8, 7], GREEDY)[1].generated == off.generate([9, 8, 7], GREEDY)[1].generated
     assert engine.graphs.pieces
+
+
+def test_generate_json_says_what_was_recorded_and_replayed(packs, card):
+    """The user's way in: `moefit generate --decode-graphs on --json` on a simulated card."""
+    import json
+    import subprocess
+    import sys
+    run = subprocess.run([sys.executable, "-m", "moefit", "generate", str(packs("qwen3_moe", "int4")), "--prompt",
+                          "the lantern", "--max-tokens", "6", "--ignore-eos", "--json", "--device", f"sim:{card(256)}",
+                          "--vram-reserve-mib", "1", "--decode-graphs", "on"], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    out = json.loads(run.stdout)["decode_graphs"]
+    assert out["on"] and out["recorder"] == "tape" and out["replays"] > 0 and out["broken"] is None

@@ -174,6 +174,7 @@ def test_status_and_metrics(server):
     assert next(x for x in status["sessions"] if x["current"])["tokens"] == status["kv_cache"]["tokens"]
     assert "2 sessions x 512 x" in next(x for x in status["ledger"] if x["name"] == "sequence state")["note"]
     assert set(status["prompt_product_ways"]) <= {"dots", "mkl", "onednn"}
+    assert status["decode_graphs"] == {"on": False, "why_not": "--decode-graphs off"}
     text = httpx.get(server.url + "/metrics").text
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:prompt_tokens_total",
                  "vllm:generation_tokens_total", "vllm:time_to_first_token_seconds_bucket",
