@@ -83,5 +83,4 @@ class Glm4Moe(DecoderModel):
     def mlp(self, i, layer, x, experts, routed=None) -> torch.Tensor:
         if "router" not in layer:
             return swiglu(x, layer["gate_up"], layer["down"])
-        weights, ids = routed or self.route(i, layer, x)
-        return experts.run(i, x, ids, weights) + swiglu(x, layer["shared_gate_up"], layer["shared_down"])
+        return self.routed_experts(i, layer, x, experts, routed) + swiglu(x, layer["shared_gate_up"], layer["shared_down"])

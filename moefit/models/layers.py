@@ -49,16 +49,13 @@ class RopeTable:
 
     def rows(self, start: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, D] for positions start..start+T (fp32 angles, as the reference's table)."""
-        pos = torch.arange(start, start + t, dtype=torch.float32, device=self.inv_freq.device)
-        freqs = torch.outer(pos, self.inv_freq)                                       # [T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)                                      # [T, D]
-        return (emb.cos() * self.scale).to(self.dtype), (emb.sin() * self.scale).to(self.dtype)
+        return self.at(torch.arange(start, start + t, device=self.inv_freq.device))
 
     def at(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, D] for the positions a device tensor holds (a recorded decode step's:
-        runtime/decode_graphs.py), the same numbers as rows()."""
+        """cos, sin [T, D] for the positions a tensor holds (a recorded decode step reads them from
+        the device: runtime/decode_graphs.py)."""
         freqs = pos.float()[:, None] * self.inv_freq[None, :]                         # [T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)
+        emb = torch.cat((freqs, freqs), dim=-1)                                      # [T, D]
         return (emb.cos() * self.scale).to(self.dtype), (emb.sin() * self.scale).to(self.dtype)
 
     def nbytes(self) -> int:
@@ -220,6 +217,12 @@ class DecoderModel:
         if out is not None:
             kv.stepped(i, start)
         return out
+
+    def routed_experts(self, i: int, layer: dict, x: torch.Tensor, experts, routed=None) -> torch.Tensor:
+        """The routed experts' sum for x: the family's router (`route`) or its output given
+        (a recorded piece's: runtime/decode_graphs.py), then the runner."""
+        weights, ids = routed or self.route(i, layer, x)
+        return experts.run(i, x, ids, weights)
 
     def native_step(self, layer: dict, make):
         """The layer's native decode step (kernels/step.h, mla.h), made by make() on first use."""

@@ -53,5 +53,4 @@ class Olmoe(DecoderModel):
         return weights.to(x.dtype), ids
 
     def mlp(self, i, layer, x, experts, routed=None) -> torch.Tensor:
-        weights, ids = routed or self.route(i, layer, x)
-        return experts.run(i, x, ids, weights)
+        return self.routed_experts(i, layer, x, experts, routed)

@@ -146,7 +146,6 @@ class Qwen3_5Moe(DecoderModel):
         return weights.to(x.dtype), ids
 
     def mlp(self, i, layer, x, experts, routed=None) -> torch.Tensor:
-        weights, ids = routed or self.route(i, layer, x)
         shared = torch.sigmoid(linear(x, layer["shared_gate"])) * swiglu(x, layer["shared_gate_up"],
                                                                           layer["shared_down"])
-        return experts.run(i, x, ids, weights) + shared
+        return self.routed_experts(i, layer, x, experts, routed) + shared

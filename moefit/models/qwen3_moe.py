@@ -63,5 +63,4 @@ class Qwen3Moe(DecoderModel):
     def mlp(self, i, layer, x, experts, routed=None) -> torch.Tensor:
         if "router" not in layer:
             return swiglu(x, layer["gate_up"], layer["down"])
-        weights, ids = routed or self.route(i, layer, x)
-        return experts.run(i, x, ids, weights)
+        return self.routed_experts(i, layer, x, experts, routed)

@@ -182,6 +182,11 @@ class DecodeGraphs:
                                 if isinstance(x, RecurrentLayerState) else x for x in state.layers]
         return self._views[key], keeping
 
+    @functools.cache
+    def _capacity(self, state) -> int:
+        """The positions every attention layer of state holds (a bucket is at most this)."""
+        return min(x.capacity for x in state.layers if isinstance(x, AttentionState))
+
     def _checkpoints(self, rows: Rows, layer: RecurrentLayerState) -> torch.Tensor:
         if rows.checkpoints is None:
             rows.checkpoints = torch.zeros(rows.t - 1, *layer.s.shape, dtype=layer.s.dtype, device=layer.s.device)
@@ -191,7 +196,7 @@ class DecodeGraphs:
         """Final hidden states [T, E] of tokens at positions start.., as decoder_stack computes them."""
         m, t = self.model, tokens.shape[0]
         rows = self.rows.get(t) or self.rows.setdefault(t, Rows(m, t, self.pos))
-        bucket = bucket_of(start + t - 1, min(x.capacity for x in state.layers if isinstance(x, AttentionState)))
+        bucket = bucket_of(start + t - 1, self._capacity(state))
         layers, keeping = self._layers(state, rows)
         view, mask = BucketView(state, rows.positions, bucket, layers), rows.mask(bucket)
         self.pos.fill_(start)
