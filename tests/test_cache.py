@@ -128,8 +128,10 @@ def test_coldest_of_size_is_coldest_filtered_without_the_sort():
             book.evict(key)
         skip = {k for k in sizes if rng.random() < 0.3}
         for size in (100, 200):
-            want = next((k for k in book.coldest() if sizes[k] == size and k not in skip), None)
-            assert book.coldest_of_size(size, skip) == want
+            want = [k for k in book.coldest() if sizes[k] == size and k not in skip]
+            assert book.coldest_of_size(size, skip) == want[:1]
+            for n in (2, 3, 7, 40):
+                assert book.coldest_of_size(size, skip, n) == want[:n]
 
 
 def test_shrink_gives_back_the_coldest_first():

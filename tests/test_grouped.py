@@ -44,6 +44,7 @@ def _resident(runner, layer: int, experts: list[int]) -> None:
             if not runner.pool.free_slots((layer, e)):
                 runner.unload(next(k for k in runner.book.coldest() if k[0] != layer))
             runner.load((layer, e))
+        dict(runner.slots[(layer, e)])            # its part views, made at their first read: not a step's launches
 
 
 def _expert_by_expert(runner, layer: int, x: torch.Tensor, groups: Groups) -> torch.Tensor:

@@ -253,8 +253,10 @@ def test_the_host_kernels_never_get_a_device_slot(packs):
     runner.staging().call(done.set)                    # the host panels' copies, made on the worker
     assert done.wait(30)
     host = {e: runner._on_host(layer, e) for e in range(engine.pack.model.num_experts)}
-    runner.slots.update({(layer, e): {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in p.items()}
-                         for e, (p, _) in host.items()})
+    from moefit.pack.quant import LazyViews
+    runner.slots.update({(layer, e): LazyViews(torch.empty(runner.pack.blobs[(layer, e)].nbytes, dtype=torch.uint8,
+                                                           device="meta"), runner.pack.layouts[runner.pack.blobs[(layer, e)].quant])
+                         for e in host})
     assert all(runner._on_host(layer, e)[0] is host[e][0] for e in host)
     if kernels.library() is None:
         pytest.skip("the native kernel is not built")

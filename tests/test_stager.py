@@ -69,6 +69,34 @@ def test_prefetches_land_through_the_stager_and_the_tokens_do_not_change(packs, 
     assert runs[0] == runs[2]
 
 
+def test_where_a_layer_does_not_wait_a_late_copy_is_a_miss_and_the_tokens_do_not_change(packs, card):
+    """CUDA's setting (wait_for_prefetch False), on a host-memory card: the worker is held up, so
+    no prefetch has landed when its layer runs; the layer computes those experts on the host and
+    counts them late, not prefetch hits, and lands them once the worker goes on."""
+    from moefit.config import ServeConfig
+    from moefit.runtime.engine import Engine
+    from moefit.runtime.sampler import SamplingParams
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    prompt = [5, 17, 42, 99, 7, 3, 150, 220]
+    cfg = ServeConfig(device=f"sim:{card(64)}", ctx=64, vram_reserve_mib=1, low_headroom_mib=0, min_expert_slots=0,
+                      expert_cache="4", prefetch_per_layer=2)
+    want = Engine.open(packs("qwen3_moe", "int8"), cfg).generate(prompt, greedy)[1].generated
+    engine = Engine.open(packs("qwen3_moe", "int8"), cfg)
+    runner, go = engine.runner, threading.Event()
+    runner.wait_for_prefetch = False
+    runner.staging().call(lambda: go.wait(30))               # every copy sent after this waits for go
+    runner.settle = lambda: None                             # the request's end would wait for them
+    t0 = time.perf_counter()
+    got = engine.generate(prompt, greedy)[1].generated
+    assert time.perf_counter() - t0 < 20 and got == want
+    sent, late = runner.stager.sent, runner.ahead.prefetch_late
+    assert sent > 0 and late > 0 and runner.ahead.prefetch_hits == 0 and len(runner.arriving) == sent
+    go.set()
+    del runner.settle
+    runner.settle()
+    assert not runner.arriving and len(runner.slots) == 4
+
+
 def test_at_exit_the_worker_finishes_its_jobs_before_it_stops():
     """Stager.close (run for every stager at exit): a job cut off inside torch or the native
     kernel while the interpreter goes down aborts the process, so the worker drains first."""

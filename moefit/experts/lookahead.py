@@ -39,6 +39,7 @@ class LookAhead:
     routed: np.ndarray = None                       # [L] routed experts (distinct per forward)
     prefetched: int = 0
     prefetch_hits: int = 0
+    prefetch_late: int = 0                          # routed to while its copy was still on its way (a miss)
     layer_seconds: float = 0.0                      # a layer's time, smoothed (between two predictions)
     _last_call: float | None = None
 
@@ -90,14 +91,16 @@ class LookAhead:
         self.fetched.setdefault(layer, set()).add(expert)
         self.prefetched += 1
 
-    def score(self, layer: int, experts: list[int], last_token: list[int]) -> None:
+    def score(self, layer: int, experts: list[int], last_token: list[int], late: list[int] = ()) -> None:
         """The layer has routed to `experts` (distinct), its last token to `last_token`: count
-        what was foreseen and what arrived in time, and remember the last token's routing."""
+        what was foreseen and what arrived in time (not `late`: brought in, still on its way),
+        and remember the last token's routing."""
         self.predicted.pop(layer, None)
         self.per_token.pop(layer, None)
         self.recent[layer] = list(dict.fromkeys(last_token))
         routed = set(experts)
-        self.prefetch_hits += len(routed & self.fetched.pop(layer, set()))
+        self.prefetch_hits += len(routed & self.fetched.pop(layer, set()) - set(late))
+        self.prefetch_late += len(late)
         guess = self.foreseen.pop(layer, None)
         if guess is None:
             return
@@ -113,6 +116,7 @@ class LookAhead:
 
     def to_json(self) -> dict:
         return {"prefetched": self.prefetched, "prefetch_hits": self.prefetch_hits,
+                "prefetch_late": self.prefetch_late,
                 "prediction_recall": self.recall(), "layer_prediction_recall": self.layer_recall(),
                 "prefetch_per_layer": self.budget, "layer_ms": 1e3 * self.layer_seconds,
                 "predictor": f"probe on {len(self.probe_layers)} layers" if self.probe_layers else "router"}

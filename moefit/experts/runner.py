@@ -24,7 +24,7 @@ from functools import partial
 import torch
 
 from moefit import kernels
-from moefit.experts.cache import CacheBook, Key
+from moefit.experts.cache import CacheBook, Key, Victims
 from moefit.errors import DeviceOutOfMemory
 from moefit.experts.costs import MissCosts
 from moefit.experts import device_side
@@ -38,7 +38,7 @@ from moefit.experts.profile import Profile
 from moefit.experts.slot_table import SlotTable
 from moefit.experts.stager import STAGING_BYTES, Stager, Ticket
 from moefit.pack.layout import matrix_quants
-from moefit.pack.quant import blob_views, qlinear
+from moefit.pack.quant import LazyViews, qlinear
 from moefit.pack.reader import Pack
 from moefit.runtime.placement import DeviceMemory
 
@@ -49,7 +49,7 @@ class ExpertRunner:
         self.pack, self.mem, self.book, self.profile = pack, mem, book, profile
         self.host_dtype = host_dtype
         self.pool = pool
-        self.slots: dict[Key, dict] = {}        # a resident expert's part views into its pool slot
+        self.slots: dict[Key, LazyViews] = {}   # a resident expert's part views into its pool slot
         self._host_parts: dict[Key, dict] = {}
         self._addresses: dict[Key, list[int]] = {}  # the kernel's part addresses, where the expert is now
         self.panels = HostPanels()             # int4 experts kept in the kernel's panel order (the loader sets a budget)
@@ -61,6 +61,7 @@ class ExpertRunner:
         self.pcie_loads = 0                    # misses copied into the cache because that was cheaper
         self.arriving: dict[Key, Ticket] = {}   # prefetches in flight (experts/stager.py)
         self.stager: Stager | None = None      # made at the first prefetch
+        self.wait_for_prefetch = True          # a layer waits for its prefetches' copies (the loader: not on CUDA)
         self._guess: tuple[int, torch.Tensor] | None = None   # the next layer's guess, for this layer's hand-off
         self._later: list = []                 # routing of layers run without a wait, for catch_up
         self.tokens = 0                        # token positions run through the MoE layers (engine.forward)
@@ -106,9 +107,9 @@ class ExpertRunner:
         missing = [e for e in order if (layer, e) not in self.slots and (layer, e) not in self.arriving]
         if not missing:
             return
-        keep = self.ahead.wanted(layer, now, busy)
+        victims = Victims(self.book, self.ahead.wanted(layer, now, busy), self.arriving, min(budget, len(missing)))
         for n, e in enumerate(missing):
-            if n >= budget or not self._make_room((layer, e), keep):
+            if n >= budget or not self._make_room((layer, e), victims):
                 self.staging().call(partial(self.pack.warm, layer, e))
                 continue
             self._send((layer, e))
@@ -133,10 +134,14 @@ class ExpertRunner:
             self.stager = Stager(self.mem.torch_device, largest, max(2, min(4, STAGING_BYTES // largest)))
         return self.stager
 
-    def _arrived(self, layer: int | None = None) -> None:
+    def _arrived(self, layer: int | None = None, wait: bool = True) -> None:
         """This layer's prefetches (or all): their copies are ordered first (on CUDA the compute
-        stream waits for them, no host wait), and their slots become resident."""
+        stream waits for them, no host wait), and their slots become resident. Without `wait`,
+        only those the worker has issued: a later one is a miss this step, computed on the host
+        while its copy goes on (LookAhead.prefetch_late), rather than a wait for the worker."""
         for key in [k for k in self.arriving if layer is None or k[0] == layer]:
+            if not wait and not self.arriving[key].issued.is_set():
+                continue
             self.stager.landed(self.arriving.pop(key))
             self.pool.ready(key)
             self._placed(key, self.pool.view(key))
@@ -148,13 +153,12 @@ class ExpertRunner:
         if self.arriving:
             self._arrived()
 
-    def _make_room(self, key: Key, keep: set) -> bool:
+    def _make_room(self, key: Key, victims: Victims) -> bool:
         """A free slot of key's size class: there is one, or the coldest resident of that
-        class not in `keep` (nor still arriving: a copy is writing its slot) is evicted for
-        it; False when every one is kept."""
+        class that `victims` allows is evicted for it; False when every one is kept."""
         if self.pool.free_slots(key):
             return True
-        victim = self.book.coldest_of_size(self.book.sizes[key], keep | self.arriving.keys())
+        victim = victims.pop(self.book.sizes[key])
         if victim is None:
             return False
         self.unload(victim)
@@ -174,7 +178,7 @@ class ExpertRunner:
     def _placed(self, key: Key, view: torch.Tensor) -> None:
         """key's blob is resident in `view`: its part views, and the device table's address."""
         self._addresses.pop(key, None)
-        self.slots[key] = blob_views(view, self.pack.layouts[self.pack.blobs[key].quant])
+        self.slots[key] = LazyViews(view, self.pack.layouts[self.pack.blobs[key].quant])
         if self.table is not None:
             self.table.place(key, view)
 
@@ -216,7 +220,7 @@ class ExpertRunner:
         """Sum over each token's top-k experts of weight * expert(x): [T, E]."""
         shape = self.fused.shape(layer, x)
         if shape is not None and self.arriving:
-            self._arrived(layer)                                   # the table's row holds them
+            self._arrived(layer, self.wait_for_prefetch)           # the table's row holds them
         guess, self._guess = self._guess, None
         if shape is not None and self.fused.may_defer(layer):
             out = self.fused.all_resident(layer, x, ids, weights, shape, guess)
@@ -233,9 +237,10 @@ class ExpertRunner:
             self._dump(layer, ids_h, w_h)
         groups = Groups.of(ids_h, w_h)
         if self.arriving:
-            self._arrived(layer)
+            self._arrived(layer, self.wait_for_prefetch)
         if self.ahead is not None:
-            self.ahead.score(layer, groups.experts, ids_h[-1].tolist())
+            late = [e for e in groups.experts if (layer, e) in self.arriving] if self.arriving else []
+            self.ahead.score(layer, groups.experts, ids_h[-1].tolist(), late)
         resident = [bool(early[1][e]) if early else (layer, e) in self.slots for e in groups.experts]
         self.book.record(layer, groups.experts, resident)
         if self.ahead is not None:                                # the next layer's guess, brought in
@@ -281,14 +286,14 @@ class ExpertRunner:
         quant = self.pack.blobs[(layer, groups.experts[0])].quant
         inter, _ = self._shape(quant)
         macs = 3 * inter * self.pack.model.hidden_size
-        busy = {(layer, e) for e in groups.experts}
+        victims = Victims(self.book, {(layer, e) for e in groups.experts}, self.arriving, resident.count(False))
         gemm = self.rates.busy(layer, quant, groups, tokens)  # the host would run these as GEMMs
         out = list(resident)
         for i, e in enumerate(groups.experts):
             key, rows = (layer, e), groups.start[i + 1] - groups.start[i]
             if out[i] or not self.costs.copy_is_cheaper(self.book.sizes[key], rows, macs, gemm[i]):
                 continue
-            if self._make_room(key, busy):
+            if self._make_room(key, victims):
                 self.load(key)
                 self.pcie_loads += 1
                 out[i] = True
@@ -375,7 +380,7 @@ class ExpertRunner:
         their device addresses would be read on the host)."""
         key = (layer, e)
         slot, quant = self.slots.get(key), self.pack.blobs[key].quant
-        if slot is not None and next(iter(slot.values())).device.type == "cpu":
+        if slot is not None and slot.device.type == "cpu":
             return slot, quant
         parts = self._host_parts.get(key)
         if parts is None:

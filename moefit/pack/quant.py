@@ -7,6 +7,7 @@ Legend: R rows (output features), C columns (input features), G groups per row.
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
@@ -171,3 +172,29 @@ def blob_views(blob: torch.Tensor, layout: list[Part]) -> dict[str, torch.Tensor
         raw = blob[p.offset:p.offset + p.nbytes]
         views[p.name] = raw.view(TORCH_DTYPES[p.dtype]).view(p.shape)
     return views
+
+
+class LazyViews(Mapping):
+    """blob_views made at their first read: a slot the device's slot-table kernels read
+    through the table's address may never need them, and they cost ~30 us a placement."""
+
+    def __init__(self, blob: torch.Tensor, layout: list[Part]):
+        self._blob, self._layout, self._views = blob, layout, None
+
+    def _made(self) -> dict[str, torch.Tensor]:
+        if self._views is None:
+            self._views = blob_views(self._blob, self._layout)
+        return self._views
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._made()[name]
+
+    def __iter__(self):
+        return iter(self._made())
+
+    def __len__(self) -> int:
+        return len(self._layout)
+
+    @property
+    def device(self) -> torch.device:
+        return self._blob.device

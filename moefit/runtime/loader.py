@@ -124,6 +124,10 @@ def _place(pack: Pack, cfg: ServeConfig, mem: DeviceMemory, cdt: str, the_plan: 
         if cfg.prefetch_per_layer > 0:            # a device with an expert cache: look ahead
             runner.ahead = LookAhead(m.num_layers, cfg.prefetch_per_layer, m.top_k, probe_layers=sorted(model.probes),
                                      moe_layers=list(m.moe_layers))
+            # on CUDA a late copy is a miss computed on the host, not a wait for the worker's staging
+            # memcpy; a simulated card's copy takes the host's own cores, so it waits (and its counts
+            # do not depend on thread timing)
+            runner.wait_for_prefetch = kind != "cuda"
         runner.costs = miss_costs(runner, cfg, mem)
     return Loaded(pack, mem, the_plan, model, states, runner, cdt, notes)
 

@@ -26,7 +26,7 @@ def cache_json(engine) -> dict:
         "handoffs_per_moe_layer_token": (engine.runner.handoffs / engine.runner.tokens / len(engine.pack.model.moe_layers)
                                          if engine.runner.tokens else 0.0),
         **(engine.runner.ahead.to_json() if engine.runner.ahead else
-           {"prefetched": 0, "prefetch_hits": 0, "prediction_recall": None, "layer_prediction_recall": [],
+           {"prefetched": 0, "prefetch_hits": 0, "prefetch_late": 0, "prediction_recall": None, "layer_prediction_recall": [],
             "prefetch_per_layer": 0, "predictor": None}),
     }
 
