@@ -83,7 +83,7 @@ static dot_fn dot_q8 = dot_q8_portable, dot_q4 = dot_q4_portable, dot_q8g = dot_
 /* the GGUF block types a row at a time, only where there are no SIMD tiles (ktiles.h) */
 static dot_fn dot_q4k = dot_q4k_portable, dot_q5k = dot_q5k_portable, dot_q6k = dot_q6k_portable,
               dot_iq4xs = dot_iq4xs_portable, dot_mxfp4 = dot_mxfp4_portable;
-#define SET_KQUANTS(SUFFIX) (ktiles = ktiles_##SUFFIX, kpanels = kpanels_##SUFFIX)
+#define SET_KQUANTS(SUFFIX) (ktiles = ktiles_##SUFFIX, kpanels = kpanels_##SUFFIX, kdecoded = kdecoded_##SUFFIX)
 static const char *isa = "portable";
 
 /* The best the CPU has, or at most MOEFIT_ISA (portable, avx2, avx-vnni): how the tests run
