@@ -211,8 +211,9 @@ __attribute__((target("avx2,fma"))) static inline __m256 mx_panel_scales(const u
  * transposed and unpacked, or looked up, as the panels above make them per tile; the eight rows'
  * scales, and Q4_K's / Q5_K's mins), and each tile reads them there. The integer sums and the
  * float operations on them are the panels', in their order: a row's outputs do not depend on the
- * call's token count. Measured (bench/kernel.py --tokens 16 / 64, hidden 2048, expert 512, 2 threads,
- * an AVX512 EPYC): IQ4_XS 1.15-1.3x faster. */
+ * call's token count. A layer call of 16 and 64 tokens, two alternated pairs each against the tiles
+ * (bench/results/kernel-decoded-panels-round26-avx512.txt, an AVX512 EPYC, 2 threads): Q4_K 1.02-1.41x,
+ * Q5_K 1.05-1.22x, IQ4_XS 0.90-1.31x, MXFP4 (gpt-oss's shape) 1.14-1.43x; Q6_K has no panels. */
 #define IQ4_DECODE(NAME, TARGET, OFFSET)                                                            \
     __attribute__((target(TARGET))) static void NAME(const uint8_t *w, int64_t row_bytes, int64_t n, \
                                                      __m256i *vals, __m256 *scales) {               \
