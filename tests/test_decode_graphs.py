@@ -17,6 +17,7 @@ from moefit.config import ServeConfig
 from moefit.runtime import decode_graphs
 from moefit.runtime.engine import Engine
 from moefit.runtime.recorders import RecordError, Tape
+from moefit.memory import ledger as L
 from moefit.runtime.sampler import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
@@ -71,6 +72,34 @@ def test_verify_windows_replay_their_own_pieces_with_the_forwards_logits(family,
     assert max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(logits["on"], logits["off"])) < 1e-5
     assert {key[-1] for key in engines["on"].graphs.pieces if key[0] == "tail"} == {2, 3, 4, 5}
     assert engines["on"].graphs.replays > 0
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_5_moe"])
+def test_what_the_pieces_pass_each_other_is_a_reserve_line_of_its_own(family, packs, card, small_buckets):
+    """Every row the pieces pass each other (a step's and each window length's, each bucket's mask,
+    a DeltaNet window's checkpoints) is charged to the reserve's decode graphs line, which the plan
+    holds (at most); without the pieces there is no such line."""
+    tokens = torch.randint(0, 300, (60,), generator=torch.Generator().manual_seed(5)).tolist()
+    big = lambda mib: card(1024)                                    # noqa: E731 - room for the recommended reserve
+    engine = _engine(packs(family, "fp32"), big, "on", vram_reserve_mib=None, spec="lookup")    # windows of 2-5
+    planned = next(p for p in engine.plan.line(L.RESERVE).parts if p.name == L.GRAPHS).bytes
+    assert planned == engine.plan.reserve.graphs > 0
+    engine.prefill(tokens[:5])
+    pos = 5
+    for t, kept in [(1, 1), (4, 2), (1, 1), (2, 2), (5, 1), (3, 3)] * 3:
+        state = engine.session.state
+        state.checkpoint(t > 1)
+        engine.forward(tokens[pos:pos + t], pos)
+        state.checkpoint(False)
+        if t > 1:
+            engine.keep(pos, tokens[pos:pos + kept])
+        pos += kept
+    mem, rows = engine.loaded.mem, engine.graphs.rows
+    assert set(rows) == {1, 2, 3, 4, 5} and any(r.checkpoints is not None for r in rows.values()) == (family == "qwen3_5_moe")
+    made = [engine.graphs.pos, *(t for r in rows.values() for t in r.tensors())]
+    assert mem.charged[L.GRAPHS] == sum(mem.block(t.nbytes) for t in made) <= planned
+    off = _engine(packs(family, "fp32"), big, "off", vram_reserve_mib=None)
+    assert off.plan.reserve.graphs == 0 and L.GRAPHS not in [p.name for p in off.plan.line(L.RESERVE).parts]
 
 
 @pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_next"])

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from moefit.config import ModelConfig
 from moefit.families.common import mtp_index, rope_dim
 from moefit.families.state import PROMPT_MARKS, layer_bytes
+from moefit.memory.allocator import MIN_BLOCK
 from moefit.pack.layout import DENSE_GROUP, dense_quantizable, expert_blob_sizes
 
 COMPUTE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
@@ -148,6 +149,20 @@ class Footprint:
         """What a draft source holds in the reserve: a trained head, the MTP layer, or nothing."""
         return {"head": self.draft_head_bytes,
                 "mtp": self.mtp_bytes(ctx, kv_dtype, chunk, resident, sessions)}.get(mode, 0)
+
+    def decode_graph_bytes(self, ctx: int, windows: list[int]) -> int:
+        """At most what --decode-graphs' pieces pass each other (runtime/decode_graphs.py, Rows) for a
+        decode step and each verify window length: the residual rows, each layer's MoE input and
+        guess, the routers' output, RoPE's rows, a mask per context bucket (together under 2 ctx
+        keys a token) and a window's recurrent checkpoints. The recordings' pool is not in it: it is
+        measured on the card (decode_graphs.pool_bytes) and the headroom holds it."""
+        m, cb = self.model, self.cb
+        ranks = min(2 * m.top_k, m.num_experts)
+        state = max((s.recurrent_bytes() for s in self.states if s.kind == "recurrent"), default=0)
+        per_token = ((3 + m.num_layers) * m.hidden_size * cb + 8 + m.num_layers * ranks * 8
+                     + len(m.moe_layers) * m.top_k * (cb + 8) + 2 * rope_dim(m) * cb + 2 * ctx)
+        tensors = 8 + 2 * m.num_layers + 2 * len(m.moe_layers) + ctx.bit_length()     # each a 512-byte block at least
+        return MIN_BLOCK + sum(t * per_token + (t - 1) * state + tensors * MIN_BLOCK for t in [1, *windows])
 
     def verify_arena_bytes(self, window: int) -> int:
         """A verify window's activations and logits, and each recurrent layer's state after every

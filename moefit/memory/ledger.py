@@ -5,7 +5,7 @@ table with MiB and share of the card. No torch.
       - other processes
       - dense weights
       - sequence state     (KV / MLA latent per token, recurrent state per layer)
-      - reserve            (prompt path, verify arena, draft head, headroom)
+      - reserve            (prompt path, verify arena, draft head, decode graphs, headroom)
       - expert cache
       = free after start
 """
@@ -18,7 +18,7 @@ MIB = 1 << 20
 
 OTHER, DENSE, KV, RESERVE, CACHE, FREE = (
     "other processes", "dense weights", "sequence state", "reserve", "expert cache", "free after start")
-PROMPT, VERIFY, DRAFT, HEADROOM = "prompt path", "verify arena", "draft head", "headroom"
+PROMPT, VERIFY, DRAFT, GRAPHS, HEADROOM = "prompt path", "verify arena", "draft head", "decode graphs", "headroom"
 
 
 @dataclass(frozen=True)

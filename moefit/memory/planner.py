@@ -26,10 +26,11 @@ class Reserve:
     verify: int
     draft: int
     recommended: int
+    graphs: int = 0                  # --decode-graphs' rows (runtime/decode_graphs.py), at most
 
     @property
     def headroom(self) -> int:
-        return self.total - self.prompt - self.verify - self.draft
+        return self.total - self.prompt - self.verify - self.draft - self.graphs
 
 
 @dataclass(frozen=True)
@@ -123,14 +124,21 @@ def plan_reserve(fp: Footprint, cfg: ServeConfig, kv_dtype: str, spec_on: bool, 
     prompt = fp.prompt_path_bytes(cfg.prefill_chunk, cfg.ctx, kv_dtype, resident, group)
     verify = fp.verify_arena_bytes(cfg.spec_window) if cfg.spec != "off" else 0
     draft = fp.draft_bytes(spec_mode(cfg.spec, fp), cfg.ctx, kv_dtype, cfg.prefill_chunk, resident, cfg.sessions)
-    recommended = _round_mib(prompt + verify + draft + HEADROOM_MIB * MIB)
+    graphs = fp.decode_graph_bytes(cfg.ctx, graph_windows(cfg)) if cfg.decode_graphs == "on" else 0
+    recommended = _round_mib(prompt + verify + draft + graphs + HEADROOM_MIB * MIB)
     if cfg.vram_reserve_mib is not None:
         total = cfg.vram_reserve_mib * MIB
     else:
         total = SPEED_RESERVE_MIB * MIB if cfg.tier == "speed" else recommended
     if not spec_on:
         verify = draft = 0
-    return Reserve(total, prompt, verify, draft, recommended)
+    return Reserve(total, prompt, verify, draft, recommended, graphs)
+
+
+def graph_windows(cfg: ServeConfig) -> list[int]:
+    """The verify windows' lengths --decode-graphs records pieces for (a draft of 1..spec_window
+    tokens, verified with the token before it)."""
+    return list(range(2, cfg.spec_window + 2)) if cfg.spec != "off" else []
 
 
 def _round_mib(n: int) -> int:
@@ -269,6 +277,7 @@ def _cache_budget(cfg: ServeConfig, fp: Footprint, available: int) -> int:
 def _reserve_line(r: Reserve) -> L.Line:
     note = "recommended" if r.total == r.recommended else f"recommended: {L.mib(r.recommended):.0f} MiB"
     parts = (L.Line(L.PROMPT, r.prompt), L.Line(L.VERIFY, r.verify), L.Line(L.DRAFT, r.draft),
+             *((L.Line(L.GRAPHS, r.graphs, note="at most; their recordings' pool in the headroom"),) if r.graphs else ()),
              L.Line(L.HEADROOM, r.headroom))
     return L.Line(L.RESERVE, r.total, parts, note)
 

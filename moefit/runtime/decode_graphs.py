@@ -127,31 +127,36 @@ class Begun:
 class Rows:
     """What the pieces of a forward of T tokens leave each other, made outside any recorder's pool:
     the residual stream x, the MoE output, each layer's MoE input h, router output and
-    look-ahead guess, the positions, RoPE's angles and each bucket's mask."""
+    look-ahead guess, the positions, RoPE's angles and each bucket's mask. `zeros(shape, dtype)`
+    makes them (on a card: charged to the reserve's decode graphs line)."""
 
-    def __init__(self, model, t: int, pos: torch.Tensor):
-        device, e, dt, k = pos.device, model.cfg.hidden_size, model.norm.dtype, model.cfg.top_k
-        zeros = functools.partial(torch.zeros, dtype=dt, device=device)
-        longs = functools.partial(torch.zeros, dtype=torch.long, device=device)
-        self.t, self.positions = t, longs(t)
-        self.x, self.moe, self.out = zeros(t, e), zeros(t, e), zeros(t, e)
-        self.h = [zeros(t, e) for _ in model.layers]
+    def __init__(self, model, t: int, zeros):
+        e, dt, k = model.cfg.hidden_size, model.norm.dtype, model.cfg.top_k
+        self.zeros = zeros
+        self.t, self.positions = t, zeros((t,), torch.long)
+        self.x, self.moe, self.out = zeros((t, e), dt), zeros((t, e), dt), zeros((t, e), dt)
+        self.h = [zeros((t, e), dt) for _ in model.layers]
         ranks = min(GUESS_RANKS * k, model.cfg.num_experts)
-        self.guess = [longs(t, ranks) for _ in model.layers]
+        self.guess = [zeros((t, ranks), torch.long) for _ in model.layers]
         moe = [i for i, layer in enumerate(model.layers) if "router" in layer and hasattr(model, "route")]
-        self.weights, self.ids = {i: zeros(t, k) for i in moe}, {i: longs(t, k) for i in moe}
-        self.cos, self.sin = (c.clone() for c in model.rope.at(self.positions))
+        self.weights = {i: zeros((t, k), dt) for i in moe}
+        self.ids = {i: zeros((t, k), torch.long) for i in moe}
+        cos, sin = model.rope.at(self.positions)
+        self.cos, self.sin = zeros(cos.shape, cos.dtype), zeros(sin.shape, sin.dtype)
         self.masks: dict[int, torch.Tensor] = {}
         self.checkpoints: torch.Tensor | None = None      # a window's DeltaNet states, every layer's in turn
 
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.positions, self.x, self.moe, self.out, self.cos, self.sin, *self.h, *self.guess,
+                *self.weights.values(), *self.ids.values(), *self.masks.values(),
+                *([self.checkpoints] if self.checkpoints is not None else [])]
+
     def nbytes(self) -> int:
-        tensors = [self.positions, self.x, self.moe, self.out, self.cos, self.sin, *self.h, *self.guess,
-                   *self.weights.values(), *self.ids.values(), *self.masks.values()]
-        return sum(t.nbytes for t in tensors) + (self.checkpoints.nbytes if self.checkpoints is not None else 0)
+        return sum(t.nbytes for t in self.tensors())
 
     def mask(self, bucket: int) -> torch.Tensor:
         if bucket not in self.masks:
-            self.masks[bucket] = torch.zeros(self.t, bucket, dtype=torch.bool, device=self.x.device)
+            self.masks[bucket] = self.zeros((self.t, bucket), torch.bool)
         return self.masks[bucket]
 
 
@@ -159,9 +164,10 @@ class DecodeGraphs:
     """The pieces of one model's decode step (and verify window), recorded per (session state,
     layer, bucket, tokens)."""
 
-    def __init__(self, model, device: torch.device):
+    def __init__(self, model, device: torch.device, zeros=None):
         self.model, self.rec = model, recorder_for(device)
-        self.pos = torch.zeros(1, dtype=torch.long, device=device)
+        self.zeros = zeros or (lambda shape, dtype: torch.zeros(shape, dtype=dtype, device=device))
+        self.pos = self.zeros((1,), torch.long)
         self.rows: dict[int, Rows] = {}
         self._views: dict[tuple, list] = {}
         self.pieces: dict[tuple, tuple] = {}
@@ -189,13 +195,13 @@ class DecodeGraphs:
 
     def _checkpoints(self, rows: Rows, layer: RecurrentLayerState) -> torch.Tensor:
         if rows.checkpoints is None:
-            rows.checkpoints = torch.zeros(rows.t - 1, *layer.s.shape, dtype=layer.s.dtype, device=layer.s.device)
+            rows.checkpoints = self.zeros((rows.t - 1, *layer.s.shape), layer.s.dtype)
         return rows.checkpoints
 
     def forward(self, tokens: torch.Tensor, start: int, state, experts) -> torch.Tensor:
         """Final hidden states [T, E] of tokens at positions start.., as decoder_stack computes them."""
         m, t = self.model, tokens.shape[0]
-        rows = self.rows.get(t) or self.rows.setdefault(t, Rows(m, t, self.pos))
+        rows = self.rows.get(t) or self.rows.setdefault(t, Rows(m, t, self.zeros))
         bucket = bucket_of(start + t - 1, self._capacity(state))
         layers, keeping = self._layers(state, rows)
         view, mask = BucketView(state, rows.positions, bucket, layers), rows.mask(bucket)

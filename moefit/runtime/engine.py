@@ -21,6 +21,7 @@ import torch
 from moefit import kernels
 from moefit.config import ServeConfig
 from moefit.errors import DeviceOutOfMemory, UsageError
+from moefit.memory import ledger as L
 from moefit.memory.planner import NO_HEAD, NO_MTP, spec_mode
 from moefit.pack import quant as dense
 from moefit.pack.reader import Pack
@@ -98,7 +99,8 @@ class Engine:
             return None, "--decode-graphs off"
         mem = self.loaded.mem
         why = decode_graphs.why_not(self.model, self.loaded.states, mem.device.kind)
-        return (None, why) if why else (DecodeGraphs(self.model, mem.torch_device), None)
+        rows = lambda shape, dtype: mem.empty(L.GRAPHS, shape, dtype).zero_()   # noqa: E731 - the reserve's line
+        return (None, why) if why else (DecodeGraphs(self.model, mem.torch_device, rows), None)
 
     def decode_graphs_json(self) -> dict:
         return {"on": True, **self.graphs.to_json()} if self.graphs else {"on": False, "why_not": self.graphs_off}
