@@ -26,9 +26,10 @@ from moefit.runtime.sampler import SamplingParams  # noqa: E402
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
 
-def open_engine(pack: str, card: str, cache: str = "auto", ahead: int = 0) -> Engine:
+def open_engine(pack: str, card: str, cache: str = "auto", ahead: int = 0, graphs: str = "off") -> Engine:
     return Engine.open(pack, ServeConfig(device=f"sim:{card}", ctx=64, vram_reserve_mib=1, low_headroom_mib=0,
-                                         min_expert_slots=0, expert_cache=cache, prefetch_per_layer=ahead))
+                                         min_expert_slots=0, expert_cache=cache, prefetch_per_layer=ahead,
+                                         decode_graphs=graphs))
 
 
 def reference(runner, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -69,18 +70,22 @@ def kernel_error(pack: str, card: str) -> float:
 
 def greedy(pack: str, card: str) -> dict:
     """The same greedy tokens with the kernels and without, with a quarter of the experts cached
-    and the look-ahead swapping them between steps (so the table's rows change and go down again)."""
+    and the look-ahead swapping them between steps (so the table's rows change and go down again);
+    and with the kernels between the recorded pieces of --decode-graphs, as a card runs them."""
     runs = {}
-    for fused in (False, True):
-        engine = open_engine(pack, card, cache="4", ahead=2)
+    for fused, graphs in ((False, "off"), (True, "off"), (True, "on")):
+        engine = open_engine(pack, card, cache="4", ahead=2, graphs=graphs)
         engine.runner.fused.on_host = fused
         tokens = engine.generate([5, 17, 42, 99, 7, 3], GREEDY)[1].generated
         r = engine.runner
-        runs[fused] = {"tokens": tokens, "sent": r.table.sent, "handoffs": r.handoffs, "swaps": r.book.swaps,
-                       "steps": r.fused.steps}
-    return {"same_tokens": runs[True]["tokens"] == runs[False]["tokens"], "rows_sent": runs[True]["sent"],
-            "same_handoffs": runs[True]["handoffs"] == runs[False]["handoffs"], "swaps": runs[True]["swaps"],
-            "fused_steps": runs[True]["steps"], "fused_steps_off": runs[False]["steps"]}
+        runs[fused, graphs] = {"tokens": tokens, "sent": r.table.sent, "handoffs": r.handoffs, "swaps": r.book.swaps,
+                               "steps": r.fused.steps, "replays": engine.graphs.replays if engine.graphs else 0}
+    on, off, pieces = runs[True, "off"], runs[False, "off"], runs[True, "on"]
+    return {"same_tokens": on["tokens"] == off["tokens"], "rows_sent": on["sent"],
+            "same_handoffs": on["handoffs"] == off["handoffs"], "swaps": on["swaps"],
+            "fused_steps": on["steps"], "fused_steps_off": off["steps"],
+            "pieces_same_tokens": pieces["tokens"] == off["tokens"], "pieces_fused_steps": pieces["steps"],
+            "pieces_replays": pieces["replays"], "pieces_same_handoffs": pieces["handoffs"] == off["handoffs"]}
 
 
 def all_resident(pack: str, card: str) -> dict:

@@ -31,6 +31,8 @@ def test_the_slot_table_kernels_sum_the_resident_experts_and_the_runner_takes_th
     assert greedy["same_tokens"] and greedy["same_handoffs"], greedy
     assert greedy["fused_steps"] == 24 and greedy["fused_steps_off"] == 0, greedy   # 12 steps x 2 MoE layers
     assert greedy["swaps"] > 0 and greedy["rows_sent"] > 2, greedy                   # rows went down again
+    assert greedy["pieces_same_tokens"] and greedy["pieces_same_handoffs"], greedy      # between recorded pieces
+    assert greedy["pieces_fused_steps"] == 24 and greedy["pieces_replays"] > 0, greedy
     assert result["run"] < 0.02, result                # the host rounds activations to 8 bits; the kernels do not
     assert result["ops"]["fused"] * 2 < result["ops"]["grouped"], result       # 10 against 33 when written
     full = result["all_resident"]
