@@ -72,7 +72,8 @@ def test_prefetches_land_through_the_stager_and_the_tokens_do_not_change(packs, 
 def test_where_a_layer_does_not_wait_a_late_copy_is_a_miss_and_the_tokens_do_not_change(packs, card):
     """CUDA's setting (wait_for_prefetch False), on a host-memory card: the worker is held up, so
     no prefetch has landed when its layer runs; the layer computes those experts on the host and
-    counts them late, not prefetch hits, and lands them once the worker goes on."""
+    counts them late, not prefetch hits, and lands them once the worker goes on. While it is held
+    up, no more than one layer's budget (2) is sent to it."""
     from moefit.config import ServeConfig
     from moefit.runtime.engine import Engine
     from moefit.runtime.sampler import SamplingParams
@@ -90,7 +91,8 @@ def test_where_a_layer_does_not_wait_a_late_copy_is_a_miss_and_the_tokens_do_not
     got = engine.generate(prompt, greedy)[1].generated
     assert time.perf_counter() - t0 < 20 and got == want
     sent, late = runner.stager.sent, runner.ahead.prefetch_late
-    assert sent > 0 and late > 0 and runner.ahead.prefetch_hits == 0 and len(runner.arriving) == sent
+    assert 0 < sent <= 2 and late > 0 and runner.ahead.prefetch_hits == 0 and len(runner.arriving) == sent
+    assert runner.stager.backlog == sent          # a worker a layer's budget behind is sent no more
     go.set()
     del runner.settle
     runner.settle()

@@ -104,6 +104,8 @@ class ExpertRunner:
             return
         budget = self.ahead.pcie_budget(self.costs.pcie_bytes_per_s, self.book.sizes[(layer, order[0])],
                                         time.perf_counter())                # also times the layer: every call
+        if self.stager is not None:            # a worker behind by a layer's copies is sent no more
+            budget = max(0, budget - self.stager.backlog)
         missing = [e for e in order if (layer, e) not in self.slots and (layer, e) not in self.arriving]
         if not missing:
             return

@@ -61,6 +61,7 @@ class Stager:
             self._free.put((i, None))
         self._work: queue.Queue = queue.Queue()
         self.sent = 0
+        self.issued = 0                           # copies the worker has issued (done, on a host-memory card)
         self._thread = threading.Thread(target=self._run, name="moefit-stager", daemon=True)
         self._thread.start()
         _live.add(self)
@@ -75,6 +76,11 @@ class Stager:
         self._work.put(lambda: self._copy(ticket, blob, slot))
         self.sent += 1
         return ticket
+
+    @property
+    def backlog(self) -> int:
+        """Copies sent that the worker has not issued yet."""
+        return self.sent - self.issued
 
     def call(self, job) -> None:
         """Run job() on the worker, after the copies sent before it (the look-ahead's page
@@ -104,6 +110,7 @@ class Stager:
         except BaseException as e:  # noqa: BLE001 - raised again on the engine thread, at landed()
             ticket.error = e
         finally:
+            self.issued += 1                      # the worker's alone: the engine thread only reads it
             ticket.issued.set()
 
     def _through_ring(self, ticket: Ticket, blob: torch.Tensor, slot: torch.Tensor) -> None:
