@@ -47,6 +47,8 @@ def check_decode(device: str, quick: bool, journal=None, pack_dir: str | None = 
             "slots": len(e.runner.slots), "tok_s_12_layers_first_64": first,
             "tok_s_12_layers": 1 / dt, "tok_s_48_layers_extrapolated": 1 / (dt * 4),
             "hit_rate": e.runner.book.hit_rate(), "prefill_tok_s": e.last.prefill_tokens_per_s,
+            **({"prefetched": e.runner.ahead.prefetched, "prefetch_hits": e.runner.ahead.prefetch_hits,
+                "prefetch_late": e.runner.ahead.prefetch_late} if e.runner.ahead else {}),  # late: a miss, not a wait
             **{k: v for k, v in _against_nvml(e).items() if k in (
                 "ledger_vs_nvml", "ledger_and_cache_vs_nvml", "beyond_plan_bytes", "nvml_used_bytes", "ledger_used_bytes",
                 "torch_cached_bytes", "allocated_beyond_plan_bytes", "outside_torch_bytes")}}
