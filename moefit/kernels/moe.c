@@ -8,7 +8,7 @@
  * Activations are quantised per block of 32 to int8 with one fp32 scale (llama.cpp's q8_0), so
  * every dot product is an integer dot product: AVX2 maddubs, or dpbusd where the CPU has
  * AVX-VNNI / AVX512-VNNI, chosen at run time (the bodies: dots.h, panels.h, kquants.h, ktiles.h,
- * kpanels.h). The file is built
+ * kpanels.h, kdecoded.h). The file is built
  * without -march=native: each SIMD body carries its own target attribute, so one build runs on
  * any x86-64 (and a portable body serves other CPUs).
  *
@@ -78,6 +78,7 @@ static void quantize_row(const float *x, int64_t n, int8_t *q, float *s, int32_t
 #include "panels.h"
 #include "ktiles.h"
 #include "kpanels.h"
+#include "kdecoded.h"
 
 static dot_fn dot_q8 = dot_q8_portable, dot_q4 = dot_q4_portable, dot_q8g = dot_q8g_portable;
 /* the GGUF block types a row at a time, only where there are no SIMD tiles (ktiles.h) */
