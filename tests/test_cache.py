@@ -134,6 +134,37 @@ def test_coldest_of_size_is_coldest_filtered_without_the_sort():
                 assert book.coldest_of_size(size, skip, n) == want[:n]
 
 
+def test_a_prefetchs_victims_found_once_are_those_it_would_find_one_by_one():
+    """Victims (experts/cache.py): the coldest of a size class not kept nor arriving, found once for
+    a prefetch's admissions, are what a search before each admission would find, with each victim
+    evicted and each admitted expert arriving in between."""
+    from moefit.experts.cache import Victims
+    rng = np.random.default_rng(7)
+    for trial in range(30):
+        sizes = {(l, e): int(rng.choice([100, 200])) for l in range(4) for e in range(8)}
+        books = [CacheBook(dict(sizes), 4, 8, budget=1 << 30) for _ in range(2)]
+        usage = rng.integers(0, 3, size=(4, 8))
+        resident = [k for k in sizes if rng.random() < 0.7]
+        keep = {k for k in resident if rng.random() < 0.2}
+        admits = [k for k in sizes if k not in resident][:5]
+        flying = {k: None for k in resident if rng.random() < 0.1}
+        arriving = [dict(flying), dict(flying)]
+        for book in books:
+            for key in resident:
+                book.admit(key)
+            book.usage[:] = usage
+        found = Victims(books[0], keep, arriving[0], len(admits))
+        for key in admits:
+            once = found.pop(sizes[key])
+            one_by_one = (books[1].coldest_of_size(sizes[key], keep | arriving[1].keys()) or [None])[0]
+            assert once == one_by_one, (trial, key)
+            for book, flying in zip(books, arriving):
+                if once is not None:
+                    book.evict(once)
+                book.admit(key)
+                flying[key] = None
+
+
 def test_shrink_gives_back_the_coldest_first():
     sizes = {(0, e): 100 for e in range(3)}
     book = CacheBook(sizes, 1, 3, 300)
