@@ -103,8 +103,9 @@ function drawChecks(status) {
 function lookAhead(c) {
   if (!c.prefetch_per_layer) return "look-ahead off";
   const recall = c.prediction_recall == null ? "-" : (100 * c.prediction_recall).toFixed(0) + " %";
+  const late = c.prefetch_late ? `, ${c.prefetch_late} late (computed on the host)` : "";
   return `look-ahead (${c.predictor}): next-layer recall ${recall}, ${c.prefetched} prefetched ` +
-    `(${c.prefetch_hits} used in time)`;
+    `(${c.prefetch_hits} used in time)${late}`;
 }
 
 function drawCache(status) {
