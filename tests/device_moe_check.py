@@ -3,6 +3,7 @@
 the runner taking them. Prints one JSON line.
 
     python tests/device_moe_check.py CARD PACK...      # the first pack also runs the engine checks
+    python tests/device_moe_check.py --super-blocks CARD PACK...    # GGUF packs: kernels; the last's greedy
 """
 
 from __future__ import annotations
@@ -172,8 +173,13 @@ def op_counts(pack: str, card: str) -> dict:
 
 
 if __name__ == "__main__":
-    card, packs = sys.argv[1], sys.argv[2:]
+    super_blocks = sys.argv[1] == "--super-blocks"           # GGUF packs: the kernels and greedy of each
+    card, packs = sys.argv[1 + super_blocks], sys.argv[2 + super_blocks:]
     result = {"kernel": {os.path.basename(p): kernel_error(p, card) for p in packs}}
+    if super_blocks:                                          # the last pack's greedy (a Q4_K_M file's: both kinds)
+        result["greedy"] = {os.path.basename(packs[-1]): greedy(packs[-1], card)}
+        print(json.dumps(result))
+        sys.exit()
     result["greedy"] = greedy(packs[0], card)
     result["run"] = run_error(packs[0], card)
     result["all_resident"] = all_resident(packs[0], card)

@@ -8,7 +8,8 @@ for the hand-off and computes the misses.
 CUDA's room in `kernels/`, next to device_experts.py (one matrix for a group of experts the host
 chose); the kernels are in triton_moe.py, imported on first use. `usable` says where it runs: on
 CUDA with Triton, or on the CPU under TRITON_INTERPRET=1 (how the tests run it), for SwiGLU
-experts stored as int4, Q8_0 or int8, for steps of at most DENSE_TOKENS rows. Elsewhere
+experts stored as int4, Q8_0 or int8, or as a GGUF file's Q4_K / Q6_K super-blocks (a Q4_K_M
+file's layers, Q4_K gate and up with Q6_K down, too), for steps of at most DENSE_TOKENS rows. Elsewhere
 experts/runner.py takes its grouped path (experts/grouped.py), which gives the same numbers.
 
 Per weight the stored byte is read once per 4 token rows for gate_up and once per token for
@@ -30,6 +31,7 @@ from moefit.kernels import device_experts
 from moefit.pack.layout import Part, matrix_quants
 
 KINDS = device_experts.KINDS
+SUPER_KINDS = {"q4_k": 3, "q6_k": 4}     # GGUF super-blocks of 256, read 32 weights at a time
 ROWS = 4                                 # token rows a gate_up program holds
 BLOCK = 32
 
@@ -39,23 +41,32 @@ broken: str | None = None                # why the kernels would not compile her
 @dataclass(frozen=True)
 class BlobShape:
     """Where a blob's matrices are and how they are coded: byte offsets of gate_up, its scales,
-    down and its scales; the kind; each matrix's group (columns a scale covers)."""
+    down and its scales; gate_up's kind; each matrix's group (columns a scale covers); down's kind."""
     offsets: tuple[int, int, int, int]
     kind: int
     hidden: int
     inter: int
     gate_up_group: int
     down_group: int
+    down_kind: int | None = None         # None: gate_up's
+
+    @property
+    def kinds(self) -> tuple[int, int]:
+        return self.kind, self.kind if self.down_kind is None else self.down_kind
 
 
 def blob_shape(layout: list[Part], quant: str) -> BlobShape | None:
-    """The blob's shape for the kernels, or None where they cannot read it (a float, K-quant or
-    MXFP4 expert, two kinds in one blob, a group that is not a power of two of at least 16)."""
+    """The blob's shape for the kernels, or None where they cannot read it (a float, Q5_K, IQ4_XS or
+    MXFP4 expert, two of the pack's own kinds in one blob, a group that is not a power of two of at
+    least 16)."""
     gate_up, down = matrix_quants(quant)
-    if gate_up != down or gate_up not in KINDS:
-        return None
     parts = {p.name: p for p in layout}
     inter, hidden = parts["gate_up"].shape[0] // 2, parts["down"].shape[0]
+    if gate_up in SUPER_KINDS and down in SUPER_KINDS:
+        offsets = (parts["gate_up"].offset, 0, parts["down"].offset, 0)
+        return BlobShape(offsets, SUPER_KINDS[gate_up], hidden, inter, 32, 32, SUPER_KINDS[down])
+    if gate_up != down or gate_up not in KINDS:
+        return None
     if gate_up == "int8":
         groups = (device_experts.INT8_STEP, device_experts.INT8_STEP)
     else:
@@ -105,5 +116,5 @@ def _resident_sum(x, ids, weights, table_row, base, shape: BlobShape) -> torch.T
         run.launch_gate_up(x[t0:], ids[t0:], table_row, base, h[t0 * k:], min(ROWS, tokens - t0), k, shape.inter,
                            shape.hidden, shape.offsets, shape.gate_up_group, shape.kind, BLOCK)
     run.launch_down(h, ids, weights, table_row, base, out, tokens, k, shape.inter, shape.hidden, shape.offsets,
-                    shape.down_group, shape.kind, BLOCK)
+                    shape.down_group, shape.kinds[1], BLOCK)
     return out

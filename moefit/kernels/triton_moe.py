@@ -14,7 +14,9 @@ A slot's address is a byte offset from `base` (any device tensor: the table itse
 pointer reaches every chunk of the pool; 0 in the table means "not on the card" (the host
 computes that expert). Matrix kinds as kernels/triton_matvec.py: 0 int4 (two codes a byte, low
 nibble first, stored + 8; fp16 scale a group), 1 Q8_0 (int8 codes, fp16 scale a group), 2 int8
-(fp32 scale a row, applied at the end; columns walked GROUP at a time).
+(fp32 scale a row, applied at the end; columns walked GROUP at a time); and GGUF's super-blocks as
+the file stores them (kquants.h's layouts), 32 weights at a time: 3 Q4_K, 4 Q6_K. gate_up and down
+may be of different kinds (a Q4_K_M file's Q4_K gate and up, Q6_K down).
 """
 
 from __future__ import annotations
@@ -42,8 +44,9 @@ def launch_down(h, ids, weights, table, base, out, tokens: int, k: int, inter: i
 
 @triton.jit
 def _codes_and_scales(blob, codes_at, scales_at, KIND: tl.constexpr):
-    """Typed pointers to a matrix's codes and scales inside a slot."""
-    if KIND == 0:
+    """Typed pointers to a matrix's codes and scales inside a slot (a super-block kind's scales are
+    in its blocks)."""
+    if KIND == 0 or KIND >= 3:
         codes = blob + codes_at
     else:
         codes = (blob + codes_at).to(tl.pointer_type(tl.int8))
@@ -58,6 +61,9 @@ def _codes_and_scales(blob, codes_at, scales_at, KIND: tl.constexpr):
 def _rows_dot(x_rows, tmask, codes, scales, rows, rmask, C, GROUP: tl.constexpr, KIND: tl.constexpr,
               TP: tl.constexpr, BLOCK: tl.constexpr):
     """triton_matvec.rows_dot over matrix rows `rows` of a slot's contiguous codes and scales."""
+    if KIND >= 3:
+        row_bytes = C // 256 * (144 if KIND == 3 else 210)
+        return _k_rows_dot(x_rows, tmask, codes + rows[:, None] * row_bytes, rmask, C, KIND, TP, BLOCK)
     if KIND == 0:
         w_rows = codes + rows[:, None] * (C // 2)
     else:
@@ -67,6 +73,50 @@ def _rows_dot(x_rows, tmask, codes, scales, rows, rmask, C, GROUP: tl.constexpr,
     else:
         s_rows = scales + rows * (C // GROUP)
     return rows_dot(x_rows, tmask, w_rows, rmask, s_rows, C, GROUP, KIND, TP, BLOCK)
+
+
+@triton.jit
+def _half(lo, hi):
+    """Two bytes (little-endian) as the fp16 they hold, in fp32."""
+    return (lo.to(tl.int32) | (hi.to(tl.int32) << 8)).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _k_rows_dot(x_rows, tmask, w_rows, rmask, C, KIND: tl.constexpr, TP: tl.constexpr, BLOCK: tl.constexpr):
+    """[TP, BLOCK] fp32: x rows times matrix rows stored as GGUF super-blocks of 256 (w_rows: each
+    row's first byte, [BLOCK, 1]), 32 weights at a time dequantised as kquants.h's portable bodies
+    read them: Q4_K d sc q - dmin m (its 6-bit scales and mins unpacked), Q6_K d sc (q - 32) (a
+    scale each 16)."""
+    c = tl.arange(0, 32)
+    rm = rmask[:, None]
+    acc = tl.zeros((TP, BLOCK), dtype=tl.float32)
+    for g0 in range(0, C, 32):
+        j = (g0 % 256) // 32                                        # the block of 32 in its super-block
+        if KIND == 3:
+            blk = w_rows + (g0 // 256) * 144
+            d = _half(tl.load(blk, mask=rm, other=0), tl.load(blk + 1, mask=rm, other=0))
+            dmin = _half(tl.load(blk + 2, mask=rm, other=0), tl.load(blk + 3, mask=rm, other=0))
+            near = tl.load(blk + 4 + j, mask=rm, other=0).to(tl.int32)               # scales[j]
+            far = tl.load(blk + 4 + (j + 4) % 8, mask=rm, other=0).to(tl.int32)      # scales[j + 4], or [j - 4]
+            top = tl.load(blk + 12 + j % 4, mask=rm, other=0).to(tl.int32)           # scales[8 + j % 4]
+            sc = tl.where(j < 4, near & 63, (top & 0xF) | ((far >> 6) << 4))
+            m = tl.where(j < 4, far & 63, (top >> 4) | ((near >> 6) << 4))
+            byte = tl.load(blk + 16 + (j // 2) * 32 + c[None, :], mask=rm, other=0).to(tl.int32)
+            q = ((byte >> (4 * (j % 2))) & 0xF).to(tl.float32)
+            w = d * sc.to(tl.float32) * q - dmin * m.to(tl.float32)
+        else:
+            blk = w_rows + (g0 // 256) * 210
+            half = j // 4
+            g = j % 4
+            low = tl.load(blk + 64 * half + (g % 2) * 32 + c[None, :], mask=rm, other=0).to(tl.int32)
+            high = tl.load(blk + 128 + 32 * half + c[None, :], mask=rm, other=0).to(tl.int32)
+            q = ((low >> (4 * (g // 2))) & 0xF) | (((high >> (2 * g)) & 3) << 4)
+            sc = tl.load(blk + 192 + (g0 % 256) // 16 + c[None, :] // 16, mask=rm, other=0)
+            d = _half(tl.load(blk + 208, mask=rm, other=0), tl.load(blk + 209, mask=rm, other=0))
+            w = d * sc.to(tl.int8, bitcast=True).to(tl.float32) * (q - 32).to(tl.float32)
+        xv = tl.load(x_rows + (g0 + c)[None, :], mask=tmask[:, None], other=0.0).to(tl.float32)
+        acc += tl.sum(xv[:, None, :] * w[None, :, :], axis=2)
+    return acc
 
 
 @triton.jit
