@@ -41,26 +41,28 @@ def test_the_slot_table_kernels_sum_the_resident_experts_and_the_runner_takes_th
     assert full["handoffs"] <= full["forwards"] + 1, full                          # ... against one a forward
 
 
-def test_the_slot_table_kernels_read_a_gguf_files_q4_k_and_q6_k_super_blocks(tmp_path, card):
-    """A Q4_K file's experts and a Q4_K_M file's (Q4_K gate and up, Q6_K down) as the file stores
-    them: each resident expert's SwiGLU against its weights dequantised in fp32, and the same
-    greedy tokens with the kernels as without them, between recorded pieces too."""
+def test_the_slot_table_kernels_read_a_gguf_files_super_blocks(tmp_path, card):
+    """Q4_K, IQ4_XS, Q5_K_M-style (Q5_K gate and up, Q6_K down) and Q4_K_M-style (Q4_K, Q6_K) experts
+    as the file stores them: each resident expert's SwiGLU against its weights dequantised in fp32;
+    for the Q4_K_M one, the same greedy tokens with the kernels as without them, between recorded
+    pieces too."""
     gguf = pytest.importorskip("gguf")
     import tiny
     from gguf_writer import write_gguf
     from moefit.pack.convert import convert
     hf = tiny.build_checkpoint("qwen3_moe", tmp_path / "hf", mlp_only_layers=[], hidden_size=256,
                                moe_intermediate_size=256, intermediate_size=256)
-    q4k, q6k, paths = gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q6_K, []
-    for name, down in (("q4_k", None), ("q4_k_m", q6k)):
-        convert(write_gguf(hf, tmp_path / f"{name}.gguf", "qwen3_moe", q4k, down), tmp_path / name, progress=False)
+    t, paths = gguf.GGMLQuantizationType, []
+    for name, experts, down in (("q4_k", t.Q4_K, None), ("iq4_xs", t.IQ4_XS, None), ("q5_k_m", t.Q5_K, t.Q6_K),
+                                ("q4_k_m", t.Q4_K, t.Q6_K)):
+        convert(write_gguf(hf, tmp_path / f"{name}.gguf", "qwen3_moe", experts, down), tmp_path / name, progress=False)
         paths.append(str(tmp_path / name))
     run = subprocess.run([sys.executable, str(HERE / "device_moe_check.py"), "--super-blocks", str(card(64)), *paths],
                          capture_output=True, text=True, timeout=900, env=dict(os.environ, TRITON_INTERPRET="1"),
                          cwd=HERE.parent)
     assert run.returncode == 0, run.stdout + run.stderr
     result = json.loads(run.stdout.strip().splitlines()[-1])
-    assert set(result["kernel"]) == {"q4_k", "q4_k_m"} and max(result["kernel"].values()) < 1e-5, result
+    assert set(result["kernel"]) == {"q4_k", "iq4_xs", "q5_k_m", "q4_k_m"} and max(result["kernel"].values()) < 1e-5, result
     greedy = result["greedy"]["q4_k_m"]
     assert greedy["same_tokens"] and greedy["pieces_same_tokens"], greedy
     assert greedy["fused_steps"] > 0 and greedy["pieces_fused_steps"] == greedy["fused_steps"], greedy
@@ -70,13 +72,14 @@ def test_the_slot_table_kernels_read_a_gguf_files_q4_k_and_q6_k_super_blocks(tmp
 def test_the_slot_table_kernels_compile_to_a_cubin_for_the_gpus_they_are_for(capability):
     """The interpreter checks the arithmetic and lets through what the compiler would not (a
     pointer cast, a branch on a loaded value): this compiles both kernels for every kind of
-    matrix (int4, Q8_0, int8, Q4_K and Q6_K super-blocks) and both input dtypes, as they are launched."""
+    matrix (int4, Q8_0, int8; Q4_K, Q5_K, Q6_K and IQ4_XS super-blocks) and both input dtypes, as they
+    are launched."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile
 
     from moefit.kernels import triton_moe
     made = 0
-    for kind in (0, 1, 2, 3, 4):
+    for kind in (0, 1, 2, 3, 4, 5, 6):
         for x_type in ("*bf16", "*fp32"):
             for fn, pointers, ints, const in (
                     (triton_moe._gate_up_act, {"x_ptr": x_type, "ids_ptr": "*i64", "table_ptr": "*i64",
@@ -93,4 +96,4 @@ def test_the_slot_table_kernels_compile_to_a_cubin_for_the_gpus_they_are_for(cap
                 kernel = compile(source, target=GPUTarget("cuda", capability, 32))
                 assert kernel.asm["cubin"] and f".entry {fn.__name__}" in kernel.asm["ptx"]
                 made += 1
-    assert made == 20
+    assert made == 28

@@ -3,13 +3,13 @@
 Two ways, both summing in fp32 (experts/runner.py picks):
 
     fused   a step of at most DENSE_TOKENS rows of SwiGLU experts stored as int4, Q8_0, int8
-            or Q4_K / Q6_K super-blocks (a Q4_K_M file's mixed layers too), on CUDA with
-            Triton: two launches over the slot table and the router's ids
+            or Q4_K / Q5_K / Q6_K / IQ4_XS super-blocks (a Q4_K_M file's mixed layers too), on
+            CUDA with Triton: two launches over the slot table and the router's ids
             still on the device (kernels/device_moe.py), queued before the hand-off's wait, so
             the resident experts run while the host waits and computes the misses. Which
             experts it covered is the table's row as sent (SlotTable.held), not a decision of
             the host's.
-    grouped everything else (prefill chunks, gpt-oss's own expert function, Q5_K, IQ4_XS, MXFP4):
+    grouped everything else (prefill chunks, gpt-oss's own expert function and MXFP4, floats):
             the experts the host found resident after the hand-off, `runner.group` at a time
             (experts/grouped.py).
 """

@@ -8,8 +8,8 @@ for the hand-off and computes the misses.
 CUDA's room in `kernels/`, next to device_experts.py (one matrix for a group of experts the host
 chose); the kernels are in triton_moe.py, imported on first use. `usable` says where it runs: on
 CUDA with Triton, or on the CPU under TRITON_INTERPRET=1 (how the tests run it), for SwiGLU
-experts stored as int4, Q8_0 or int8, or as a GGUF file's Q4_K / Q6_K super-blocks (a Q4_K_M
-file's layers, Q4_K gate and up with Q6_K down, too), for steps of at most DENSE_TOKENS rows. Elsewhere
+experts stored as int4, Q8_0 or int8, or as a GGUF file's Q4_K / Q5_K / Q6_K / IQ4_XS super-blocks
+(a Q4_K_M file's layers, Q4_K gate and up with Q6_K down, too), for steps of at most DENSE_TOKENS rows. Elsewhere
 experts/runner.py takes its grouped path (experts/grouped.py), which gives the same numbers.
 
 Per weight the stored byte is read once per 4 token rows for gate_up and once per token for
@@ -31,7 +31,7 @@ from moefit.kernels import device_experts
 from moefit.pack.layout import Part, matrix_quants
 
 KINDS = device_experts.KINDS
-SUPER_KINDS = {"q4_k": 3, "q6_k": 4}     # GGUF super-blocks of 256, read 32 weights at a time
+SUPER_KINDS = {"q4_k": 3, "q6_k": 4, "q5_k": 5, "iq4_xs": 6}     # GGUF super-blocks of 256, 32 weights at a time
 ROWS = 4                                 # token rows a gate_up program holds
 BLOCK = 32
 
@@ -56,8 +56,7 @@ class BlobShape:
 
 
 def blob_shape(layout: list[Part], quant: str) -> BlobShape | None:
-    """The blob's shape for the kernels, or None where they cannot read it (a float, Q5_K, IQ4_XS or
-    MXFP4 expert, two of the pack's own kinds in one blob, a group that is not a power of two of at
+    """The blob's shape for the kernels, or None where they cannot read it (a float or MXFP4 expert, two of the pack's own kinds in one blob, a group that is not a power of two of at
     least 16)."""
     gate_up, down = matrix_quants(quant)
     parts = {p.name: p for p in layout}

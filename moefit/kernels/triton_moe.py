@@ -15,8 +15,8 @@ pointer reaches every chunk of the pool; 0 in the table means "not on the card" 
 computes that expert). Matrix kinds as kernels/triton_matvec.py: 0 int4 (two codes a byte, low
 nibble first, stored + 8; fp16 scale a group), 1 Q8_0 (int8 codes, fp16 scale a group), 2 int8
 (fp32 scale a row, applied at the end; columns walked GROUP at a time); and GGUF's super-blocks as
-the file stores them (kquants.h's layouts), 32 weights at a time: 3 Q4_K, 4 Q6_K. gate_up and down
-may be of different kinds (a Q4_K_M file's Q4_K gate and up, Q6_K down).
+the file stores them (kquants.h's layouts), 32 weights at a time: 3 Q4_K, 4 Q6_K, 5 Q5_K, 6 IQ4_XS.
+gate_up and down may be of different kinds (a Q4_K_M file's Q4_K gate and up, Q6_K down).
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def _rows_dot(x_rows, tmask, codes, scales, rows, rmask, C, GROUP: tl.constexpr,
               TP: tl.constexpr, BLOCK: tl.constexpr):
     """triton_matvec.rows_dot over matrix rows `rows` of a slot's contiguous codes and scales."""
     if KIND >= 3:
-        row_bytes = C // 256 * (144 if KIND == 3 else 210)
+        row_bytes = C // 256 * (144 if KIND == 3 else 210 if KIND == 4 else 176 if KIND == 5 else 136)
         return _k_rows_dot(x_rows, tmask, codes + rows[:, None] * row_bytes, rmask, C, KIND, TP, BLOCK)
     if KIND == 0:
         w_rows = codes + rows[:, None] * (C // 2)
@@ -81,29 +81,59 @@ def _half(lo, hi):
     return (lo.to(tl.int32) | (hi.to(tl.int32) << 8)).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
 
 
+IQ4NL_LOW = tl.constexpr(0xF6EADDCFBFAD9881 - (1 << 64))     # IQ4_XS's table (kvalues_iq4nl) as bytes: 0-7 ...
+IQ4NL_HIGH = tl.constexpr(0x7159453526190D01)                 # ... and 8-15
+
+
+@triton.jit
+def _iq4nl(index):
+    """kvalues_iq4nl[index] (index 0..15, int32) without a table in memory."""
+    packed = tl.where(index < 8, tl.full(index.shape, IQ4NL_LOW, tl.int64), tl.full(index.shape, IQ4NL_HIGH, tl.int64))
+    byte = ((packed >> (8 * (index % 8)).to(tl.int64)) & 0xFF).to(tl.int32)
+    return tl.where(byte >= 128, byte - 256, byte)
+
+
+@triton.jit
+def _k_scale_min(blk, j, rm):
+    """Q4_K / Q5_K's sub-block j scale and min (get_scale_min_k4), [BLOCK, 1] int32."""
+    near = tl.load(blk + 4 + j, mask=rm, other=0).to(tl.int32)               # scales[j]
+    far = tl.load(blk + 4 + (j + 4) % 8, mask=rm, other=0).to(tl.int32)      # scales[j + 4], or [j - 4]
+    top = tl.load(blk + 12 + j % 4, mask=rm, other=0).to(tl.int32)           # scales[8 + j % 4]
+    sc = tl.where(j < 4, near & 63, (top & 0xF) | ((far >> 6) << 4))
+    m = tl.where(j < 4, far & 63, (top >> 4) | ((near >> 6) << 4))
+    return sc, m
+
+
 @triton.jit
 def _k_rows_dot(x_rows, tmask, w_rows, rmask, C, KIND: tl.constexpr, TP: tl.constexpr, BLOCK: tl.constexpr):
     """[TP, BLOCK] fp32: x rows times matrix rows stored as GGUF super-blocks of 256 (w_rows: each
     row's first byte, [BLOCK, 1]), 32 weights at a time dequantised as kquants.h's portable bodies
-    read them: Q4_K d sc q - dmin m (its 6-bit scales and mins unpacked), Q6_K d sc (q - 32) (a
-    scale each 16)."""
+    read them: Q4_K d sc q - dmin m (its 6-bit scales and mins unpacked), Q5_K the same with a fifth
+    bit, Q6_K d sc (q - 32) (a scale each 16), IQ4_XS d (ls - 32) times the table's value."""
     c = tl.arange(0, 32)
     rm = rmask[:, None]
     acc = tl.zeros((TP, BLOCK), dtype=tl.float32)
     for g0 in range(0, C, 32):
         j = (g0 % 256) // 32                                        # the block of 32 in its super-block
-        if KIND == 3:
-            blk = w_rows + (g0 // 256) * 144
+        if KIND == 3 or KIND == 5:
+            blk = w_rows + (g0 // 256) * (144 if KIND == 3 else 176)
             d = _half(tl.load(blk, mask=rm, other=0), tl.load(blk + 1, mask=rm, other=0))
             dmin = _half(tl.load(blk + 2, mask=rm, other=0), tl.load(blk + 3, mask=rm, other=0))
-            near = tl.load(blk + 4 + j, mask=rm, other=0).to(tl.int32)               # scales[j]
-            far = tl.load(blk + 4 + (j + 4) % 8, mask=rm, other=0).to(tl.int32)      # scales[j + 4], or [j - 4]
-            top = tl.load(blk + 12 + j % 4, mask=rm, other=0).to(tl.int32)           # scales[8 + j % 4]
-            sc = tl.where(j < 4, near & 63, (top & 0xF) | ((far >> 6) << 4))
-            m = tl.where(j < 4, far & 63, (top >> 4) | ((near >> 6) << 4))
-            byte = tl.load(blk + 16 + (j // 2) * 32 + c[None, :], mask=rm, other=0).to(tl.int32)
-            q = ((byte >> (4 * (j % 2))) & 0xF).to(tl.float32)
-            w = d * sc.to(tl.float32) * q - dmin * m.to(tl.float32)
+            sc, m = _k_scale_min(blk, j, rm)
+            codes = blk + (16 if KIND == 3 else 48)
+            byte = tl.load(codes + (j // 2) * 32 + c[None, :], mask=rm, other=0).to(tl.int32)
+            q = (byte >> (4 * (j % 2))) & 0xF
+            if KIND == 5:                                           # the fifth bit: bit j of qh[l]
+                q = q | (((tl.load(blk + 16 + c[None, :], mask=rm, other=0).to(tl.int32) >> j) & 1) << 4)
+            w = d * sc.to(tl.float32) * q.to(tl.float32) - dmin * m.to(tl.float32)
+        elif KIND == 6:
+            blk = w_rows + (g0 // 256) * 136
+            d = _half(tl.load(blk, mask=rm, other=0), tl.load(blk + 1, mask=rm, other=0))
+            high = tl.load(blk + 2 + j // 4, mask=rm, other=0).to(tl.int32)              # scales_h, its byte
+            low = tl.load(blk + 4 + j // 2, mask=rm, other=0).to(tl.int32)               # scales_l[j / 2]
+            ls = ((low >> (4 * (j % 2))) & 0xF) | (((high >> (2 * (j % 4))) & 3) << 4)
+            byte = tl.load(blk + 8 + 16 * j + c[None, :] % 16, mask=rm, other=0).to(tl.int32)
+            w = (d * (ls - 32).to(tl.float32)) * _iq4nl((byte >> (4 * (c[None, :] // 16))) & 0xF).to(tl.float32)
         else:
             blk = w_rows + (g0 // 256) * 210
             half = j // 4
