@@ -6,7 +6,10 @@ be measured at real sizes (Qwen3-30B-A3B, Mixtral, OLMoE from ../shared/configs)
 
 Weights are random (dense ~ N(0, 0.02), experts ~ N(0, 0.02) before quantization): the
 output is noise, the bytes, shapes, plan and speed are real. --layers keeps the first N
-layers, for a machine with less disk than the full model needs.
+layers, for a machine with less disk than the full model needs. --quant may also name GGUF
+super-blocks as a file keeps them (q4_k, q5_k, q6_k, iq4_xs, or a Q4_K_M file's q4_k/q6_k):
+random blocks with small scales, written as a GGUF file's experts would be, without the gguf
+package (a GPU machine's image has none).
 """
 
 from __future__ import annotations
@@ -24,6 +27,11 @@ from moefit.config import ModelConfig  # noqa: E402
 from moefit.memory.footprint import dense_shapes  # noqa: E402
 from moefit.pack import format as fmt  # noqa: E402
 from moefit.pack.convert import write_pack  # noqa: E402
+from moefit.pack.layout import GGUF_BLOCKS, matrix_quants  # noqa: E402
+
+# where a super-block keeps its fp16 scales, and a value small enough that its weights stay
+# about as large as N(0, 0.02)'s (its codes and other scales are random bytes)
+HALVES = {"q4_k": ((0, 2), 3e-5), "q5_k": ((0, 2), 1.5e-5), "q6_k": ((208,), 1e-5), "iq4_xs": ((0,), 1e-5)}
 
 
 class RandomSource:
@@ -59,11 +67,33 @@ class RandomSource:
             return self._drawn[n]
         return self._expert(layer, expert)
 
+    def expert_parts(self, layer: int, expert: int, quant: str, group: int):
+        """A GGUF quant's blob parts (gate_up's blocks, down's), random; None for moefit's own
+        quants (pack.convert quantizes expert() then)."""
+        gate_up, down = matrix_quants(quant)
+        if gate_up not in GGUF_BLOCKS:
+            return None
+        m, n = self.model, (layer * 10_000 + expert) % self.distinct if self.distinct else layer * 10_000 + expert
+        return [super_blocks(2 * m.expert_size, m.hidden_size, gate_up, self.seed * 1_000_003 + n),
+                super_blocks(m.hidden_size, m.expert_size, down, self.seed * 1_000_003 + n + 5_000_000)]
+
     def _expert(self, layer: int, expert: int):
         m = self.model
         salt = 100_000 + layer * 10_000 + expert
         return (self._randn((2 * m.expert_size, m.hidden_size), salt),
                 self._randn((m.hidden_size, m.expert_size), salt + 5_000_000))
+
+
+def super_blocks(rows: int, cols: int, quant: str, seed: int) -> torch.Tensor:
+    """[rows, cols / 256 * block bytes] uint8 of random `quant` super-blocks, their fp16 scales small."""
+    weights, size = GGUF_BLOCKS[quant]
+    g = torch.Generator().manual_seed(seed)
+    blocks = torch.randint(0, 256, (rows, cols // weights, size), generator=g, dtype=torch.uint8)
+    at, value = HALVES[quant]
+    half = torch.tensor([value], dtype=torch.float16).view(torch.uint8)
+    for offset in at:
+        blocks[:, :, offset:offset + 2] = half
+    return blocks.reshape(rows, -1)
 
 
 def word_tokenizer(vocab: int):
@@ -90,8 +120,9 @@ def build_pack(config: Path, out: Path, quant: str = "int4", group_size: int = 3
         dest.mkdir(parents=True, exist_ok=True)
         word_tokenizer(model.vocab_size).save(str(dest / "tokenizer.json"))
         (dest / "tokenizer_config.json").write_text(json.dumps({"eos_token": None}))
+    kept = {layer: quant for layer in model.moe_layers} if matrix_quants(quant)[0] in GGUF_BLOCKS else None
     write_pack(RandomSource(model, seed, distinct), raw, Path(out), quant, group_size, tokenizer, progress=progress,
-               name=Path(config).stem)
+               name=Path(config).stem, quants=kept)
     return Path(out)
 
 

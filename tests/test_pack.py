@@ -174,3 +174,33 @@ def test_moefit_verify_reports_a_sound_pack(packs):
                        capture_output=True, text=True)
     out = json.loads(r.stdout)
     assert r.returncode == 0 and out["ok"] and out["blobs"] > 0 and out["bytes"] > 0
+
+
+@pytest.mark.parametrize("quant", ["q4_k/q6_k", "iq4_xs", "q5_k"])
+def test_a_synthetic_pack_holds_gguf_super_blocks_the_kernels_read(quant, tmp_path):
+    """bench/synthetic_pack.py --quant q4_k/q6_k (a GPU machine's way to a GGUF-kept pack without
+    the gguf package): random super-blocks whose weights stay about N(0, 0.02)'s size, packed as a
+    file's kept experts, served by the host kernel as by torch's dequantisation."""
+    import json
+    import sys
+    from pathlib import Path
+    import torch
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from bench.synthetic_pack import build_pack
+    from moefit.config import ServeConfig
+    from moefit.pack.quant import dequantize
+    from moefit.pack.reader import Pack
+    from moefit.runtime.engine import Engine
+    raw = json.loads((Path(__file__).resolve().parent.parent / "configs" / "qwen3-30b-a3b.json").read_text())
+    raw.update(hidden_size=256, moe_intermediate_size=256, intermediate_size=256, num_experts=8, num_experts_per_tok=2,
+               num_hidden_layers=2, max_window_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+               vocab_size=512)
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    pack = Pack.open(build_pack(tmp_path / "config.json", tmp_path / "pack", quant))
+    assert {b.quant for b in pack.blobs.values()} == {quant}
+    for part in ("gate_up", "down"):
+        w = dequantize(pack.expert_parts(1, 3), part, quant, torch.float32)
+        assert 0.002 < float(w.std()) < 0.05, (part, float(w.std()))
+    engine = Engine.open(pack, ServeConfig(ctx=64))
+    logits = engine.prefill([5, 6, 7, 8])[0]
+    assert torch.isfinite(logits).all()
