@@ -313,6 +313,8 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=450, help="the whole run's seconds (default 450)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "gpu_check.json"))
     ap.add_argument("--pack-dir", help="where the decode check's 30B-shaped pack is built (kept; default a temp dir)")
+    ap.add_argument("--decode-quant", default="int4", help="its experts: int4, or a GGUF file's kept super-blocks "
+                    "(q4_k/q6_k: a Q4_K_M file's, bench/synthetic_pack.py)")
     ap.add_argument("--child", help=argparse.SUPPRESS)      # the journal of a child that runs the checks
     args = ap.parse_args(argv)
     if args.child:
@@ -337,7 +339,8 @@ def main(argv=None) -> int:
 
     def child(todo: list[str], journal: Path) -> list[str]:
         return [sys.executable, __file__, "--child", str(journal), "--device", args.device, "--only", ",".join(todo)] + (
-            ["--quick"] if args.quick else []) + (["--pack-dir", args.pack_dir] if args.pack_dir else [])
+            ["--quick"] if args.quick else []) + (["--pack-dir", args.pack_dir] if args.pack_dir else []) + [
+            "--decode-quant", args.decode_quant]
 
     started = time.time()
     results = run_isolated(child, names, LIMIT_S, args.budget_s, landed)
@@ -355,8 +358,8 @@ def run_child(args) -> int:
         journal.start(name)
         t = time.time()
         try:
-            result = check_decode(args.device, args.quick, journal, args.pack_dir) if name == "decode" else checks[name](
-                args.device, pack)
+            result = (check_decode(args.device, args.quick, journal, args.pack_dir, args.decode_quant) if name == "decode"
+                      else checks[name](args.device, pack))
         except Exception as e:  # noqa: BLE001 - one broken check must not hide the others
             result = {"ok": False, "error": f"{type(e).__name__}: {e}"[:500], "trace": traceback.format_exc()[-2000:]}
         result["seconds"] = round(time.time() - t, 1)

@@ -21,18 +21,20 @@ from moefit.runtime.engine import Engine
 from moefit.runtime.sampler import SamplingParams
 
 
-def check_decode(device: str, quick: bool, journal=None, pack_dir: str | None = None) -> dict:
-    """tok/s of a Qwen3-30B-A3B-shaped int4 pack's first 12 layers under a 12 GiB cap; each
-    share's row is journalled as it lands, so a run stopped by the budget keeps the rows it has."""
+def check_decode(device: str, quick: bool, journal=None, pack_dir: str | None = None, quant: str = "int4") -> dict:
+    """tok/s of a Qwen3-30B-A3B-shaped pack's first 12 layers under a 12 GiB cap (int4 experts, or
+    a GGUF file's kept super-blocks: quant q4_k/q6_k); each share's row is journalled as it lands,
+    so a run stopped by the budget keeps the rows it has."""
     if quick or not device.startswith("cuda"):
         return {"ok": None, "skipped": "needs CUDA and a few minutes (not --quick)"}
     from bench.synthetic_pack import build_pack
     from moefit.pack.reader import Pack
     t = time.time()
-    pack = Path(pack_dir or tempfile.mkdtemp()) / "q30-12.pack"
+    name = "q30-12.pack" if quant == "int4" else f"q30-12-{quant.replace('/', '-')}.pack"
+    pack = Path(pack_dir or tempfile.mkdtemp()) / name
     if not (pack / "moefit-pack.json").exists():     # --pack-dir keeps it for bench/gpu_profile.py --pack
-        build_pack(ROOT / "configs" / "qwen3-30b-a3b.json", pack, "int4", layers=12, distinct=16)
-    out = {"ok": None, "pack_seconds": round(time.time() - t, 1), "rows": {}}
+        build_pack(ROOT / "configs" / "qwen3-30b-a3b.json", pack, quant, layers=12, distinct=16)
+    out = {"ok": None, "quant": quant, "pack_seconds": round(time.time() - t, 1), "rows": {}}
     total = len(Pack.open(pack, checksums=False).blobs)
     cap = 12 * 1024 * MIB
     torch.cuda.set_per_process_memory_fraction(min(1.0, cap / torch.cuda.get_device_properties(0).total_memory))
