@@ -27,11 +27,11 @@ from moefit.config import ModelConfig  # noqa: E402
 from moefit.memory.footprint import dense_shapes  # noqa: E402
 from moefit.pack import format as fmt  # noqa: E402
 from moefit.pack.convert import write_pack  # noqa: E402
-from moefit.pack.layout import GGUF_BLOCKS, matrix_quants  # noqa: E402
+from moefit.pack.layout import GGUF_BLOCKS, GGUF_HALVES, matrix_quants  # noqa: E402
 
-# where a super-block keeps its fp16 scales, and a value small enough that its weights stay
-# about as large as N(0, 0.02)'s (its codes and other scales are random bytes)
-HALVES = {"q4_k": ((0, 2), 3e-5), "q5_k": ((0, 2), 1.5e-5), "q6_k": ((208,), 1e-5), "iq4_xs": ((0,), 1e-5)}
+# a value for a super-block's fp16 scales small enough that its weights stay about as large as
+# N(0, 0.02)'s (its codes and other scales are random bytes)
+SMALL_SCALE = {"q4_k": 3e-5, "q5_k": 1.5e-5, "q6_k": 1e-5, "iq4_xs": 1e-5}
 
 
 class RandomSource:
@@ -59,9 +59,14 @@ class RandomSource:
     def get(self, key: str) -> torch.Tensor:
         return self._randn(self.shapes[key], hash(key) % 100_000)
 
+    def _index(self, layer: int, expert: int) -> int:
+        """The random expert (layer, expert) is drawn as (cycling through `distinct` of them)."""
+        n = layer * 10_000 + expert
+        return n % self.distinct if self.distinct else n
+
     def expert(self, layer: int, expert: int):
         if self.distinct:
-            n = (layer * 10_000 + expert) % self.distinct
+            n = self._index(layer, expert)
             if n not in self._drawn:
                 self._drawn[n] = self._expert(n // 10_000, n % 10_000)
             return self._drawn[n]
@@ -73,7 +78,7 @@ class RandomSource:
         gate_up, down = matrix_quants(quant)
         if gate_up not in GGUF_BLOCKS:
             return None
-        m, n = self.model, (layer * 10_000 + expert) % self.distinct if self.distinct else layer * 10_000 + expert
+        m, n = self.model, self._index(layer, expert)
         return [super_blocks(2 * m.expert_size, m.hidden_size, gate_up, self.seed * 1_000_003 + n),
                 super_blocks(m.hidden_size, m.expert_size, down, self.seed * 1_000_003 + n + 5_000_000)]
 
@@ -89,9 +94,8 @@ def super_blocks(rows: int, cols: int, quant: str, seed: int) -> torch.Tensor:
     weights, size = GGUF_BLOCKS[quant]
     g = torch.Generator().manual_seed(seed)
     blocks = torch.randint(0, 256, (rows, cols // weights, size), generator=g, dtype=torch.uint8)
-    at, value = HALVES[quant]
-    half = torch.tensor([value], dtype=torch.float16).view(torch.uint8)
-    for offset in at:
+    half = torch.tensor([SMALL_SCALE[quant]], dtype=torch.float16).view(torch.uint8)
+    for offset in GGUF_HALVES[quant]:
         blocks[:, :, offset:offset + 2] = half
     return blocks.reshape(rows, -1)
 

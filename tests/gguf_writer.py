@@ -14,6 +14,7 @@ import gguf
 import torch
 
 from moefit.pack.convert import _TensorSource
+from moefit.pack.layout import GGUF_HALVES
 
 ARCH = {"qwen3_moe": gguf.MODEL_ARCH.QWEN3MOE, "mixtral": gguf.MODEL_ARCH.LLAMA, "olmoe": gguf.MODEL_ARCH.OLMOE,
         "glm4_moe": gguf.MODEL_ARCH.GLM4_MOE, "deepseek_v3": gguf.MODEL_ARCH.DEEPSEEK2,
@@ -70,7 +71,7 @@ def write_gguf(hf_dir: Path, path: Path, family: str, expert_type=None, down_typ
 
 # where each K-quant / IQ4_XS super-block keeps its fp16 scales (d, and Q4_K / Q5_K's dmin);
 # gguf.quants cannot make these, so the writer fills such experts with random blocks
-SCALE_AT = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_XS": (0,)}
+SCALE_AT = {name.upper(): at for name, at in GGUF_HALVES.items()}     # by gguf's type names
 
 
 def super_blocks(shape: tuple[int, ...], qtype, seed: int):

@@ -48,11 +48,7 @@ class BlobShape:
     inter: int
     gate_up_group: int
     down_group: int
-    down_kind: int | None = None         # None: gate_up's
-
-    @property
-    def kinds(self) -> tuple[int, int]:
-        return self.kind, self.kind if self.down_kind is None else self.down_kind
+    down_kind: int
 
 
 def blob_shape(layout: list[Part], quant: str) -> BlobShape | None:
@@ -73,7 +69,7 @@ def blob_shape(layout: list[Part], quant: str) -> BlobShape | None:
     if any(g < 16 or g & (g - 1) for g in groups) or hidden % groups[0] or inter % groups[1]:
         return None
     offsets = tuple(parts[n].offset for n in ("gate_up", "gate_up.scale", "down", "down.scale"))
-    return BlobShape(offsets, KINDS[gate_up], hidden, inter, *groups)
+    return BlobShape(offsets, KINDS[gate_up], hidden, inter, *groups, KINDS[gate_up])
 
 
 @lru_cache(maxsize=1)
@@ -115,5 +111,5 @@ def _resident_sum(x, ids, weights, table_row, base, shape: BlobShape) -> torch.T
         run.launch_gate_up(x[t0:], ids[t0:], table_row, base, h[t0 * k:], min(ROWS, tokens - t0), k, shape.inter,
                            shape.hidden, shape.offsets, shape.gate_up_group, shape.kind, BLOCK)
     run.launch_down(h, ids, weights, table_row, base, out, tokens, k, shape.inter, shape.hidden, shape.offsets,
-                    shape.down_group, shape.kinds[1], BLOCK)
+                    shape.down_group, shape.down_kind, BLOCK)
     return out

@@ -28,6 +28,7 @@ Q8_0_GROUP = 32
 RECIPES = QUANTS + ("mixed",)
 # GGUF block types kept as they are: (weights, bytes) a block
 GGUF_BLOCKS = {"q4_k": (256, 144), "q5_k": (256, 176), "q6_k": (256, 210), "iq4_xs": (256, 136), "mxfp4": (32, 17)}
+GGUF_HALVES = {"q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,), "iq4_xs": (0,)}   # a super-block's fp16 scales: byte offsets
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 1, "uint8": 1}
 
 
