@@ -4,6 +4,7 @@ the runner taking them. Prints one JSON line.
 
     python tests/device_moe_check.py CARD PACK...      # the first pack also runs the engine checks
     python tests/device_moe_check.py --super-blocks CARD PACK...    # GGUF packs: kernels; the last's greedy
+                                                                      # (also gpt-oss's: its int4 and MXFP4 packs)
 """
 
 from __future__ import annotations
@@ -34,22 +35,33 @@ def open_engine(pack: str, card: str, cache: str = "auto", ahead: int = 0, graph
 
 
 def reference(runner, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """The resident experts' weighted SwiGLU in fp32 from dequantised weights, rank by rank."""
+    """The resident experts' weighted expert function in fp32 from dequantised weights, rank by rank."""
     out = torch.zeros(x.shape, dtype=torch.float32)
     for t in range(x.shape[0]):
         for r, e in enumerate(ids[t].tolist()):
             parts = runner.slots.get((layer, e))
-            if parts is None:
-                continue
-            quant = runner.pack.blobs[(layer, e)].quant
-            gate, up = F.linear(x[t].float(), dequantize(parts, "gate_up", quant, torch.float32)).chunk(2)
-            out[t] += weights[t, r] * F.linear(F.silu(gate) * up, dequantize(parts, "down", quant, torch.float32))
+            if parts is not None:
+                out[t] += weights[t, r] * expert(runner, layer, e, x[t].float(), parts)
     return out
 
 
+def expert(runner, layer: int, e: int, x: torch.Tensor, parts: dict) -> torch.Tensor:
+    """SwiGLU, or gpt-oss's biased and clamped expert as its model card writes it, in fp32."""
+    quant = runner.pack.blobs[(layer, e)].quant
+    gate, up = F.linear(x, dequantize(parts, "gate_up", quant, torch.float32)).chunk(2)
+    if runner.fused.act is None:
+        return F.linear(F.silu(gate) * up, dequantize(parts, "down", quant, torch.float32))
+    act = runner.fused.act(layer)
+    bias = act.gate_up_bias[e].float()
+    gate, up = (gate + bias[:gate.shape[0]]).clamp(max=act.limit), (up + bias[gate.shape[0]:]).clamp(-act.limit, act.limit)
+    h = gate * torch.sigmoid(act.alpha * gate) * (up + 1)
+    return F.linear(h, dequantize(parts, "down", quant, torch.float32)) + act.down_bias[e].float()
+
+
 def kernel_error(pack: str, card: str) -> float:
-    """The worst relative error over 1, 3 and 6 token rows (two launches of gate_up), with two of
-    the layer's experts off the card."""
+    """The worst relative error over 1, 3 and 6 token rows (two launches of gate_up; the 6 rows
+    larger, so that gpt-oss's gates and ups reach its clamp), with two of the layer's experts off
+    the card."""
     engine = open_engine(pack, card)
     runner, m = engine.runner, engine.pack.model
     layer = m.moe_layers[-1]
@@ -59,11 +71,12 @@ def kernel_error(pack: str, card: str) -> float:
                                   runner.pack.blobs[(layer, 0)].quant)
     gen, worst = torch.Generator().manual_seed(2), 0.0
     for tokens in (1, 3, 6):
-        x = torch.randn(tokens, m.hidden_size, generator=gen)
+        x = torch.randn(tokens, m.hidden_size, generator=gen) * (8 if tokens == 6 else 1)   # 8: past gpt-oss's clamp
         ids = torch.stack([torch.randperm(m.num_experts, generator=gen)[:m.top_k] for _ in range(tokens)])
         ids[0, 0] = 1                                          # a rank whose expert is not resident
         weights = torch.rand(tokens, m.top_k, generator=gen)
-        got = device_moe.resident_sum(x, ids, weights, runner.table.row(layer), runner.table.base, shape)
+        act = runner.fused.act(layer) if runner.fused.act is not None else None
+        got = device_moe.resident_sum(x, ids, weights, runner.table.row(layer), runner.table.base, shape, act)
         want = reference(runner, layer, x, ids, weights)
         worst = max(worst, float((got - want).abs().max() / want.abs().max()))
     return worst

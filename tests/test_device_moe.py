@@ -6,6 +6,7 @@ test extras)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -68,32 +69,57 @@ def test_the_slot_table_kernels_read_a_gguf_files_super_blocks(tmp_path, card):
     assert greedy["fused_steps"] > 0 and greedy["pieces_fused_steps"] == greedy["fused_steps"], greedy
 
 
+def test_the_slot_table_kernels_run_gpt_oss_experts(packs, tmp_path, card):
+    """gpt-oss's own expert function (biases, a clamped gate) in the kernels, for its experts packed
+    as int4 and as a GGUF file's MXFP4 blocks: each resident expert against the model card's
+    function on its weights dequantised in fp32; for the MXFP4 file, the same greedy tokens as its
+    grouped path's (its attention is not recorded in decode graphs yet: those runs are eager)."""
+    gguf = pytest.importorskip("gguf")
+    import tiny
+    from gguf_writer import write_gguf
+    from moefit.pack.convert import convert
+    hf = tiny.build_checkpoint("gpt_oss", tmp_path / "hf")
+    convert(write_gguf(hf, tmp_path / "mxfp4.gguf", "gpt_oss", gguf.GGMLQuantizationType.MXFP4), tmp_path / "mxfp4",
+            "keep", progress=False)
+    paths = [str(packs("gpt_oss", "int4")), str(tmp_path / "mxfp4")]
+    run = subprocess.run([sys.executable, str(HERE / "device_moe_check.py"), "--super-blocks", str(card(64)), *paths],
+                         capture_output=True, text=True, timeout=900, env=dict(os.environ, TRITON_INTERPRET="1"),
+                         cwd=HERE.parent)
+    assert run.returncode == 0, run.stdout + run.stderr
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert len(result["kernel"]) == 2 and max(result["kernel"].values()) < 1e-5, result
+    greedy = result["greedy"]["mxfp4"]
+    assert greedy["same_tokens"] and greedy["same_handoffs"] and greedy["fused_steps"] == 36, greedy   # 12 x 3 layers
+
+
 @pytest.mark.parametrize("capability", [89, 90])                    # an RTX 4070 (sm_89), an H100 / H200 (sm_90)
 def test_the_slot_table_kernels_compile_to_a_cubin_for_the_gpus_they_are_for(capability):
     """The interpreter checks the arithmetic and lets through what the compiler would not (a
     pointer cast, a branch on a loaded value): this compiles both kernels for every kind of
-    matrix (int4, Q8_0, int8; Q4_K, Q5_K, Q6_K and IQ4_XS super-blocks) and both input dtypes, as they
-    are launched."""
+    matrix (int4, Q8_0, int8; Q4_K, Q5_K, Q6_K and IQ4_XS super-blocks, MXFP4 blocks), both input
+    dtypes and both expert functions (SwiGLU, gpt-oss's), as they are launched."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile
 
     from moefit.kernels import triton_moe
     made = 0
-    for kind in (0, 1, 2, 3, 4, 5, 6):
-        for x_type in ("*bf16", "*fp32"):
-            for fn, pointers, ints, const in (
-                    (triton_moe._gate_up_act, {"x_ptr": x_type, "ids_ptr": "*i64", "table_ptr": "*i64",
-                                               "base_ptr": "*u8", "base_addr": "i64", "h_ptr": "*fp32"},
-                     ("T", "K", "I", "C", "sxt"), {"GROUP": 32, "KIND": kind, "TP": 2, "KP": 8, "BLOCK": 32}),
-                    (triton_moe._down_sum, {"h_ptr": "*fp32", "ids_ptr": "*i64", "w_ptr": "*fp32", "table_ptr": "*i64",
-                                            "base_ptr": "*u8", "base_addr": "i64", "out_ptr": "*fp32"},
-                     ("K", "I", "E"), {"GROUP": 32, "KIND": kind, "BLOCK": 32})):
-                signature = dict(pointers)
-                signature.update({n: "i32" for n in ints + ("gu_at", "gu_scale_at", "down_at", "down_scale_at")})
-                signature.update({n: "constexpr" for n in const})
-                source = ASTSource(fn=fn, signature=signature,
-                                   constexprs={(fn.arg_names.index(k),): v for k, v in const.items()})
-                kernel = compile(source, target=GPUTarget("cuda", capability, 32))
-                assert kernel.asm["cubin"] and f".entry {fn.__name__}" in kernel.asm["ptx"]
-                made += 1
-    assert made == 28
+    for kind, x_type, act in itertools.product((0, 1, 2, 3, 4, 5, 6, 7), ("*bf16", "*fp32"), (0, 1)):
+        bias = x_type if act else "*u8"                  # gpt-oss's biases in the compute dtype; else the base
+        for fn, pointers, ints, floats, const in (
+                (triton_moe._gate_up_act, {"x_ptr": x_type, "ids_ptr": "*i64", "table_ptr": "*i64", "base_ptr": "*u8",
+                                           "base_addr": "i64", "h_ptr": "*fp32", "bias_ptr": bias},
+                 ("T", "K", "I", "C", "sxt"), ("alpha", "limit"),
+                 {"GROUP": 32, "KIND": kind, "ACT": act, "TP": 2, "KP": 8, "BLOCK": 32}),
+                (triton_moe._down_sum, {"h_ptr": "*fp32", "ids_ptr": "*i64", "w_ptr": "*fp32", "table_ptr": "*i64",
+                                        "base_ptr": "*u8", "base_addr": "i64", "out_ptr": "*fp32", "bias_ptr": bias},
+                 ("K", "I", "E"), (), {"GROUP": 32, "KIND": kind, "ACT": act, "BLOCK": 32})):
+            signature = dict(pointers)
+            signature.update({n: "i32" for n in ints + ("gu_at", "gu_scale_at", "down_at", "down_scale_at")})
+            signature.update({n: "fp32" for n in floats})
+            signature.update({n: "constexpr" for n in const})
+            source = ASTSource(fn=fn, signature=signature,
+                               constexprs={(fn.arg_names.index(k),): v for k, v in const.items()})
+            kernel = compile(source, target=GPUTarget("cuda", capability, 32))
+            assert kernel.asm["cubin"] and f".entry {fn.__name__}" in kernel.asm["ptx"]
+            made += 1
+    assert made == 64

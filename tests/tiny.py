@@ -90,13 +90,17 @@ def build_checkpoint(family: str, out: Path, seed: int = 0, tokenizer_dir: Path 
 
 def _sharpen(model) -> None:
     """Random routers and heads at init are nearly uniform; scale them up so greedy
-    decoding has clear winners and routing is not a coin toss."""
+    decoding has clear winners and routing is not a coin toss. Biases that init leaves at zero
+    get values, so that a path that drops them is seen."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("mlp.gate.weight") or name.endswith("block_sparse_moe.gate.weight") \
                     or name.startswith("lm_head"):
                 p.mul_(4.0)
         gen = torch.Generator().manual_seed(5)
+        for name, p in model.named_parameters():
+            if name.endswith(("experts.gate_up_proj_bias", "experts.down_proj_bias")):   # gpt-oss's: zero at init
+                p.copy_(0.3 * torch.randn(p.shape, generator=gen))
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):      # load balancing bias: zero at init, not in use
                 b.copy_(0.3 * torch.randn(b.shape, generator=gen))

@@ -2,14 +2,15 @@
 
 Two ways, both summing in fp32 (experts/runner.py picks):
 
-    fused   a step of at most DENSE_TOKENS rows of SwiGLU experts stored as int4, Q8_0, int8
-            or Q4_K / Q5_K / Q6_K / IQ4_XS super-blocks (a Q4_K_M file's mixed layers too), on
-            CUDA with Triton: two launches over the slot table and the router's ids
+    fused   a step of at most DENSE_TOKENS rows of experts stored as int4, Q8_0, int8, Q4_K /
+            Q5_K / Q6_K / IQ4_XS super-blocks (a Q4_K_M file's mixed layers too) or MXFP4, SwiGLU
+            or gpt-oss's clamped one (the family's fused_act), on CUDA with Triton: two launches over the slot table and the router's ids
             still on the device (kernels/device_moe.py), queued before the hand-off's wait, so
             the resident experts run while the host waits and computes the misses. Which
             experts it covered is the table's row as sent (SlotTable.held), not a decision of
             the host's.
-    grouped everything else (prefill chunks, gpt-oss's own expert function and MXFP4, floats):
+    grouped everything else (prefill chunks, floats, a family's own expert function without a
+            fused_act):
             the experts the host found resident after the hand-off, `runner.group` at a time
             (experts/grouped.py).
 """
@@ -32,11 +33,12 @@ class Fused:
         self.on_host = False                   # the tests: run them on a host-memory card (Triton's interpreter)
         self._shapes: dict[str, device_moe.BlobShape | None] = {}
         self.steps = 0                         # layer steps the kernels took
+        self.act = None                        # a family's own expert function for them: layer -> ClampedAct
 
     def shape(self, layer: int, x: torch.Tensor) -> device_moe.BlobShape | None:
         """The layer's blob shape where the fused kernels take this step, else None."""
         r = self.runner
-        if (r.table is None or r.expert_fn is not None or x.shape[0] > DENSE_TOKENS
+        if (r.table is None or (r.expert_fn is not None and self.act is None) or x.shape[0] > DENSE_TOKENS
                 or not (x.is_cuda or self.on_host) or not device_moe.usable(x)):
             return None
         quant = r.pack.blobs[(layer, 0)].quant
@@ -50,7 +52,8 @@ class Fused:
         experts the table held for them); None where the kernels do not compile here."""
         table = self.runner.table
         held = table.held(layer).copy()
-        out = device_moe.resident_sum(x, ids, weights.float(), table.row(layer), table.base, shape)
+        act = self.act(layer) if self.act is not None else None
+        out = device_moe.resident_sum(x, ids, weights.float(), table.row(layer), table.base, shape, act)
         if out is None:
             return None
         self.steps += 1

@@ -3,14 +3,16 @@
 before the host has seen the routing, so the GPU runs the resident experts while the host waits
 for the hand-off and computes the misses.
 
-    out = resident_sum(x, ids, weights, table_row, base, shape)     # [T, E] fp32; 0 for the misses
+    out = resident_sum(x, ids, weights, table_row, base, shape, act)     # [T, E] fp32; 0 for the misses
 
 CUDA's room in `kernels/`, next to device_experts.py (one matrix for a group of experts the host
 chose); the kernels are in triton_moe.py, imported on first use. `usable` says where it runs: on
-CUDA with Triton, or on the CPU under TRITON_INTERPRET=1 (how the tests run it), for SwiGLU
-experts stored as int4, Q8_0 or int8, or as a GGUF file's Q4_K / Q5_K / Q6_K / IQ4_XS super-blocks
-(a Q4_K_M file's layers, Q4_K gate and up with Q6_K down, too), for steps of at most DENSE_TOKENS rows. Elsewhere
-experts/runner.py takes its grouped path (experts/grouped.py), which gives the same numbers.
+CUDA with Triton, or on the CPU under TRITON_INTERPRET=1 (how the tests run it), for experts
+stored as int4, Q8_0 or int8, or as a GGUF file's Q4_K / Q5_K / Q6_K / IQ4_XS super-blocks (a
+Q4_K_M file's layers, Q4_K gate and up with Q6_K down, too) or MXFP4 blocks, for steps of at most
+DENSE_TOKENS rows. The expert function is SwiGLU, or gpt-oss's biased and clamped one where the
+family gives its `ClampedAct`. Elsewhere experts/runner.py takes its grouped path
+(experts/grouped.py), which gives the same numbers.
 
 Per weight the stored byte is read once per 4 token rows for gate_up and once per token for
 down (a decode step reads each resident expert once); every sum is fp32, summed over a token's
@@ -31,7 +33,7 @@ from moefit.kernels import device_experts
 from moefit.pack.layout import Part, matrix_quants
 
 KINDS = device_experts.KINDS
-SUPER_KINDS = {"q4_k": 3, "q6_k": 4, "q5_k": 5, "iq4_xs": 6}     # GGUF super-blocks of 256, 32 weights at a time
+GGUF_KINDS = {"q4_k": 3, "q6_k": 4, "q5_k": 5, "iq4_xs": 6, "mxfp4": 7}     # a file's blocks, read 32 weights at a time
 ROWS = 4                                 # token rows a gate_up program holds
 BLOCK = 32
 
@@ -51,15 +53,25 @@ class BlobShape:
     down_kind: int
 
 
+@dataclass(frozen=True)
+class ClampedAct:
+    """gpt-oss's expert function for a layer (models/gpt_oss.py): its experts' biases on the device,
+    gate_up [N, 2I] (gate then up) and down [N, E], and the gate's alpha and clamp limit."""
+    gate_up_bias: torch.Tensor
+    down_bias: torch.Tensor
+    alpha: float
+    limit: float
+
+
 def blob_shape(layout: list[Part], quant: str) -> BlobShape | None:
-    """The blob's shape for the kernels, or None where they cannot read it (a float or MXFP4 expert, two of the pack's own kinds in one blob, a group that is not a power of two of at
-    least 16)."""
+    """The blob's shape for the kernels, or None where they cannot read it (a float expert, two of
+    the pack's own kinds in one blob, a group that is not a power of two of at least 16)."""
     gate_up, down = matrix_quants(quant)
     parts = {p.name: p for p in layout}
     inter, hidden = parts["gate_up"].shape[0] // 2, parts["down"].shape[0]
-    if gate_up in SUPER_KINDS and down in SUPER_KINDS:
+    if gate_up in GGUF_KINDS and down in GGUF_KINDS:
         offsets = (parts["gate_up"].offset, 0, parts["down"].offset, 0)
-        return BlobShape(offsets, SUPER_KINDS[gate_up], hidden, inter, 32, 32, SUPER_KINDS[down])
+        return BlobShape(offsets, GGUF_KINDS[gate_up], hidden, inter, 32, 32, GGUF_KINDS[down])
     if gate_up != down or gate_up not in KINDS:
         return None
     if gate_up == "int8":
@@ -87,12 +99,12 @@ def usable(x: torch.Tensor) -> bool:
 
 
 def resident_sum(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, table_row: torch.Tensor,
-                 base: torch.Tensor, shape: BlobShape) -> torch.Tensor | None:
+                 base: torch.Tensor, shape: BlobShape, act: ClampedAct | None = None) -> torch.Tensor | None:
     """sum over each token's ranks r whose expert ids[t, r] has a slot (table_row[e] != 0) of
-    weights[t, r] * SwiGLU_e(x[t]), fp32 [T, E]; None, and never again in this process, where the
-    kernels do not compile (the caller's grouped path runs)."""
+    weights[t, r] * expert_e(x[t]) (SwiGLU, or act's), fp32 [T, E]; None, and never again in this
+    process, where the kernels do not compile (the caller's grouped path runs)."""
     try:
-        return _resident_sum(x, ids, weights, table_row, base, shape)
+        return _resident_sum(x, ids, weights, table_row, base, shape, act)
     except Exception as e:  # noqa: BLE001 - compilation errors come in many types; the grouped path is exact
         global broken
         broken = f"{type(e).__name__}: {e}"[:300]
@@ -101,7 +113,7 @@ def resident_sum(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, tabl
         return None
 
 
-def _resident_sum(x, ids, weights, table_row, base, shape: BlobShape) -> torch.Tensor:
+def _resident_sum(x, ids, weights, table_row, base, shape: BlobShape, act: ClampedAct | None) -> torch.Tensor:
     tokens, k = ids.shape
     x, ids, weights = x.contiguous(), ids.contiguous(), weights.contiguous()
     h = torch.empty(tokens * k, shape.inter, dtype=torch.float32, device=x.device)
@@ -109,7 +121,7 @@ def _resident_sum(x, ids, weights, table_row, base, shape: BlobShape) -> torch.T
     run = _kernels()
     for t0 in range(0, tokens, ROWS):
         run.launch_gate_up(x[t0:], ids[t0:], table_row, base, h[t0 * k:], min(ROWS, tokens - t0), k, shape.inter,
-                           shape.hidden, shape.offsets, shape.gate_up_group, shape.kind, BLOCK)
+                           shape.hidden, shape.offsets, shape.gate_up_group, shape.kind, BLOCK, act)
     run.launch_down(h, ids, weights, table_row, base, out, tokens, k, shape.inter, shape.hidden, shape.offsets,
-                    shape.down_group, shape.down_kind, BLOCK)
+                    shape.down_group, shape.down_kind, BLOCK, act)
     return out

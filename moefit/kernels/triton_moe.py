@@ -14,9 +14,13 @@ A slot's address is a byte offset from `base` (any device tensor: the table itse
 pointer reaches every chunk of the pool; 0 in the table means "not on the card" (the host
 computes that expert). Matrix kinds as kernels/triton_matvec.py: 0 int4 (two codes a byte, low
 nibble first, stored + 8; fp16 scale a group), 1 Q8_0 (int8 codes, fp16 scale a group), 2 int8
-(fp32 scale a row, applied at the end; columns walked GROUP at a time); and GGUF's super-blocks as
-the file stores them (kquants.h's layouts), 32 weights at a time: 3 Q4_K, 4 Q6_K, 5 Q5_K, 6 IQ4_XS.
-gate_up and down may be of different kinds (a Q4_K_M file's Q4_K gate and up, Q6_K down).
+(fp32 scale a row, applied at the end; columns walked GROUP at a time); and a GGUF file's blocks as
+it stores them (kquants.h's layouts), 32 weights at a time: 3 Q4_K, 4 Q6_K, 5 Q5_K, 6 IQ4_XS
+(super-blocks of 256), 7 MXFP4 (blocks of 32). gate_up and down may be of different kinds (a
+Q4_K_M file's Q4_K gate and up, Q6_K down).
+
+ACT picks the expert function: 0 SwiGLU, 1 gpt-oss's (biases, a clamped gate: models/gpt_oss.py)
+with the biases read from the layer's [N, 2I] and [N, E] rows and alpha / limit as arguments.
 """
 
 from __future__ import annotations
@@ -28,18 +32,19 @@ from moefit.kernels.triton_matvec import rows_dot
 
 
 def launch_gate_up(x, ids, table, base, h, tokens: int, k: int, inter: int, cols: int, offsets: tuple,
-                   group: int, kind: int, block: int) -> None:
+                   group: int, kind: int, block: int, act=None) -> None:
     grid = (table.shape[0], triton.cdiv(inter, block))
-    _gate_up_act[grid](x, ids, table, base, base.data_ptr(), h, tokens, k, inter, cols, x.stride(0), *offsets,
-                       GROUP=group, KIND=kind, TP=max(2, triton.next_power_of_2(tokens)),
-                       KP=max(2, triton.next_power_of_2(k)), BLOCK=block)
+    bias, alpha, limit = (base, 0.0, 0.0) if act is None else (act.gate_up_bias, act.alpha, act.limit)
+    _gate_up_act[grid](x, ids, table, base, base.data_ptr(), h, bias, alpha, limit, tokens, k, inter, cols, x.stride(0),
+                       *offsets, GROUP=group, KIND=kind, ACT=int(act is not None),
+                       TP=max(2, triton.next_power_of_2(tokens)), KP=max(2, triton.next_power_of_2(k)), BLOCK=block)
 
 
 def launch_down(h, ids, weights, table, base, out, tokens: int, k: int, inter: int, hidden: int, offsets: tuple,
-                group: int, kind: int, block: int) -> None:
+                group: int, kind: int, block: int, act=None) -> None:
     grid = (tokens, triton.cdiv(hidden, block))
-    _down_sum[grid](h, ids, weights, table, base, base.data_ptr(), out, k, inter, hidden, *offsets,
-                    GROUP=group, KIND=kind, BLOCK=block)
+    _down_sum[grid](h, ids, weights, table, base, base.data_ptr(), out, base if act is None else act.down_bias,
+                    k, inter, hidden, *offsets, GROUP=group, KIND=kind, ACT=int(act is not None), BLOCK=block)
 
 
 @triton.jit
@@ -61,6 +66,8 @@ def _codes_and_scales(blob, codes_at, scales_at, KIND: tl.constexpr):
 def _rows_dot(x_rows, tmask, codes, scales, rows, rmask, C, GROUP: tl.constexpr, KIND: tl.constexpr,
               TP: tl.constexpr, BLOCK: tl.constexpr):
     """triton_matvec.rows_dot over matrix rows `rows` of a slot's contiguous codes and scales."""
+    if KIND == 7:
+        return _k_rows_dot(x_rows, tmask, codes + rows[:, None] * (C // 32 * 17), rmask, C, KIND, TP, BLOCK)
     if KIND >= 3:
         row_bytes = C // 256 * (144 if KIND == 3 else 210 if KIND == 4 else 176 if KIND == 5 else 136)
         return _k_rows_dot(x_rows, tmask, codes + rows[:, None] * row_bytes, rmask, C, KIND, TP, BLOCK)
@@ -93,6 +100,23 @@ def _iq4nl(index):
     return tl.where(byte >= 128, byte - 256, byte)
 
 
+MXFP4_DOUBLED = tl.constexpr(0x0C08060403020100)                # |2 e2m1| for the codes 0-7 as bytes
+
+
+@triton.jit
+def _mxfp4(code):
+    """kvalues_mxfp4[code] (code 0..15, int32: the doubled e2m1 value, bit 3 its sign)."""
+    byte = ((tl.full(code.shape, MXFP4_DOUBLED, tl.int64) >> (8 * (code % 8)).to(tl.int64)) & 0xFF).to(tl.int32)
+    return tl.where(code >= 8, -byte, byte)
+
+
+@triton.jit
+def _e8m0_half(e):
+    """2^(e - 128) in fp32 for an e8m0 byte e (int32), as GGML_E8M0_TO_FP32_HALF makes it."""
+    bits = tl.where(e < 2, 0x00200000 << e, (e - 1) << 23)
+    return bits.to(tl.float32, bitcast=True)
+
+
 @triton.jit
 def _k_scale_min(blk, j, rm):
     """Q4_K / Q5_K's sub-block j scale and min (get_scale_min_k4), [BLOCK, 1] int32."""
@@ -109,13 +133,19 @@ def _k_rows_dot(x_rows, tmask, w_rows, rmask, C, KIND: tl.constexpr, TP: tl.cons
     """[TP, BLOCK] fp32: x rows times matrix rows stored as GGUF super-blocks of 256 (w_rows: each
     row's first byte, [BLOCK, 1]), 32 weights at a time dequantised as kquants.h's portable bodies
     read them: Q4_K d sc q - dmin m (its 6-bit scales and mins unpacked), Q5_K the same with a fifth
-    bit, Q6_K d sc (q - 32) (a scale each 16), IQ4_XS d (ls - 32) times the table's value."""
+    bit, Q6_K d sc (q - 32) (a scale each 16), IQ4_XS d (ls - 32) times the table's value, MXFP4
+    the doubled e2m1 value times 2^(e - 128)."""
     c = tl.arange(0, 32)
     rm = rmask[:, None]
     acc = tl.zeros((TP, BLOCK), dtype=tl.float32)
     for g0 in range(0, C, 32):
         j = (g0 % 256) // 32                                        # the block of 32 in its super-block
-        if KIND == 3 or KIND == 5:
+        if KIND == 7:
+            blk = w_rows + (g0 // 32) * 17
+            scale = _e8m0_half(tl.load(blk, mask=rm, other=0).to(tl.int32))
+            byte = tl.load(blk + 1 + c[None, :] % 16, mask=rm, other=0).to(tl.int32)
+            w = scale * _mxfp4((byte >> (4 * (c[None, :] // 16))) & 0xF).to(tl.float32)
+        elif KIND == 3 or KIND == 5:
             blk = w_rows + (g0 // 256) * (144 if KIND == 3 else 176)
             d = _half(tl.load(blk, mask=rm, other=0), tl.load(blk + 1, mask=rm, other=0))
             dmin = _half(tl.load(blk + 2, mask=rm, other=0), tl.load(blk + 3, mask=rm, other=0))
@@ -150,9 +180,9 @@ def _k_rows_dot(x_rows, tmask, w_rows, rmask, C, KIND: tl.constexpr, TP: tl.cons
 
 
 @triton.jit
-def _gate_up_act(x_ptr, ids_ptr, table_ptr, base_ptr, base_addr, h_ptr, T, K, I, C, sxt,
+def _gate_up_act(x_ptr, ids_ptr, table_ptr, base_ptr, base_addr, h_ptr, bias_ptr, alpha, limit, T, K, I, C, sxt,
                  gu_at, gu_scale_at, down_at, down_scale_at,
-                 GROUP: tl.constexpr, KIND: tl.constexpr, TP: tl.constexpr, KP: tl.constexpr,
+                 GROUP: tl.constexpr, KIND: tl.constexpr, ACT: tl.constexpr, TP: tl.constexpr, KP: tl.constexpr,
                  BLOCK: tl.constexpr):
     e = tl.program_id(0)
     addr = tl.load(table_ptr + e)
@@ -171,14 +201,21 @@ def _gate_up_act(x_ptr, ids_ptr, table_ptr, base_ptr, base_addr, h_ptr, T, K, I,
             x_rows = x_ptr + ts[:, None] * sxt
             gate = _rows_dot(x_rows, routed, codes, scales, rows, rmask, C, GROUP, KIND, TP, BLOCK)
             up = _rows_dot(x_rows, routed, codes, scales, rows + I, rmask, C, GROUP, KIND, TP, BLOCK)
-            h = gate / (1.0 + tl.exp(-gate)) * up
+            if ACT == 1:                                                        # gpt-oss: biased, clamped
+                gate += tl.load(bias_ptr + e * 2 * I + rows, mask=rmask, other=0.0).to(tl.float32)[None, :]
+                up += tl.load(bias_ptr + e * 2 * I + I + rows, mask=rmask, other=0.0).to(tl.float32)[None, :]
+                gate = tl.minimum(gate, limit)
+                up = tl.minimum(tl.maximum(up, -limit), limit)
+                h = gate / (1.0 + tl.exp(-alpha * gate)) * (up + 1.0)
+            else:
+                h = gate / (1.0 + tl.exp(-gate)) * up
             tl.store(h_ptr + (ts * K + rank)[:, None] * I + rows[None, :], h, mask=routed[:, None] & rmask[None, :])
 
 
 @triton.jit
-def _down_sum(h_ptr, ids_ptr, w_ptr, table_ptr, base_ptr, base_addr, out_ptr, K, I, E,
+def _down_sum(h_ptr, ids_ptr, w_ptr, table_ptr, base_ptr, base_addr, out_ptr, bias_ptr, K, I, E,
               gu_at, gu_scale_at, down_at, down_scale_at,
-              GROUP: tl.constexpr, KIND: tl.constexpr, BLOCK: tl.constexpr):
+              GROUP: tl.constexpr, KIND: tl.constexpr, ACT: tl.constexpr, BLOCK: tl.constexpr):
     t = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     rmask = rows < E
@@ -191,6 +228,9 @@ def _down_sum(h_ptr, ids_ptr, w_ptr, table_ptr, base_ptr, base_addr, out_ptr, K,
             weight = tl.load(w_ptr + t * K + j).to(tl.float32)
             codes, scales = _codes_and_scales(base_ptr + (addr - base_addr), down_at, down_scale_at, KIND)
             h_row = h_ptr + (t * K + j) * I + tl.zeros((2, 1), dtype=tl.int32)
-            acc += weight * _rows_dot(h_row, one, codes, scales, rows, rmask, I, GROUP, KIND, 2, BLOCK)
+            y = _rows_dot(h_row, one, codes, scales, rows, rmask, I, GROUP, KIND, 2, BLOCK)
+            if ACT == 1:                                                        # gpt-oss: down's bias
+                y += tl.load(bias_ptr + e * E + rows, mask=rmask, other=0.0).to(tl.float32)[None, :]
+            acc += weight * y
     tl.store(out_ptr + t * E + rows[None, :] + tl.zeros((2, 1), dtype=tl.int32), acc,
              mask=one[:, None] & rmask[None, :])

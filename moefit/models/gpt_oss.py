@@ -8,8 +8,8 @@ biased router whose top-k logits are softmaxed, and experts with biases and a cl
     y = h W_d + b_d
 
 The experts' biases live with the dense weights ([N, 2I] and [N, E] per layer, a few MiB);
-the host's native call takes them with the clamped gate (native_act), the device's grouped path
-as group_act, the torch fallback expert by expert (expert).
+the host's native call takes them with the clamped gate (native_act), the device's slot-table
+kernels as fused_act, its grouped path as group_act, the torch fallback expert by expert (expert).
 Legend: T tokens, E hidden, H heads, K kv heads, D head dim, N experts, I expert size.
 """
 
@@ -23,6 +23,7 @@ from moefit.models.layers import DecoderModel, RopeTable, Weights, linear, norme
 from moefit import kernels
 from moefit.experts.grouped import GroupAct
 from moefit.kernels import rows as native
+from moefit.kernels.device_moe import ClampedAct
 from moefit.pack.quant import qlinear
 
 
@@ -90,6 +91,11 @@ class GptOss(DecoderModel):
         """The grouped device path's expert function for these experts (ids on the device)."""
         biases = self.layers[layer]
         return GroupAct(biases["gate_up_bias"][experts], biases["down_bias"][experts], self.clamped_glu)
+
+    def fused_act(self, layer: int) -> ClampedAct:
+        """The slot-table kernels' expert function for a layer (kernels/device_moe.py)."""
+        biases = self.layers[layer]
+        return ClampedAct(biases["gate_up_bias"].contiguous(), biases["down_bias"].contiguous(), self.alpha, self.limit)
 
     def clamped_glu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """(clamp(up) + 1) * g * sigmoid(alpha g), g = min(gate, limit); gate and up are overwritten."""

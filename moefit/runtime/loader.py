@@ -116,6 +116,7 @@ def _place(pack: Pack, cfg: ServeConfig, mem: DeviceMemory, cdt: str, the_plan: 
     runner.expert_fn = getattr(model, "expert", None)      # a family's own expert (gpt-oss), else SwiGLU
     runner.native_act = getattr(model, "native_act", None)
     runner.group_act = getattr(model, "group_act", None)
+    runner.fused.act = getattr(model, "fused_act", None)     # ... and for the slot-table kernels
     notes = []
     if the_plan is not None:
         if cfg.prefetch_per_layer > 0:            # the look-ahead's trained probe, in the dense line
