@@ -23,6 +23,8 @@ recorded with its error, and a fresh child runs the rest within --budget-s:
                against the plan's prompt-path line (goal: within it)
   oom          another allocation takes the card mid-request: the request fails cleanly, the
                guard shrinks, the next request works
+  kernels      the slot-table kernels on the card, every kind of expert matrix they read and both
+               expert functions, against fp32 (bench/gpu_kernels.py; goal: within 1e-5)
   decode       tok/s of a Qwen3-30B-A3B-shaped int4 pack (the first 12 of its 48 layers) under
                an emulated 12 GiB card with 25 / 50 / 100 % of its experts cached; a 48-layer
                figure is extrapolated as 12 / 48 of the per-token time (experts and attention
@@ -302,7 +304,7 @@ def _pid() -> int:
 CHECKS = {"env": check_env, "greedy": check_greedy, "cache": check_cache, "syncs": check_syncs,
           "ledger": check_ledger, "auto": check_auto, "guard": check_guard, "prompt": check_prompt, "oom": check_oom,
           "launches": check_launches}
-LIMIT_S = {"decode": 330, "launches": 60}             # seconds a check may run; the rest get isolated's 120
+LIMIT_S = {"decode": 330, "launches": 60, "kernels": 150}   # seconds a check may run; the rest get isolated's 120
 
 
 def main(argv=None) -> int:
@@ -327,8 +329,8 @@ def main(argv=None) -> int:
         copy.write_text(Path(args.device[4:]).read_text())
         args.device = f"sim:{copy}"
     demo_pack(log=print)                               # packed once, before the children read it
-    names = args.only.split(",") if args.only else [n for n in CHECKS if n != "launches"] + ["graphs", "decode",
-                                                                                           "launches"]
+    names = args.only.split(",") if args.only else [n for n in CHECKS if n != "launches"] + [
+        "graphs", "kernels", "decode", "launches"]
     report = {"device": args.device, "started": time.strftime("%Y-%m-%d %H:%M:%S"), "checks": {}}
 
     def landed(name: str, result: dict) -> None:
@@ -352,7 +354,8 @@ def run_child(args) -> int:
     """Run the named checks in this process, journalling each as it starts and lands."""
     from bench.gpu_decode import check_decode          # they import this module's helpers
     from bench.gpu_graphs import check_graphs
-    checks = {**CHECKS, "graphs": check_graphs}
+    from bench.gpu_kernels import check_kernels
+    checks = {**CHECKS, "graphs": check_graphs, "kernels": check_kernels}
     journal, pack = Journal(args.child), demo_pack(log=print)
     for name in args.only.split(","):
         journal.start(name)

@@ -7,7 +7,7 @@ be measured at real sizes (Qwen3-30B-A3B, Mixtral, OLMoE from ../shared/configs)
 Weights are random (dense ~ N(0, 0.02), experts ~ N(0, 0.02) before quantization): the
 output is noise, the bytes, shapes, plan and speed are real. --layers keeps the first N
 layers, for a machine with less disk than the full model needs. --quant may also name GGUF
-super-blocks as a file keeps them (q4_k, q5_k, q6_k, iq4_xs, or a Q4_K_M file's q4_k/q6_k):
+blocks as a file keeps them (q4_k, q5_k, q6_k, iq4_xs, or a Q4_K_M file's q4_k/q6_k; mxfp4):
 random blocks with small scales, written as a GGUF file's experts would be, without the gguf
 package (a GPU machine's image has none).
 """
@@ -32,6 +32,7 @@ from moefit.pack.layout import GGUF_BLOCKS, GGUF_HALVES, matrix_quants  # noqa: 
 # a value for a super-block's fp16 scales small enough that its weights stay about as large as
 # N(0, 0.02)'s (its codes and other scales are random bytes)
 SMALL_SCALE = {"q4_k": 3e-5, "q5_k": 1.5e-5, "q6_k": 1e-5, "iq4_xs": 1e-5}
+MXFP4_EXPONENT = 120          # MXFP4's e8m0 byte: 2^(120 - 128) times its doubled values (at most 12)
 
 
 class RandomSource:
@@ -90,13 +91,16 @@ class RandomSource:
 
 
 def super_blocks(rows: int, cols: int, quant: str, seed: int) -> torch.Tensor:
-    """[rows, cols / 256 * block bytes] uint8 of random `quant` super-blocks, their fp16 scales small."""
+    """[rows, cols / weights a block * block bytes] uint8 of random `quant` blocks, their scales small."""
     weights, size = GGUF_BLOCKS[quant]
     g = torch.Generator().manual_seed(seed)
     blocks = torch.randint(0, 256, (rows, cols // weights, size), generator=g, dtype=torch.uint8)
-    half = torch.tensor([SMALL_SCALE[quant]], dtype=torch.float16).view(torch.uint8)
-    for offset in GGUF_HALVES[quant]:
-        blocks[:, :, offset:offset + 2] = half
+    if quant == "mxfp4":
+        blocks[:, :, 0] = MXFP4_EXPONENT
+    else:
+        half = torch.tensor([SMALL_SCALE[quant]], dtype=torch.float16).view(torch.uint8)
+        for offset in GGUF_HALVES[quant]:
+            blocks[:, :, offset:offset + 2] = half
     return blocks.reshape(rows, -1)
 
 

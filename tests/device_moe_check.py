@@ -12,15 +12,16 @@ from __future__ import annotations
 import json
 import os
 import sys
+from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 assert os.environ.get("TRITON_INTERPRET") == "1"
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.gpu_kernels import kernel_error  # noqa: E402  (the device check's, shared)
 from moefit.config import ServeConfig  # noqa: E402
 from moefit.kernels import device_moe  # noqa: E402
-from moefit.pack.quant import dequantize  # noqa: E402
 from moefit.pack.reader import Pack  # noqa: E402
 from moefit.runtime.engine import Engine  # noqa: E402
 from moefit.runtime.sampler import SamplingParams  # noqa: E402
@@ -32,54 +33,6 @@ def open_engine(pack: str, card: str, cache: str = "auto", ahead: int = 0, graph
     return Engine.open(pack, ServeConfig(device=f"sim:{card}", ctx=64, vram_reserve_mib=1, low_headroom_mib=0,
                                          min_expert_slots=0, expert_cache=cache, prefetch_per_layer=ahead,
                                          decode_graphs=graphs))
-
-
-def reference(runner, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """The resident experts' weighted expert function in fp32 from dequantised weights, rank by rank."""
-    out = torch.zeros(x.shape, dtype=torch.float32)
-    for t in range(x.shape[0]):
-        for r, e in enumerate(ids[t].tolist()):
-            parts = runner.slots.get((layer, e))
-            if parts is not None:
-                out[t] += weights[t, r] * expert(runner, layer, e, x[t].float(), parts)
-    return out
-
-
-def expert(runner, layer: int, e: int, x: torch.Tensor, parts: dict) -> torch.Tensor:
-    """SwiGLU, or gpt-oss's biased and clamped expert as its model card writes it, in fp32."""
-    quant = runner.pack.blobs[(layer, e)].quant
-    gate, up = F.linear(x, dequantize(parts, "gate_up", quant, torch.float32)).chunk(2)
-    if runner.fused.act is None:
-        return F.linear(F.silu(gate) * up, dequantize(parts, "down", quant, torch.float32))
-    act = runner.fused.act(layer)
-    bias = act.gate_up_bias[e].float()
-    gate, up = (gate + bias[:gate.shape[0]]).clamp(max=act.limit), (up + bias[gate.shape[0]:]).clamp(-act.limit, act.limit)
-    h = gate * torch.sigmoid(act.alpha * gate) * (up + 1)
-    return F.linear(h, dequantize(parts, "down", quant, torch.float32)) + act.down_bias[e].float()
-
-
-def kernel_error(pack: str, card: str) -> float:
-    """The worst relative error over 1, 3 and 6 token rows (two launches of gate_up; the 6 rows
-    larger, so that gpt-oss's gates and ups reach its clamp), with two of the layer's experts off
-    the card."""
-    engine = open_engine(pack, card)
-    runner, m = engine.runner, engine.pack.model
-    layer = m.moe_layers[-1]
-    for e in (1, 4):
-        runner.unload((layer, e))
-    shape = device_moe.blob_shape(runner.pack.layouts[runner.pack.blobs[(layer, 0)].quant],
-                                  runner.pack.blobs[(layer, 0)].quant)
-    gen, worst = torch.Generator().manual_seed(2), 0.0
-    for tokens in (1, 3, 6):
-        x = torch.randn(tokens, m.hidden_size, generator=gen) * (8 if tokens == 6 else 1)   # 8: past gpt-oss's clamp
-        ids = torch.stack([torch.randperm(m.num_experts, generator=gen)[:m.top_k] for _ in range(tokens)])
-        ids[0, 0] = 1                                          # a rank whose expert is not resident
-        weights = torch.rand(tokens, m.top_k, generator=gen)
-        act = runner.fused.act(layer) if runner.fused.act is not None else None
-        got = device_moe.resident_sum(x, ids, weights, runner.table.row(layer), runner.table.base, shape, act)
-        want = reference(runner, layer, x, ids, weights)
-        worst = max(worst, float((got - want).abs().max() / want.abs().max()))
-    return worst
 
 
 def greedy(pack: str, card: str) -> dict:
@@ -188,7 +141,7 @@ def op_counts(pack: str, card: str) -> dict:
 if __name__ == "__main__":
     super_blocks = sys.argv[1] == "--super-blocks"           # GGUF packs: the kernels and greedy of each
     card, packs = sys.argv[1 + super_blocks], sys.argv[2 + super_blocks:]
-    result = {"kernel": {os.path.basename(p): kernel_error(p, card) for p in packs}}
+    result = {"kernel": {os.path.basename(p): kernel_error(open_engine(p, card)) for p in packs}}
     if super_blocks:                                          # the last pack's greedy (a Q4_K_M file's: both kinds)
         result["greedy"] = {os.path.basename(packs[-1]): greedy(packs[-1], card)}
         print(json.dumps(result))

@@ -188,12 +188,18 @@ def head_dim_32(tmp_path_factory):
 def test_a_quantised_kv_cache_is_written_and_read_in_the_pieces_as_the_forward_does(kv_dtype, head_dim_32, card,
                                                                                     small_buckets):
     """The same codes and scales put at the device's position (q4's rows rotated, the query turned
-    into their space and the output back), the bucket decoded and attended: the forward's logits."""
+    into their space and the output back), the bucket decoded and attended: the forward's logits.
+
+    Within 2e-4, not fp32's 1e-5: the pieces' sums over a masked bucket are ~3e-7 from the
+    forward's, so now and then a key or value element lands on the other side of a rounding
+    boundary and is stored one code (bf16: one ulp) apart, for the rest of the request: ~3e-5 of
+    the logits (measured: once in 35 steps for bf16 with transformers 5.25's random weights). A
+    row written at the wrong position, with the wrong scale or unrotated is off by more than 1e-2."""
     tokens = torch.randint(0, 300, (40,), generator=torch.Generator().manual_seed(2)).tolist()
     on, off = (_engine(head_dim_32, card, g, kv_dtype=kv_dtype) for g in ("on", "off"))
     worst = max(float((a - b).abs().max() / b.abs().max()) for a, b in      # (the host's native step reads bf16
                 zip(_teacher_forced(on, tokens, 5), _teacher_forced(off, tokens, 5, torch_ops=True)))  # rows 5e-5 off)
-    assert on.graphs.replays > 0 and worst < 1e-5
+    assert on.graphs.replays > 0 and worst < 2e-4
 
 
 @pytest.mark.parametrize("change, why", [

@@ -92,6 +92,19 @@ def test_the_slot_table_kernels_run_gpt_oss_experts(packs, tmp_path, card):
     assert greedy["same_tokens"] and greedy["same_handoffs"] and greedy["fused_steps"] == 36, greedy   # 12 x 3 layers
 
 
+def test_the_device_checks_kernel_check_builds_its_packs_and_measures_them(tmp_path, card):
+    """bench/gpu_kernels.py, the device check's look at the kernels on a card, here under the
+    interpreter for one case (gpt-oss's experts as random MXFP4 blocks, bench/synthetic_pack.py),
+    so that what it builds and compares is known to work before a GPU runs all of its cases."""
+    root = HERE.parent
+    run = subprocess.run([sys.executable, str(root / "bench" / "gpu_kernels.py"), "--device", f"sim:{card(64)}",
+                          "--case", "gpt-oss-20b mxfp4", "--width", "256", "--workdir", str(tmp_path)],
+                         capture_output=True, text=True, timeout=600, env=dict(os.environ, TRITON_INTERPRET="1"))
+    assert run.returncode == 0, run.stdout + run.stderr
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result["ok"] and list(result["errors"]) == ["gpt-oss-20b mxfp4"] and result["worst"] < 1e-5, result
+
+
 @pytest.mark.parametrize("capability", [89, 90])                    # an RTX 4070 (sm_89), an H100 / H200 (sm_90)
 def test_the_slot_table_kernels_compile_to_a_cubin_for_the_gpus_they_are_for(capability):
     """The interpreter checks the arithmetic and lets through what the compiler would not (a

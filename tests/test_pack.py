@@ -176,10 +176,10 @@ def test_moefit_verify_reports_a_sound_pack(packs):
     assert r.returncode == 0 and out["ok"] and out["blobs"] > 0 and out["bytes"] > 0
 
 
-@pytest.mark.parametrize("quant", ["q4_k/q6_k", "iq4_xs", "q5_k"])
+@pytest.mark.parametrize("quant", ["q4_k/q6_k", "iq4_xs", "q5_k", "mxfp4"])
 def test_a_synthetic_pack_holds_gguf_super_blocks_the_kernels_read(quant, tmp_path):
     """bench/synthetic_pack.py --quant q4_k/q6_k (a GPU machine's way to a GGUF-kept pack without
-    the gguf package): random super-blocks whose weights stay about N(0, 0.02)'s size, packed as a
+    the gguf package): random super-blocks (or MXFP4 blocks) whose weights stay about N(0, 0.02)'s size, packed as a
     file's kept experts, served by the host kernel as by torch's dequantisation."""
     import json
     import sys

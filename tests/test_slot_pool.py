@@ -164,7 +164,7 @@ def test_the_device_check_runs_its_checks_on_the_simulated_card(tmp_path):
     checks = json.loads(out.read_text())["checks"]
     assert {k: v["ok"] for k, v in checks.items()} == {"env": None, "greedy": True, "cache": True, "syncs": True,
                                                          "ledger": True, "auto": True, "guard": True, "prompt": None,
-                                                         "oom": True, "graphs": True, "decode": None,
+                                                         "oom": True, "graphs": True, "kernels": None, "decode": None,
                                                          "launches": None}
     assert checks["syncs"]["handoffs_per_moe_layer_token"] == 1.0
     assert checks["graphs"]["fp32"]["recorder"] == "tape" and checks["graphs"]["fp32"]["replays"] > 0

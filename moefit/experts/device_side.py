@@ -4,15 +4,14 @@ Two ways, both summing in fp32 (experts/runner.py picks):
 
     fused   a step of at most DENSE_TOKENS rows of experts stored as int4, Q8_0, int8, Q4_K /
             Q5_K / Q6_K / IQ4_XS super-blocks (a Q4_K_M file's mixed layers too) or MXFP4, SwiGLU
-            or gpt-oss's clamped one (the family's fused_act), on CUDA with Triton: two launches over the slot table and the router's ids
-            still on the device (kernels/device_moe.py), queued before the hand-off's wait, so
-            the resident experts run while the host waits and computes the misses. Which
-            experts it covered is the table's row as sent (SlotTable.held), not a decision of
-            the host's.
+            or gpt-oss's clamped one (the family's fused_act), on CUDA with Triton: two launches
+            over the slot table and the router's ids still on the device (kernels/device_moe.py),
+            queued before the hand-off's wait, so the resident experts run while the host waits
+            and computes the misses. Which experts it covered is the table's row as sent
+            (SlotTable.held), not a decision of the host's.
     grouped everything else (prefill chunks, floats, a family's own expert function without a
-            fused_act):
-            the experts the host found resident after the hand-off, `runner.group` at a time
-            (experts/grouped.py).
+            fused_act): the experts the host found resident after the hand-off, `runner.group`
+            at a time (experts/grouped.py).
 """
 
 from __future__ import annotations
