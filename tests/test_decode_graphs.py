@@ -18,6 +18,8 @@ from moefit.runtime import decode_graphs
 from moefit.runtime.engine import Engine
 from moefit.runtime.recorders import RecordError, Tape
 from moefit.memory import ledger as L
+from moefit.memory.allocator import block_bytes
+from moefit.memory.footprint import from_pack_header
 from moefit.runtime.sampler import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
@@ -44,7 +46,7 @@ def _teacher_forced(engine: Engine, tokens: list[int], prompt: int, torch_ops: b
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "glm4_moe", "olmoe", "qwen3_5_moe", "qwen3_next",
-                                    "deepseek_v3", "glm4_moe_lite"])
+                                    "deepseek_v3", "glm4_moe_lite", "gpt_oss"])
 def test_recorded_pieces_give_the_logits_of_the_forward_across_buckets(family, packs, card, small_buckets):
     tokens = torch.randint(0, 300, (60,), generator=torch.Generator().manual_seed(1)).tolist()
     on, off = (_engine(packs(family, "fp32"), card, g) for g in ("on", "off"))    # (int4 experts on the host
@@ -56,12 +58,15 @@ def test_recorded_pieces_give_the_logits_of_the_forward_across_buckets(family, p
     assert on.decode_graphs_json()["replays"] > 0 and on.decode_graphs_json()["broken"] is None
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
-def test_verify_windows_replay_their_own_pieces_with_the_forwards_logits(family, packs, card, small_buckets):
+RINGS = {"prefill_chunk": 16}      # gpt-oss's sliding layers (window 8) hold 24 slots of the 128 positions
+
+
+@pytest.mark.parametrize("family, kw", [("qwen3_moe", {}), ("deepseek_v3", {}), ("gpt_oss", RINGS)])
+def test_verify_windows_replay_their_own_pieces_with_the_forwards_logits(family, kw, packs, card, small_buckets):
     """Windows of 2-5 tokens (each length recorded once per bucket), rejected tails written over
-    by the next window, across two bucket boundaries."""
+    by the next window, across two bucket boundaries (and a ring's wraps)."""
     tokens = torch.randint(0, 300, (60,), generator=torch.Generator().manual_seed(3)).tolist()
-    engines, logits = {g: _engine(packs(family, "fp32"), card, g) for g in ("on", "off")}, {}
+    engines, logits = {g: _engine(packs(family, "fp32"), card, g, **kw) for g in ("on", "off")}, {}
     for graphs, engine in engines.items():
         got, pos = [], 5
         engine.prefill(tokens[:5])
@@ -74,14 +79,14 @@ def test_verify_windows_replay_their_own_pieces_with_the_forwards_logits(family,
     assert engines["on"].graphs.replays > 0
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_5_moe"])
-def test_what_the_pieces_pass_each_other_is_a_reserve_line_of_its_own(family, packs, card, small_buckets):
+@pytest.mark.parametrize("family, kw", [("qwen3_moe", {}), ("qwen3_5_moe", {}), ("gpt_oss", RINGS)])
+def test_what_the_pieces_pass_each_other_is_a_reserve_line_of_its_own(family, kw, packs, card, small_buckets):
     """Every row the pieces pass each other (a step's and each window length's, each bucket's mask,
-    a DeltaNet window's checkpoints) is charged to the reserve's decode graphs line, which the plan
-    holds (at most); without the pieces there is no such line."""
+    a DeltaNet window's checkpoints, a ring's slot positions) is charged to the reserve's decode
+    graphs line, which the plan holds (at most); without the pieces there is no such line."""
     tokens = torch.randint(0, 300, (60,), generator=torch.Generator().manual_seed(5)).tolist()
     big = lambda mib: card(1024)                                    # noqa: E731 - room for the recommended reserve
-    engine = _engine(packs(family, "fp32"), big, "on", vram_reserve_mib=None, spec="lookup")    # windows of 2-5
+    engine = _engine(packs(family, "fp32"), big, "on", vram_reserve_mib=None, spec="lookup", **kw)   # windows of 2-5
     planned = next(p for p in engine.plan.line(L.RESERVE).parts if p.name == L.GRAPHS).bytes
     assert planned == engine.plan.reserve.graphs > 0
     engine.prefill(tokens[:5])
@@ -95,11 +100,40 @@ def test_what_the_pieces_pass_each_other_is_a_reserve_line_of_its_own(family, pa
             engine.keep(pos, tokens[pos:pos + kept])
         pos += kept
     mem, rows = engine.loaded.mem, engine.graphs.rows
+    rings = list(engine.graphs.rings.values())
+    assert len(rings) == (2 if family == "gpt_oss" else 0)
+    fp = from_pack_header(engine.pack.header, "fp32")        # the plan's ring part: what they take, in CUDA's blocks
+    assert fp.decode_graph_bytes(128, [], 16) - fp.decode_graph_bytes(128, [], 128) == sum(block_bytes(r.nbytes)
+                                                                                        for r in rings)
     assert set(rows) == {1, 2, 3, 4, 5} and any(r.checkpoints is not None for r in rows.values()) == (family == "qwen3_5_moe")
-    made = [engine.graphs.pos, *(t for r in rows.values() for t in r.tensors())]
+    made = [engine.graphs.pos, *(t for r in rows.values() for t in r.tensors()), *rings]
     assert mem.charged[L.GRAPHS] == sum(mem.block(t.nbytes) for t in made) <= planned
     off = _engine(packs(family, "fp32"), big, "off", vram_reserve_mib=None)
     assert off.plan.reserve.graphs == 0 and L.GRAPHS not in [p.name for p in off.plan.line(L.RESERVE).parts]
+
+
+def test_a_sliding_layers_ring_is_read_by_the_positions_its_slots_hold_on_the_card(packs, card, small_buckets):
+    """gpt-oss's sliding layers as rings of 24 slots (window 8): decode steps through the ring's
+    wraps, an eager forward of 20 tokens in between (the host's record of the slots changes
+    without the pieces: the card's copy is made equal again), then steps again: the forward's
+    logits; the card's copy is the host's record after each step."""
+    tokens = torch.randint(0, 300, (90,), generator=torch.Generator().manual_seed(6)).tolist()
+    engines = {g: _engine(packs("gpt_oss", "fp32"), card, g, **RINGS) for g in ("on", "off")}
+    logits = {}
+    for graphs, engine in engines.items():
+        engine.prefill(tokens[:5])
+        got = [engine.forward([tokens[p]], p).float() for p in range(5, 40)]
+        got.append(engine.forward(tokens[40:60], 40).float())                        # eager: 20 > DENSE_TOKENS
+        got += [engine.forward([tokens[p]], p).float() for p in range(60, 90)]
+        logits[graphs] = got
+    worst = max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(logits["on"], logits["off"]))
+    assert worst < 1e-5
+    on, state = engines["on"], engines["on"].session.state
+    rings = [i for i, x in enumerate(state.layers) if x.slot_pos is not None]
+    assert rings == [0, 2] and state.layers[0].capacity == 24
+    for i in rings:
+        assert torch.equal(on.graphs.rings[(state, i)].cpu(), state.layers[i].slot_pos)
+    assert on.graphs.replays > 0 and on.graphs.broken is None
 
 
 @pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_next"])
@@ -204,7 +238,7 @@ def test_a_quantised_kv_cache_is_written_and_read_in_the_pieces_as_the_forward_d
 
 @pytest.mark.parametrize("change, why", [
     ({"device": "cpu"}, "cpu device"),
-    ({"kv_resident": "32", "prefill_chunk": 16}, "whole-context"),
+    ({"kv_resident": "32", "prefill_chunk": 16}, "streams to the host"),
 ])
 def test_where_pieces_cannot_be_recorded_the_step_runs_as_before_and_says_why(change, why, packs, card):
     engine = _engine(packs("qwen3_moe", "int4"), card, "on", **change)
@@ -212,9 +246,12 @@ def test_where_pieces_cannot_be_recorded_the_step_runs_as_before_and_says_why(ch
     assert engine.generate([1, 2, 3], SamplingParams(max_tokens=3, temperature=0))[1].generated
 
 
-def test_a_family_that_does_not_declare_its_attention_graph_safe_runs_as_before(packs, card):
+def test_a_family_that_does_not_declare_its_attention_graph_safe_runs_as_before(packs, card, monkeypatch):
+    from moefit.models.gpt_oss import GptOss
+    monkeypatch.setattr(GptOss, "graph_step", False)
     engine = _engine(packs("gpt_oss", "int4"), card, "on")
     assert "graph_step" in engine.decode_graphs_json()["why_not"]
+    assert engine.generate([1, 2, 3], SamplingParams(max_tokens=3, temperature=0))[1].generated
 
 
 def test_the_tape_replays_on_the_recorded_tensors_with_python_frozen():

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from moefit.config import ModelConfig
 from moefit.families.common import mtp_index, rope_dim
 from moefit.families.state import PROMPT_MARKS, layer_bytes
-from moefit.memory.allocator import MIN_BLOCK
+from moefit.memory.allocator import MIN_BLOCK, block_bytes
 from moefit.pack.layout import DENSE_GROUP, dense_quantizable, expert_blob_sizes
 
 COMPUTE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
@@ -150,12 +150,18 @@ class Footprint:
         return {"head": self.draft_head_bytes,
                 "mtp": self.mtp_bytes(ctx, kv_dtype, chunk, resident, sessions)}.get(mode, 0)
 
-    def decode_graph_bytes(self, ctx: int, windows: list[int]) -> int:
+    def decode_graph_bytes(self, ctx: int, windows: list[int], chunk: int, sessions: int = 1) -> int:
         """At most what --decode-graphs' pieces pass each other (runtime/decode_graphs.py, Rows) for a
         decode step and each verify window length: the residual rows, each layer's MoE input and
         guess, the routers' output, RoPE's rows, a mask per context bucket (together under 2 ctx
-        keys a token) and a window's recurrent checkpoints. The recordings' pool is not in it: it is
-        measured on the card (decode_graphs.pool_bytes) and the headroom holds it."""
+        keys a token) and a window's recurrent checkpoints; and each session's ring layers' slot
+        positions (8 bytes a slot). The recordings' pool is not in it: it is measured on the card
+        (decode_graphs.pool_bytes) and the headroom holds it."""
+        rings = sum(block_bytes(8 * held) for s in self.states if s.kind == "attention"
+                    and (held := s.tokens_held(ctx, chunk)) < ctx)
+        return self._graph_rows_bytes(ctx, windows) + sessions * rings
+
+    def _graph_rows_bytes(self, ctx: int, windows: list[int]) -> int:
         m, cb = self.model, self.cb
         ranks = min(2 * m.top_k, m.num_experts)
         state = max((s.recurrent_bytes() for s in self.states if s.kind == "recurrent"), default=0)

@@ -124,7 +124,8 @@ def plan_reserve(fp: Footprint, cfg: ServeConfig, kv_dtype: str, spec_on: bool, 
     prompt = fp.prompt_path_bytes(cfg.prefill_chunk, cfg.ctx, kv_dtype, resident, group)
     verify = fp.verify_arena_bytes(cfg.spec_window) if cfg.spec != "off" else 0
     draft = fp.draft_bytes(spec_mode(cfg.spec, fp), cfg.ctx, kv_dtype, cfg.prefill_chunk, resident, cfg.sessions)
-    graphs = fp.decode_graph_bytes(cfg.ctx, graph_windows(cfg)) if cfg.decode_graphs == "on" else 0
+    graphs = fp.decode_graph_bytes(cfg.ctx, graph_windows(cfg), cfg.prefill_chunk, cfg.sessions) \
+        if cfg.decode_graphs == "on" else 0
     recommended = _round_mib(prompt + verify + draft + graphs + HEADROOM_MIB * MIB)
     if cfg.vram_reserve_mib is not None:
         total = cfg.vram_reserve_mib * MIB

@@ -38,11 +38,25 @@ def attend_state(state, i: int, q: torch.Tensor, start: int, mask: torch.Tensor 
     attended rows from the stored ones (MLA keeps a latent and a rope key per token). `sinks` [H]
     (gpt-oss) are logits of a virtual key with a zero value in every head's softmax: they scale
     the output by sigmoid(lse - sink). `turned` False: the caller turns q and the output for rows
-    stored rotated (MLA, whose keys are two stores)."""
+    stored rotated (MLA, whose keys are two stores). A recorded piece's view (runtime/decode_graphs.py,
+    `recorded`) gives its rows and the mask the device made instead (_recorded_attention)."""
     t = q.shape[1]
     rk, rv = state.rotations(i) if turned else (None, None)
     if rk is not None:
         q = turn(q, rk)
+    if getattr(state, "recorded", False):
+        out = _recorded_attention(state, i, q, mask, scale, keys, sinks)
+    else:
+        out = _state_attention(state, i, q, start, mask, scale, keys, sinks)
+    if rv is not None:
+        out = turn(out, rv, back=True)
+    return out.transpose(0, 1).reshape(t, -1)
+
+
+def _state_attention(state, i: int, q: torch.Tensor, start: int, mask: torch.Tensor | None, scale: float | None,
+                     keys, sinks: torch.Tensor | None) -> torch.Tensor:
+    """attend_state's parts as the sequence state holds them -> [H, T, Dv] (its docstring)."""
+    t = q.shape[1]
     read = _recent_attention(state, i, q, start, scale) if sinks is not None and t == 1 else None
     parts = state.parts(i, start + t, stored=keys is None) if read is None else None
     if keys is not None:
@@ -65,9 +79,24 @@ def attend_state(state, i: int, q: torch.Tensor, start: int, mask: torch.Tensor 
     else:
         q_pos = torch.arange(start, start + t)
         out = attend_parts(q, parts, q_pos, state.window(i), scale)
-    if rv is not None:
-        out = turn(out, rv, back=True)
-    return out.transpose(0, 1).reshape(t, -1)
+    return out
+
+
+def _recorded_attention(view, i: int, q: torch.Tensor, mask: torch.Tensor, scale: float | None, keys,
+                        sinks: torch.Tensor | None) -> torch.Tensor:
+    """A recorded piece's attention (runtime/decode_graphs.BucketView): the layer's rows under the
+    mask the device made (`attended`); nothing here waits for the device -> [H, T, Dv]."""
+    k, v, allowed = view.attended(i, mask)
+    if keys is not None:
+        k, v = keys(k, v)
+    if sinks is None:
+        return sdpa(q, k, v, allowed, scale)
+    h, t, d = q.shape
+    kh = k.shape[0]
+    out, lse = _part_attention(q.reshape(kh, h // kh * t, d), k, v, allowed.repeat(h // kh, 1),
+                               scale or d ** -0.5, waits=False)
+    out, lse = out.reshape(h, t, -1).to(q.dtype), lse.reshape(h, t, 1)
+    return out * torch.sigmoid(lse - sinks.float()[:, None, None]).to(out.dtype)
 
 
 def turn(x: torch.Tensor, rotation: torch.Tensor, back: bool = False) -> torch.Tensor:
@@ -241,11 +270,11 @@ def _heads(k) -> int:
     return k.store["x"].shape[0] if isinstance(k, StoredRows) else k.shape[0]
 
 
-def _part_attention(q, k, v, allowed, scale: float):
+def _part_attention(q, k, v, allowed, scale: float, waits: bool = True):
     """(out [K, gT, Dv] fp32, log-sum-exp [K, gT, 1]) of q against one part; CPU uses torch's
-    fused flash kernel, which returns the log-sum-exp (it needs keys and values of one width),
-    other cases a blockwise softmax."""
-    fused = k.device.type == "cpu" and k.shape[-1] == v.shape[-1]
+    fused flash kernel, which returns the log-sum-exp (it needs keys and values of one width, and
+    a look at the mask: not `waits` in a recorded piece), other cases a blockwise softmax."""
+    fused = waits and k.device.type == "cpu" and k.shape[-1] == v.shape[-1]
     if fused and (allowed is None or bool(allowed.any(dim=-1).all())):
         mask = None if allowed is None else torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))
         o, m = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(

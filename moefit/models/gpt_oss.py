@@ -28,6 +28,8 @@ from moefit.pack.quant import qlinear
 
 
 class GptOss(DecoderModel):
+    graph_step = True        # its attention (sinks, a sliding layer's ring) reads the state only as BucketView answers
+
     def __init__(self, cfg, w: Weights, rope: RopeTable):
         self.cfg, self.rope = cfg, rope
         self.alpha, self.limit = float(cfg.raw.get("swiglu_alpha", 1.702)), float(cfg.raw.get("swiglu_limit", 7.0))
@@ -66,13 +68,16 @@ class GptOss(DecoderModel):
         out = attend_state(kv, i, q, start, mask, sinks=layer["sinks"])
         return linear(out, layer["o"], layer["o_bias"])
 
-    def mlp(self, i, layer, x, experts) -> torch.Tensor:
+    def route(self, i, layer, x) -> tuple[torch.Tensor, torch.Tensor]:
         routed = native.softmax_topk(x, layer["router"], self.cfg.top_k, True, layer["router_bias"])
         if routed is None:                           # the softmax of the top-k logits: softmax_topk renormalised
             top, ids = torch.topk(linear(x, layer["router"], layer["router_bias"]), self.cfg.top_k, dim=-1)
             routed = F.softmax(top.float(), dim=-1), ids
         weights, ids = routed
-        return experts.run(i, x, ids, weights.to(x.dtype))
+        return weights.to(x.dtype), ids
+
+    def mlp(self, i, layer, x, experts, routed=None) -> torch.Tensor:
+        return self.routed_experts(i, layer, x, experts, routed)
 
     def native_act(self, layer: int, experts: list[int]) -> kernels.GptOssAct:
         """The native call's activation for these experts of a layer (experts/runner.py)."""

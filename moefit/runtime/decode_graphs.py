@@ -22,10 +22,17 @@ the pieces leave each other lives in tensors made here (`Rows`: x, moe, h_i, the
 output, the guesses), never in a recorder's pool.
 
 It applies where the family says its attention reads the sequence state only through the view
-below (`graph_step`), to a whole-context KV store (any KV dtype) and Gated DeltaNet layers
-(whose state is updated in place; their bookkeeping runs before the pieces; a window's
-checkpoints are written to a scratch in the piece and copied to the layer's own after it); a
-prompt chunk, a ring or a streamed KV cache run as before.
+below (`graph_step`), to a whole-context KV store (any KV dtype), a sliding window's ring and
+Gated DeltaNet layers (whose state is updated in place; their bookkeeping runs before the
+pieces; a window's checkpoints are written to a scratch in the piece and copied to the layer's
+own after it); a prompt chunk and a KV cache streamed to the host run as before.
+
+A ring (gpt-oss's sliding layers: window + one prompt chunk of slots, position p in slot
+p % R) is read whole, under a mask made on the device from the positions its slots hold: the
+pieces keep a copy of the layer's record of them on the card (`rings`), write this step's
+positions into it as they write the rows, and the host's record takes the same positions before
+the pieces run. An eager forward (a prompt chunk, a restored session) changes only the host's
+record: its tensor version says so, and the card's copy is made equal again before the next step.
 """
 
 from __future__ import annotations
@@ -51,10 +58,8 @@ def why_not(model, states, device_kind: str) -> str | None:
     if not hasattr(model.rope, "at"):
         return "its rope has no angles from a device position"
     for layer in (x for s in states for x in s.layers):
-        if isinstance(layer, RecurrentLayerState):
-            continue
-        if not isinstance(layer, AttentionState) or layer.slot_pos is not None or layer.window is not None:
-            return "a layer's state is not a whole-context KV store (a ring, a window)"
+        if isinstance(layer, AttentionState) and layer.host is not None:
+            return "a layer's KV streams to the host (--kv-resident): its older positions are read there"
     return None
 
 
@@ -65,21 +70,42 @@ def bucket_of(pos: int, capacity: int) -> int:
 
 class BucketView:
     """The sequence state as a recorded piece sees it: writes at the positions the device holds,
-    reads a bucket of rows; `layers` as the pieces see them (Begun for a recurrent layer). Every
-    other question attend_state asks has the whole-context answer."""
+    reads a bucket of rows, or a ring's every slot, and the mask of those a query attends
+    (`attended`, which attend_state asks first: `recorded`); `layers` as the pieces see them
+    (Begun for a recurrent layer). Every other question attend_state asks has the whole-context
+    answer."""
 
-    def __init__(self, state, positions: torch.Tensor, bucket: int, layers: list):
-        self.state, self.positions, self.bucket, self.layers = state, positions, bucket, layers
+    recorded = True
+
+    def __init__(self, state, positions: torch.Tensor, bucket: int, layers: list, rings: dict[int, torch.Tensor]):
+        self.state, self.positions, self.bucket, self.layers, self.rings = state, positions, bucket, layers, rings
 
     def write(self, i: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        layer = self.state.layers[i]                  # any codec: its rows put at the device's indices
-        layer.kc.put(layer.k, self.positions, k)
-        layer.vc.put(layer.v, self.positions, v)
+        layer, ring = self.state.layers[i], self.rings.get(i)
+        at = self.positions if ring is None else self.positions % layer.capacity
+        layer.kc.put(layer.k, at, k)                  # any codec: its rows put at the device's indices
+        layer.vc.put(layer.v, at, v)
+        if ring is not None:
+            ring[at] = self.positions
 
     def parts(self, i: int, end: int, stored: bool = False) -> list[tuple]:
-        layer, rows = self.state.layers[i], slice(0, self.bucket)
-        dt = layer.compute_dtype
+        layer = self.state.layers[i]
+        rows, dt = slice(0, layer.capacity if i in self.rings else self.bucket), layer.compute_dtype
         return [(layer.kc.get(layer.k, rows, dt), layer.vc.get(layer.v, rows, dt), None)]
+
+    def attended(self, i: int, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Layer i's rows (k, v) and which of them each query attends [T, S]: the step's causal mask
+        over the bucket, or a ring's slots by the positions they hold (never-written and rejected
+        ones are later than any query); within the layer's window where it has one."""
+        (k, v, _), = self.parts(i, 0)
+        layer, ring, q = self.state.layers[i], self.rings.get(i), self.positions[:, None]
+        if ring is None and layer.window is None:
+            return k, v, mask
+        held = ring[None, :] if ring is not None else torch.arange(self.bucket, device=q.device)[None, :]
+        allowed = held <= q
+        if layer.window is not None:
+            allowed = allowed & (q - held < layer.window)
+        return k, v, allowed
 
     def rotations(self, i: int):
         return self.state.layers[i].rotations
@@ -171,6 +197,8 @@ class DecodeGraphs:
         self.rows: dict[int, Rows] = {}
         self._views: dict[tuple, list] = {}
         self.pieces: dict[tuple, tuple] = {}
+        self.rings: dict[tuple, torch.Tensor] = {}     # (state, layer): the positions its ring's slots hold
+        self._ring_versions: dict[tuple, int] = {}     # the host record's tensor version the copy matches
         self.replays = 0
         self.broken: str | None = None          # a capture that failed: later steps run as before
 
@@ -190,8 +218,27 @@ class DecodeGraphs:
 
     @functools.cache
     def _capacity(self, state) -> int:
-        """The positions every attention layer of state holds (a bucket is at most this)."""
-        return min(x.capacity for x in state.layers if isinstance(x, AttentionState))
+        """The positions every whole-context attention layer of state holds (a bucket is at most this)."""
+        return min((x.capacity for x in state.layers if isinstance(x, AttentionState) and x.slot_pos is None),
+                   default=MIN_BUCKET)
+
+    def _rings(self, state, start: int, t: int) -> dict[int, torch.Tensor]:
+        """Each ring layer's copy on the card of the positions its slots hold, made equal to the host's
+        record where an eager forward changed it since; the host's record then takes positions
+        start..start+t, which the pieces write into the copy."""
+        rings = {}
+        for i, layer in enumerate(state.layers):
+            if not isinstance(layer, AttentionState) or layer.slot_pos is None:
+                continue
+            key, record = (state, i), layer.slot_pos
+            if key not in self.rings:
+                self.rings[key] = self.zeros(record.shape, record.dtype)
+            if self._ring_versions.get(key) != record._version:     # torch counts each in-place write
+                self.rings[key].copy_(record, non_blocking=True)     # staged before it returns: no wait
+            layer.stepped(start, t)
+            self._ring_versions[key] = record._version
+            rings[i] = self.rings[key]
+        return rings
 
     def _checkpoints(self, rows: Rows, layer: RecurrentLayerState) -> torch.Tensor:
         if rows.checkpoints is None:
@@ -204,7 +251,8 @@ class DecodeGraphs:
         rows = self.rows.get(t) or self.rows.setdefault(t, Rows(m, t, self.zeros))
         bucket = bucket_of(start + t - 1, self._capacity(state))
         layers, keeping = self._layers(state, rows)
-        view, mask = BucketView(state, rows.positions, bucket, layers), rows.mask(bucket)
+        view = BucketView(state, rows.positions, bucket, layers, self._rings(state, start, t))
+        mask = rows.mask(bucket)
         self.pos.fill_(start)
         for layer in state.layers:                      # recurrent layers' bookkeeping: not in a piece
             if isinstance(layer, RecurrentLayerState):
@@ -272,7 +320,11 @@ class DecodeGraphs:
         self.pieces.clear()
         self.rec = recorder_for(self.pos.device)
 
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor made here (the reserve's decode graphs line on a card)."""
+        return [self.pos, *(x for r in self.rows.values() for x in r.tensors()), *self.rings.values()]
+
     def to_json(self) -> dict:
         return {"recorder": self.rec.kind, "pieces": len(self.pieces), "replays": self.replays,
-                "pool_bytes": self.rec.pool_bytes, "rows_bytes": sum(r.nbytes() for r in self.rows.values()),
+                "pool_bytes": self.rec.pool_bytes, "rows_bytes": sum(x.nbytes for x in self.tensors()),
                 "broken": self.broken}

@@ -77,10 +77,16 @@ class AttentionState:
         slot = pos if self.slot_pos is None else pos % self.capacity
         return None if runs is None else (*self.whole, slot, runs)
 
-    def stepped(self, pos: int) -> None:
-        """Position pos written by a native step into step_rows' slot."""
-        if self.slot_pos is not None:
+    def stepped(self, pos: int, t: int = 1) -> None:
+        """Positions pos..pos+t written where this layer's record of a ring does not see it: a native
+        step into step_rows' slot, a recorded piece at the device's positions (runtime/decode_graphs.py)."""
+        if self.slot_pos is None:
+            return
+        if t == 1:                                          # the host's decode step: no tensors made
             self.slot_pos[pos % self.capacity] = pos
+            return
+        written = torch.arange(pos, pos + t)
+        self.slot_pos[written % self.capacity] = written
 
     def writable_rows(self) -> tuple[StoredRows, StoredRows] | None:
         """(k, v) as StoredRows over every slot, where a native decode step may write row `pos` itself
