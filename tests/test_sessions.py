@@ -62,3 +62,23 @@ def test_sessions_are_planned_and_charged_exactly(packs, card):
     assert charged[3] == 3 * charged[1]
     with pytest.raises(UsageError, match="--sessions 0"):
         Engine.open(pack, ServeConfig(ctx=128, sessions=0))
+
+
+@pytest.mark.parametrize("device", ["cpu", "sim"])
+def test_a_prefix_a_sliding_layers_ring_no_longer_holds_is_run_again(device, packs, card):
+    """gpt-oss's sliding layers keep rings of window 8 + chunk 16 = 24 slots: after a 40-token
+    reply (44 positions written) the ring holds positions 20-43 only, so the prompt again, or its start and part of the
+    reply, resumes where every window it needs is still held (here: nowhere, so from 0), not at
+    the common prefix: the same greedy tokens as a fresh engine."""
+    pack, cfg = packs("gpt_oss", "int4"), {"ctx": 128, "prefill_chunk": 16}
+    if device == "sim":
+        cfg.update(device=f"sim:{card(256)}", vram_reserve_mib=1, low_headroom_mib=0, min_expert_slots=0)
+    engine, params = Engine.open(pack, ServeConfig(**cfg)), SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    first = engine.generate(MAIN[:5], params)[1].generated
+    state = engine.session.state
+    assert [state.resumable(n) for n in (44, 40, 27, 26, 5)] == [44, 40, 27, 0, 0]    # 26 needs 19, lost
+    again = engine.generate(MAIN[:5], params)[1]
+    longer = engine.generate(MAIN[:5] + first[:10] + [7], params)[1]
+    fresh = Engine.open(pack, ServeConfig(**cfg)).generate(MAIN[:5] + first[:10] + [7], params)[1]
+    assert again.generated == first and again.cached_tokens == 0
+    assert longer.generated == fresh.generated and longer.cached_tokens == 0

@@ -185,6 +185,19 @@ class AttentionState:
         """Keep positions < pos. Nothing to do: positions are written by index, and a ring's
         positions >= pos are never attended by queries before them."""
 
+    def resumable(self, upto: int) -> int:
+        """The longest prefix <= upto a forward can continue after: any for a whole-context store or
+        a ring with its host store; for a ring alone, one whose window before it the ring still holds
+        (later positions took the slots of older ones: a longer reply, a rejected speculative tail)."""
+        if self.slot_pos is None or self.host is not None or upto == 0:
+            return upto
+        pos = torch.arange(upto)
+        lost = torch.where(self.slot_pos[pos % self.capacity] != pos, pos, -1)
+        latest_lost = lost.cummax(0).values                     # at or before each position
+        first_needed = pos + 2 - self.window if self.window else torch.zeros_like(pos)   # a forward at pos + 1's
+        ok = (latest_lost < first_needed).nonzero()
+        return int(ok[-1, 0]) + 1 if len(ok) else 0
+
 
 class StateLost(MoefitError):
     """A recurrent layer asked to resume from a position it holds no state for."""
@@ -387,6 +400,9 @@ class SequenceState:
                 layer.mark()
 
     def resumable(self, upto: int) -> int:
-        """The longest prefix <= upto every layer can resume after (attention: any)."""
-        return min((layer.resumable(upto) for layer in self.layers if isinstance(layer, RecurrentLayerState)),
-                   default=upto)
+        """The longest prefix <= upto every layer can resume after: a recurrent layer at a state it
+        kept, a ring where it still holds the window before it, a whole-context store anywhere. Each
+        layer's answer is the longest it can at most, so going down until all agree finds it."""
+        while (n := min(layer.resumable(upto) for layer in self.layers)) != upto:
+            upto = n
+        return upto
