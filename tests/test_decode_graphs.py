@@ -158,11 +158,12 @@ def test_deltanet_windows_roll_back_from_checkpoints_their_pieces_wrote(family, 
     assert {key[-2] for key in engines["on"].graphs.pieces if len(key) == 6} == {2, 3, 4, 5}
 
 
-def test_greedy_tokens_do_not_change_with_decode_graphs_or_sessions(packs, card, small_buckets):
-    pack = packs("qwen3_moe", "int4")
-    off = _engine(pack, card, "off")
+@pytest.mark.parametrize("family, kw", [("qwen3_moe", {}), ("gpt_oss", RINGS)])
+def test_greedy_tokens_do_not_change_with_decode_graphs_or_sessions(family, kw, packs, card, small_buckets):
+    pack = packs(family, "int4")
+    off = _engine(pack, card, "off", **kw)
     expect = [off.generate(p, GREEDY)[1].generated for p in ([1, 2, 3, 4, 5], [9, 8, 7])]
-    on = _engine(pack, card, "on", sessions=2)
+    on = _engine(pack, card, "on", sessions=2, **kw)
     got = [on.generate(p, GREEDY)[1].generated for p in ([1, 2, 3, 4, 5], [9, 8, 7])]
     assert got == expect
     assert on.generate([1, 2, 3, 4, 5], GREEDY)[1].generated == expect[0]    # the first session's pieces again
