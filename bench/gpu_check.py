@@ -23,6 +23,8 @@ recorded with its error, and a fresh child runs the rest within --budget-s:
                against the plan's prompt-path line (goal: within it)
   oom          another allocation takes the card mid-request: the request fails cleanly, the
                guard shrinks, the next request works
+  graphs       --decode-graphs: the same greedy tokens with a decode step's pieces as without
+               (bench/gpu_graphs.py), and gpt-oss's sinks and rings: each step's logits within 1e-5
   kernels      the slot-table kernels on the card, every kind of expert matrix they read and both
                expert functions, against fp32 (bench/gpu_kernels.py; goal: within 1e-5)
   decode       tok/s of a Qwen3-30B-A3B-shaped int4 pack (the first 12 of its 48 layers) under

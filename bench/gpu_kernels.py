@@ -57,17 +57,19 @@ def check_kernels(device: str, pack=None, cases=CASES, workdir: str | None = Non
             "broken": device_moe.broken}
 
 
-def small_pack(config: str, quant: str, work: Path, width: int = 512) -> Path:
-    """One random layer of the config's architecture, small (SMALL; hidden and expert size
-    `width`, a multiple of 256), experts in `quant`."""
+def small_pack(config: str, quant: str, work: Path, width: int = 512, layers: int = 1, **over) -> Path:
+    """The first `layers` random layers of the config's architecture, small (SMALL; hidden and
+    expert size `width`, a multiple of 256; `over` sets more of the config), experts in `quant`."""
     raw = json.loads((ROOT / "configs" / f"{config}.json").read_text())
     raw.pop("quantization_config", None)
     text = raw.get("text_config", raw)
     text.update({k: width if k in WIDTHS else v for k, v in SMALL.items() if k in text})
-    path = work / f"{config}-{width}.json"
+    text.update(over)
+    name = f"{config}-{width}-{layers}" + "".join(f"-{k}{v}" for k, v in sorted(over.items()))
+    path = work / f"{name}.json"
     path.write_text(json.dumps(raw))
-    out = work / f"{config}-{width}-{quant.replace('/', '-')}"
-    return out if out.exists() else build_pack(path, out, quant, layers=1)
+    out = work / f"{name}-{quant.replace('/', '-')}"
+    return out if out.exists() else build_pack(path, out, quant, layers=layers)
 
 
 def open_all_resident(pack: Path, device: str) -> Engine:

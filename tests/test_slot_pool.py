@@ -168,6 +168,7 @@ def test_the_device_check_runs_its_checks_on_the_simulated_card(tmp_path):
                                                          "launches": None}
     assert checks["syncs"]["handoffs_per_moe_layer_token"] == 1.0
     assert checks["graphs"]["fp32"]["recorder"] == "tape" and checks["graphs"]["fp32"]["replays"] > 0
+    assert checks["graphs"]["rings"]["ok"] and checks["graphs"]["rings"]["replays"] > 0    # gpt-oss's rings
     assert checks["guard"]["driver_saw_mib"] == checks["guard"]["freed_by_pool_mib"] > 0
     assert card.read_text() == before                  # its guard and oom checks wrote a copy, not the card
 
