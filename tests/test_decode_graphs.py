@@ -219,6 +219,20 @@ def head_dim_32(tmp_path_factory):
     return root / "pack"
 
 
+def test_a_model_wide_sliding_window_is_masked_in_the_pieces(tmp_path, card, small_buckets):
+    """Mixtral's config may set one window for every layer (a whole-context store, the window
+    in the mask): the pieces mask the bucket's keys before it too, and give the forward's logits."""
+    import tiny
+    from moefit.pack.convert import convert
+    convert(tiny.build_checkpoint("mixtral", tmp_path / "hf", sliding_window=8), tmp_path / "pack", "fp32", progress=False)
+    tokens = torch.randint(0, 300, (40,), generator=torch.Generator().manual_seed(8)).tolist()
+    on, off = (_engine(tmp_path / "pack", card, g) for g in ("on", "off"))
+    assert on.session.state.layers[0].window == 8 and on.session.state.layers[0].slot_pos is None
+    worst = max(float((a - b).abs().max() / b.abs().max())
+                for a, b in zip(_teacher_forced(on, tokens, 5), _teacher_forced(off, tokens, 5)))
+    assert worst < 1e-5 and on.graphs.replays > 0
+
+
 @pytest.mark.parametrize("kv_dtype", ["int8", "q4", "k8v4", "bf16"])
 def test_a_quantised_kv_cache_is_written_and_read_in_the_pieces_as_the_forward_does(kv_dtype, head_dim_32, card,
                                                                                     small_buckets):
