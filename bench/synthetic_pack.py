@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import zlib
 from pathlib import Path
 
 import torch
@@ -52,13 +53,19 @@ class RandomSource:
     def float_dtype(self) -> str:
         return "bf16"
 
-    def _randn(self, shape, salt: int) -> torch.Tensor:
+    def _randn(self, shape, salt: int, scale: bool = False) -> torch.Tensor:
+        """N(0, 0.02), or a norm's scale N(1, 1)."""
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + salt)
-        std = 1.0 if len(shape) == 1 else 0.02
-        return (torch.randn(shape, generator=g) * std + (1.0 if len(shape) == 1 else 0.0)).to(torch.bfloat16)
+        std, mean = (1.0, 1.0) if scale else (0.02, 0.0)
+        return (torch.randn(shape, generator=g) * std + mean).to(torch.bfloat16)
 
     def get(self, key: str) -> torch.Tensor:
-        return self._randn(self.shapes[key], hash(key) % 100_000)
+        """A dense tensor, the same in every process (crc32: Python's hash of a name is salted per
+        process, so each run drew other weights); a vector is a norm's scale, but for biases and
+        gpt-oss's sinks, which are drawn as the matrices are (a bias of N(1, 1) is no model's)."""
+        shape = self.shapes[key]
+        scale = len(shape) == 1 and not key.endswith(("bias", "sinks"))
+        return self._randn(shape, zlib.crc32(key.encode()) % 100_000, scale)
 
     def _index(self, layer: int, expert: int) -> int:
         """The random expert (layer, expert) is drawn as (cycling through `distinct` of them)."""
