@@ -7,7 +7,8 @@ Shape: hidden 1024, 8 layers, 32 experts, top-8, expert size 256, 16 heads / 4 K
 vocab 32000 (pass --vocab 151936 for Qwen's). Everything runs on the CPU, batch 1.
 --shape big: Qwen3-30B-A3B's expert shape, 12 layers, 64 experts. --shape hybrid: Qwen3.6-35B-A3B's
 layers (Qwen3.5-MoE: 3 Gated DeltaNet layers to one gated full-attention layer, a shared expert),
-its first 8 layers, 64 of its 256 experts.
+its first 8 layers, 64 of its 256 experts. --shape gpt-oss: gpt-oss-20b's first 4 layers (a sliding
+window of 128 and full attention alternating, sinks, biased clamped experts), all 32 experts, top-4.
 
 Routing is spread: every engine samples at temperature 2 with a fixed seed, so each step
 routes to new experts (greedy decoding of a random model repeats one token and 94 % of a
@@ -60,22 +61,27 @@ SHAPES = {
                    num_experts=64, partial_rotary_factor=0.25, full_attention_interval=4, linear_num_key_heads=16,
                    linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
                    linear_conv_kernel_dim=4, mtp_num_hidden_layers=0),
+    # gpt-oss-20b's layers (configs/gpt-oss-20b.json), its first 4 (2 sliding, 2 full), all 32 experts
+    "gpt-oss": dict(hidden_size=2880, intermediate_size=2880, num_hidden_layers=4, num_attention_heads=64,
+                    num_key_value_heads=8, head_dim=64, num_local_experts=32, num_experts_per_tok=4,
+                    sliding_window=128, layer_types=["sliding_attention", "full_attention"] * 2),
 }
+FAMILY = {"hybrid": "Qwen3.5-MoE (6 DeltaNet + 2 attention layers)", "gpt-oss": "gpt-oss (2 sliding + 2 full layers)"}
 
 
 def build(out: Path, vocab: int, shape: str = "small") -> Path:
-    """A random Qwen3-MoE checkpoint (Qwen3.5-MoE for the hybrid shape; bf16 but for the small
-    shape); with vocab 151936 it carries Qwen3's real tokenizer, so that llama.cpp's converter
-    accepts it."""
-    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig, Qwen3MoeConfig, Qwen3MoeForCausalLM
+    """A random Qwen3-MoE checkpoint (Qwen3.5-MoE for the hybrid shape, gpt-oss for its own; bf16
+    but for the small shape); with vocab 151936 it carries Qwen3's real tokenizer, so that
+    llama.cpp's converter accepts it."""
+    import transformers
     from tokenizers import Tokenizer, models
     if (out / "config.json").exists():
         return out
     torch.manual_seed(0)
-    config, causal_lm = (Qwen3_5MoeTextConfig, Qwen3_5MoeForCausalLM) if shape == "hybrid" else \
-        (Qwen3MoeConfig, Qwen3MoeForCausalLM)
-    cfg = config(vocab_size=vocab, num_experts_per_tok=8, max_position_embeddings=4096,
-                 tie_word_embeddings=False, eos_token_id=None, bos_token_id=None, **SHAPES[shape])
+    names = {"hybrid": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM"), "gpt-oss": ("GptOssConfig", "GptOssForCausalLM")}
+    config, causal_lm = (getattr(transformers, n) for n in names.get(shape, ("Qwen3MoeConfig", "Qwen3MoeForCausalLM")))
+    cfg = config(vocab_size=vocab, max_position_embeddings=4096, tie_word_embeddings=False, eos_token_id=None,
+                 bos_token_id=None, **{"num_experts_per_tok": 8, **SHAPES[shape]})
     dtype = torch.float32 if shape == "small" else torch.bfloat16
     with torch.device("cpu"):
         torch.set_default_dtype(dtype)
@@ -211,7 +217,7 @@ def main() -> None:
         name, file = spec.split("=", 1)
         rows[f"llama.cpp {name}"] = apart("time_llama", file, prompt, args.new, args.threads)
         if args.same_file:                 # the file's own expert blocks; the dense matrices at about its bits
-            dense = "int4" if "4" in name else "int8"
+            dense = dense_bits(file)
             pack = work / f"pack-keep-{Path(file).stem}"
             if not (pack / "moefit-pack.json").exists():
                 convert(Path(file), pack, "keep", progress=False)
@@ -222,12 +228,21 @@ def main() -> None:
     report(rows, args)
 
 
+def dense_bits(gguf_file: str) -> str:
+    """moefit's --dense-quant nearest the file's attention matrices: int8 for 8 bits (Q8_0: a
+    Q8_0 file's, and llama.cpp's MXFP4_MOE's), int4 for fewer."""
+    from gguf import GGMLQuantizationType, GGUFReader
+    kind = next(t.tensor_type for t in GGUFReader(gguf_file).tensors if t.name.endswith("attn_q.weight"))
+    return "int8" if kind in (GGMLQuantizationType.Q8_0, GGMLQuantizationType.F16, GGMLQuantizationType.BF16) else "int4"
+
+
 def report(rows: dict, args) -> None:
     base = next(iter(rows.values()))
     sh = SHAPES[args.shape]
-    family = "Qwen3.5-MoE (6 DeltaNet + 2 attention layers)" if args.shape == "hybrid" else "Qwen3-MoE"
+    family = FAMILY.get(args.shape, "Qwen3-MoE")
+    experts, top = sh.get("num_experts") or sh["num_local_experts"], sh.get("num_experts_per_tok", 8)
     lines = [f"# bench/decode.py: {family} random, hidden {sh['hidden_size']}, {sh['num_hidden_layers']} layers, "
-             f"{sh['num_experts']} experts top-8, expert {sh['moe_intermediate_size']}, "
+             f"{experts} experts top-{top}, expert {sh.get('moe_intermediate_size') or sh['intermediate_size']}, "
              f"{sh['num_attention_heads']}/{sh['num_key_value_heads']} heads, vocab {args.vocab}; prompt {args.prompt}, "
              f"{args.new} new tokens, batch 1, best of {REPEATS}, {args.threads} threads, torch {torch.__version__}, "
              f"{platform.processor() or platform.machine()}, each row in a process of its own, OMP_WAIT_POLICY "
@@ -240,7 +255,7 @@ def report(rows: dict, args) -> None:
                      f"{r['decode_tok_s']:>13.1f} {r['decode_tok_s'] / base['decode_tok_s']:>6.2f} "
                      f"{r.get('experts_touched', ''):>8}")
     lines.append("experts: distinct (layer, expert) pairs one run touched (of "
-                 f"{sh['num_hidden_layers'] * sh['num_experts']}); llama.cpp rows: the same checkpoint as GGUF, "
+                 f"{sh['num_hidden_layers'] * experts}); llama.cpp rows: the same checkpoint as GGUF, "
                  "same threads")
     text = "\n".join(lines)
     print(text)

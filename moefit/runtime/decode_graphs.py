@@ -234,7 +234,8 @@ class DecodeGraphs:
             if key not in self.rings:
                 self.rings[key] = self.zeros(record.shape, record.dtype)
             if self._ring_versions.get(key) != record._version:     # torch counts each in-place write
-                self.rings[key].copy_(record, non_blocking=True)     # staged before it returns: no wait
+                self.rings[key].copy_(record, non_blocking=True)     # CUDA stages pageable memory before
+                                                                     # it returns: the record may change now
             layer.stepped(start, t)
             self._ring_versions[key] = record._version
             rings[i] = self.rings[key]
