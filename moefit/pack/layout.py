@@ -126,7 +126,8 @@ DENSE_GROUP = 32                # --dense-quant int4: one fp16 scale per 32 inpu
 def dense_quantizable(name: str, shape: tuple, quant: str) -> bool:
     """Dense matrices worth quantising at load (--dense-quant): not norms, biases or the
     (precision-sensitive, small) routers (gpt-oss's is mlp.router); for int4 only those whose inputs
-    split into groups."""
-    if len(shape) != 2 or name.endswith(("mlp.gate.weight", "mlp.router.weight")):
+    split into groups. gpt-oss's experts' biases are matrices ([N, E] per layer) read row by row, an
+    expert at a time: kept as they are."""
+    if len(shape) != 2 or name.endswith(("mlp.gate.weight", "mlp.router.weight", "bias")):
         return False
     return quant == "int8" or shape[1] % DENSE_GROUP == 0
