@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -35,10 +36,29 @@ def open_engine(pack: str, card: str, cache: str = "auto", ahead: int = 0, graph
                                          decode_graphs=graphs))
 
 
+@contextmanager
+def fp32_host():
+    """The host computes its experts in torch, in fp32 as the kernels do, for the checks that want
+    the same tokens with the kernels and without: the native call rounds activations to 8 bits,
+    ~0.05 on these logits, enough to flip a router's near-tie (gpt-oss's MXFP4 file on an AMD
+    host: 0.4722 against 0.4713 at layer 2, and then a token)."""
+    from moefit import kernels
+    native, kernels.usable = kernels.usable, lambda x, quant: False
+    try:
+        yield
+    finally:
+        kernels.usable = native
+
+
 def greedy(pack: str, card: str) -> dict:
     """The same greedy tokens with the kernels and without, with a quarter of the experts cached
     and the look-ahead swapping them between steps (so the table's rows change and go down again);
     and with the kernels between the recorded pieces of --decode-graphs, as a card runs them."""
+    with fp32_host():
+        return _greedy(pack, card)
+
+
+def _greedy(pack: str, card: str) -> dict:
     runs = {}
     for fused, graphs in ((False, "off"), (True, "off"), (True, "on")):
         engine = open_engine(pack, card, cache="4", ahead=2, graphs=graphs)
@@ -61,18 +81,23 @@ def all_resident(pack: str, card: str) -> dict:
     grouped path's, with one wait a forward instead of one a layer."""
     runs = {}
     for fused in (False, True):
-        engine = open_engine(pack, card, cache=str(len(Pack.open(pack, checksums=False).blobs)), ahead=2)
-        r = engine.runner
-        assert all(r.table.full(layer) for layer in engine.pack.model.moe_layers)
-        r.fused.on_host = fused
-        tokens = engine.generate([5, 17, 42, 99, 7, 3], GREEDY)[1].generated
-        runs[fused] = {"tokens": tokens, "hits": r.book.hits.tolist(), "misses": r.book.misses.tolist(),
-                       "profile": r.profile.counts.tolist(), "recall": r.ahead.recall(), "handoffs": r.handoffs,
-                       "forwards": engine.forwards, "layers": len(engine.pack.model.moe_layers)}
+        with fp32_host():
+            runs[fused] = _all_resident_run(pack, card, fused)
     on, off = runs[True], runs[False]
     return {"same": {k: on[k] == off[k] for k in ("tokens", "hits", "misses", "profile", "recall")},
             "handoffs": on["handoffs"], "handoffs_off": off["handoffs"], "forwards": on["forwards"],
             "layers": on["layers"]}
+
+
+def _all_resident_run(pack: str, card: str, fused: bool) -> dict:
+    engine = open_engine(pack, card, cache=str(len(Pack.open(pack, checksums=False).blobs)), ahead=2)
+    r = engine.runner
+    assert all(r.table.full(layer) for layer in engine.pack.model.moe_layers)
+    r.fused.on_host = fused
+    tokens = engine.generate([5, 17, 42, 99, 7, 3], GREEDY)[1].generated
+    return {"tokens": tokens, "hits": r.book.hits.tolist(), "misses": r.book.misses.tolist(),
+            "profile": r.profile.counts.tolist(), "recall": r.ahead.recall(), "handoffs": r.handoffs,
+            "forwards": engine.forwards, "layers": len(engine.pack.model.moe_layers)}
 
 
 def run_error(pack: str, card: str) -> float:
