@@ -144,7 +144,7 @@ def test_a_verify_window_goes_a_token_at_a_time_and_keeps_its_checkpoints(tmp_pa
     from moefit.config import ServeConfig
     from moefit.pack.convert import convert
     from moefit.runtime.engine import Engine
-    from moefit.runtime.state import RecurrentLayerState
+    from moefit.runtime.recurrent_state import RecurrentLayerState
     convert(tiny.build_checkpoint("qwen3_5_moe", tmp_path / "hf"), tmp_path / "pack", "int8", progress=False)
     engine = Engine.open(tmp_path / "pack", ServeConfig(ctx=64))
     prompt, window = list(range(3, 20)), [6, 17, 2, 9]

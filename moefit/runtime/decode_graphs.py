@@ -44,7 +44,8 @@ import torch
 from moefit.experts.grouped import DENSE_TOKENS
 from moefit.models.layers import GUESS_RANKS, next_layer_guess, rms_norm
 from moefit.runtime.recorders import RecordError, recorder_for
-from moefit.runtime.state import AttentionState, RecurrentLayerState
+from moefit.runtime.recurrent_state import RecurrentLayerState
+from moefit.runtime.state import AttentionState
 
 MIN_BUCKET = 256
 

@@ -26,7 +26,7 @@ from moefit.memory.planner import NO_HEAD, NO_MTP, spec_mode
 from moefit.pack import quant as dense
 from moefit.pack.reader import Pack
 from moefit.runtime.loader import Loaded, load
-from moefit.runtime.state import StateLost
+from moefit.runtime.recurrent_state import StateLost
 from moefit.runtime import decode_graphs
 from moefit.runtime.decode_graphs import DecodeGraphs
 from moefit.runtime.decoding import token_stream

@@ -26,7 +26,8 @@ import torch
 
 from moefit import __version__, kernels
 from moefit.runtime.session import PromptEnd
-from moefit.runtime.state import AttentionState, RecurrentLayerState
+from moefit.runtime.recurrent_state import RecurrentLayerState
+from moefit.runtime.state import AttentionState
 
 FLAGS = ("device", "ctx", "kv_dtype", "kv_resident", "dense_quant", "compute_dtype", "prefill_chunk", "spec",
          "expert_gemm_rows")
