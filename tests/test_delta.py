@@ -12,7 +12,7 @@ import torch
 from moefit import kernels
 from moefit.kernels import rows
 from moefit.models.qwen3_5_moe import Qwen3_5Moe
-from narrow_isa import check_under
+from narrow_isa import NARROWER, check_under
 
 pytestmark = pytest.mark.skipif(kernels.library() is None, reason="the native kernel is not built")
 
@@ -98,7 +98,7 @@ def check_every_shape() -> str:
     return kernels.isa()
 
 
-@pytest.mark.parametrize("isa", ["portable", "avx2"])
+@pytest.mark.parametrize("isa", NARROWER)
 def test_the_narrower_instruction_sets_compute_the_same(isa):
     check_under(isa, "test_delta", "check_every_shape")
 

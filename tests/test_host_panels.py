@@ -1,12 +1,7 @@
 """int4 experts the host computes, held in the kernel's panel order (experts/host_panels.py): the
 same numbers bit for bit as from the pack's rows, on cpu and beside a simulated card's slots,
-within the budget, and reported. This machine's own body runs in-process; AVX2's in a subprocess
-capped with MOEFIT_ISA, so an AVX512 machine runs both tiles."""
-
-import os
-import subprocess
-import sys
-from pathlib import Path
+within the budget, and reported. This machine's own body runs in-process; AVX2's and AVX-VNNI's in
+subprocesses capped with MOEFIT_ISA, so an AVX512 machine runs every tile."""
 
 import pytest
 import torch
@@ -19,6 +14,7 @@ from moefit.experts.host_panels import HostPanels
 from moefit.pack.quant import quantize
 from moefit.runtime.engine import Engine
 from moefit.runtime.sampler import SamplingParams
+from narrow_isa import run_under
 
 PROMPT = [5, 17, 42, 99, 7, 3, 150, 220, 31, 64, 12, 8]
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -101,23 +97,24 @@ def check_engine(pack: str, card: str) -> str:
     return kernels.isa()
 
 
-def test_experts_in_panels_give_the_numbers_of_rows():
-    check_experts_in_panels()
-    _under_avx2("check_experts_in_panels()")
+@pytest.mark.parametrize("isa", [None, "avx2", "avx-vnni"])
+def test_experts_in_panels_give_the_numbers_of_rows(isa):
+    _run(isa, check_experts_in_panels)
 
 
-def test_the_engine_gives_the_same_tokens_with_host_panels(packs, card):
+@pytest.mark.parametrize("isa", [None, "avx2", "avx-vnni"])
+def test_the_engine_gives_the_same_tokens_with_host_panels(packs, card, isa):
     pack, path = packs("qwen3_moe", "int4"), card(64)
-    check_engine(str(pack), str(path))
-    _under_avx2(f"check_engine({str(pack)!r}, {str(path)!r})")
+    _run(isa, check_engine, str(pack), str(path))
 
 
-def _under_avx2(call: str) -> None:
-    run = subprocess.run([sys.executable, "-c", f"from test_host_panels import *; print({call})"],
-                         capture_output=True, text=True, timeout=300, cwd=Path(__file__).parent,
-                         env={**os.environ, "MOEFIT_ISA": "avx2"})
-    assert run.returncode == 0, run.stderr[-2000:]
-    assert run.stdout.strip().splitlines()[-1] == "avx2"
+def _run(isa: str | None, check, *args: str) -> None:
+    """check(*args) in-process with this CPU's own body (isa None), or in a subprocess capped at isa."""
+    if isa is None:
+        check(*args)
+        return
+    call = f"from test_host_panels import {check.__name__}; print({check.__name__}(*{args!r}))"
+    assert run_under(isa, call).strip().splitlines()[-1] == isa
 
 
 def test_a_host_expert_reads_its_rows_until_the_worker_has_made_its_panels(packs):

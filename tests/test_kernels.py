@@ -7,6 +7,7 @@ import torch
 from moefit import kernels
 from moefit.pack.layout import GGUF_BLOCKS, matrix_quants
 from moefit.pack.quant import dequantize, quantize
+from narrow_isa import NARROWER, check_under, computed_under
 
 pytestmark = pytest.mark.skipif(kernels.library() is None, reason="the native kernel is not built")
 
@@ -189,11 +190,10 @@ def test_a_prompts_activations_are_rounded_as_the_dots_round_them():
     assert kernels.q8_round(torch.randn(3, 48)) is None
 
 
-@pytest.mark.parametrize("isa", ["portable", "avx2"])
+@pytest.mark.parametrize("isa", NARROWER)
 def test_the_narrower_instruction_sets_match_the_reference_too(isa):
     """Users' CPUs: AVX2 everywhere, AVX-VNNI or AVX512 on some; MOEFIT_ISA caps what the kernel
     picks, so every path runs on this machine."""
-    from narrow_isa import check_under
     check_under(isa, "test_kernels", "check_every_quant")
 
 
@@ -238,10 +238,10 @@ def check_kquant_tiles() -> str:
     return kernels.isa()
 
 
-def test_k_quant_rows_give_each_token_what_it_gets_alone():
-    from narrow_isa import check_under
-    check_kquant_tiles()
-    check_under("avx2", "test_kernels", "check_kquant_tiles")
+@pytest.mark.parametrize("isa", [None, "avx2", "avx-vnni"])
+def test_k_quant_rows_give_each_token_what_it_gets_alone(isa):
+    """This CPU's own tiles in-process (None), the narrower ones in a subprocess."""
+    check_kquant_tiles() if isa is None else check_under(isa, "test_kernels", "check_kquant_tiles")
 
 
 def test_int4_panel_order_is_a_reordering_of_the_rows_bytes():
@@ -264,10 +264,9 @@ def test_int4_panel_order_is_a_reordering_of_the_rows_bytes():
             assert torch.equal(kernels.dequantize(stored, "w", "int4p"), plain)
 
 
-def test_int4_rows_in_panels_give_each_token_what_it_gets_alone():
-    from narrow_isa import check_under
-    check_int4_panels()
-    check_under("avx2", "test_kernels", "check_int4_panels")
+@pytest.mark.parametrize("isa", [None, "avx2", "avx-vnni"])
+def test_int4_rows_in_panels_give_each_token_what_it_gets_alone(isa):
+    check_int4_panels() if isa is None else check_under(isa, "test_kernels", "check_int4_panels")
 
 
 def test_torchs_openmp_workers_sleep_unless_the_user_says_otherwise():
@@ -305,24 +304,28 @@ def int4_panel_outputs() -> torch.Tensor:
     return torch.cat([layer.flatten(), one.flatten(), six.flatten()])
 
 
-def computed_under_avx2(tmp_path, make_outputs: str) -> torch.Tensor:
-    """test_kernels.make_outputs() under AVX2's bodies, to compare with this CPU's own; skipped
-    where this CPU's bodies are AVX2's (or portable): the two sides would be the same code."""
-    from narrow_isa import computed_under
-    if kernels.isa() in ("avx2", "portable"):
+def beside_avx2(tmp_path, make_outputs: str, isa: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """test_kernels.make_outputs() under isa's bodies (None: this CPU's own, in-process) and under
+    AVX2's; skipped where the two would be the same code (this CPU's bodies are AVX2's or portable)."""
+    if isa is None and kernels.isa() in ("avx2", "portable"):
         pytest.skip(f"this CPU's bodies are {kernels.isa()}'s: nothing to compare with AVX2's")
-    return computed_under("avx2", "test_kernels", make_outputs, tmp_path)
+    if isa == kernels.isa():
+        pytest.skip(f"this CPU's own bodies are {isa}'s: compared in-process")
+    mine = globals()[make_outputs]() if isa is None else computed_under(isa, "test_kernels", make_outputs, tmp_path)
+    return mine, computed_under("avx2", "test_kernels", make_outputs, tmp_path)
 
 
-def test_k_quants_give_the_same_bits_on_every_instruction_set(tmp_path):
+@pytest.mark.parametrize("isa", [None, "avx-vnni"])
+def test_k_quants_give_the_same_bits_on_every_instruction_set(tmp_path, isa):
     """The K-quant tiles add the same integers with maddubs or dpbusd and scale them in the same
     order: every GGUF block type's layer equals, bit for bit, what AVX2's tiles give (in a
-    subprocess capped with MOEFIT_ISA)."""
-    assert torch.equal(kquant_layers(), computed_under_avx2(tmp_path, "kquant_layers"))
+    subprocess capped with MOEFIT_ISA), with this CPU's own tiles and with AVX-VNNI's."""
+    assert torch.equal(*beside_avx2(tmp_path, "kquant_layers", isa))
 
 
-def test_int4_panels_give_the_same_bits_on_every_instruction_set(tmp_path):
+@pytest.mark.parametrize("isa", [None, "avx-vnni"])
+def test_int4_panels_give_the_same_bits_on_every_instruction_set(tmp_path, isa):
     """The VNNI panel tiles (dpbusd into int32) add the same integers AVX2's do (maddubs into
     int16, then widened) and scale them in the same order: int4 rearranged per call and stored in
     panels equal, bit for bit, what the AVX2 body gives."""
-    assert torch.equal(int4_panel_outputs(), computed_under_avx2(tmp_path, "int4_panel_outputs"))
+    assert torch.equal(*beside_avx2(tmp_path, "int4_panel_outputs", isa))

@@ -17,6 +17,7 @@ from moefit.models.attention import attend_state
 from moefit.runtime.kv_codecs import StoredRows, codec
 from moefit.runtime.placement import DeviceMemory
 from moefit.runtime.state import AttentionState, SequenceState
+from narrow_isa import NARROWER, check_under
 
 pytestmark = pytest.mark.skipif(kernels.library() is None, reason="the native kernel is not built")
 KV_DTYPES = ["fp32", "fp16", "bf16", "int8", "q4"]
@@ -159,9 +160,8 @@ def check_every_dtype() -> str:
     return kernels.isa()
 
 
-@pytest.mark.parametrize("isa", ["portable", "avx2"])
+@pytest.mark.parametrize("isa", NARROWER)
 def test_the_narrower_instruction_sets_compute_the_same(isa):
-    from narrow_isa import check_under
     check_under(isa, "test_kv_attention", "check_every_dtype")
 
 

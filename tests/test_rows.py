@@ -10,6 +10,7 @@ import torch
 from moefit import kernels
 from moefit.kernels import rows
 from moefit.models.layers import RopeTable, apply_partial_rope
+from narrow_isa import NARROWER, check_under
 
 pytestmark = pytest.mark.skipif(kernels.library() is None, reason="the native kernel is not built")
 TOL = 2e-6
@@ -195,9 +196,8 @@ def check_every_op() -> str:
     return kernels.isa()
 
 
-@pytest.mark.parametrize("isa", ["portable", "avx2"])
+@pytest.mark.parametrize("isa", NARROWER)
 def test_the_narrower_instruction_sets_compute_the_same(isa):
-    from narrow_isa import check_under
     check_under(isa, "test_rows", "check_every_op")
 
 
