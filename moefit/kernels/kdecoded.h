@@ -2,14 +2,19 @@
  * call), and kquant_rows, which sends a K-quant matrix's rows to the panels, the decoded panels or
  * ktiles.h's tiles.
  *
- * A call of more than one tile (a prompt chunk's experts): each panel of eight Q4_K, Q5_K, IQ4_XS or MXFP4
- * rows is decoded once into the calling thread's buffer (every block of 32's eight code vectors,
- * transposed and unpacked, or looked up, as the panels above make them per tile; the eight rows'
- * scales, and Q4_K's / Q5_K's mins), and each tile reads them there. The integer sums and the
+ * A call of more than one tile (a prompt chunk's experts): each panel of eight rows of any GGUF
+ * block type is decoded once into the calling thread's buffer (every block of 32's eight code
+ * vectors, transposed and unpacked, or looked up, as the panels above make them per tile; the eight
+ * rows' scales, and Q4_K's / Q5_K's mins), and each tile reads them there. The integer sums and the
  * float operations on them are the panels', in their order: a row's outputs do not depend on the
  * call's token count. A layer call of 16 and 64 tokens, two alternated pairs each against the tiles
  * (bench/results/kernel-decoded-panels-round26-avx512.txt, an AVX512 EPYC, 2 threads): Q4_K 1.02-1.41x,
- * Q5_K 1.05-1.22x, IQ4_XS 0.90-1.31x, MXFP4 (gpt-oss's shape) 1.14-1.43x; Q6_K has no panels.
+ * Q5_K 1.05-1.22x, IQ4_XS 0.90-1.31x, MXFP4 (gpt-oss's shape) 1.14-1.43x.
+ *
+ * Q6_K has no panel of its own (its rows go through ktiles.h's tile in calls of up to KQ_TOKENS
+ * tokens), so its decoded panel gives the tile's bits: eight accumulators a token, one per lane of
+ * the tile's (sub-block j of a half super-block: block j % 4, its 16 weights j / 4), each taking
+ * the tile's fused multiply-add per half super-block, summed at the end in hsum8's order.
  */
 #if defined(__x86_64__)
 
@@ -125,6 +130,97 @@
         for (int t = 0; t < NT; t++) _mm256_storeu_ps(a[t].y + r, acc[t]);                          \
     }
 
+/* eight Q6_K rows' super-block scales -> d sc_i for each of its 16 scales, a lane a row (Q6K_TILE's dsc) */
+__attribute__((target("avx2,fma,f16c"))) static inline void q6k_panel_scales(const uint8_t *blk, int64_t row_bytes,
+                                                                            __m256 dsc[16]) {
+    __m256i sc[4];                                     /* scales 4k..4k+3, a lane a row */
+    block_quads(blk + 192, row_bytes, sc);
+    uint16_t dh[8];
+    for (int r = 0; r < 8; r++) memcpy(dh + r, blk + r * row_bytes + 208, 2);
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)dh));
+    for (int i = 0; i < 16; i++) {                     /* byte i % 4 of the lane, sign-extended */
+        const __m256i s = _mm256_srai_epi32(_mm256_sll_epi32(sc[i / 4], _mm_cvtsi32_si128(24 - 8 * (i % 4))), 24);
+        dsc[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(s), d);
+    }
+}
+
+/* eight Q6_K rows decoded: block b's codes less 32 at vals + 8 b (its sub-block h in quads 4h..4h+3,
+ * a lane a row); per super-block its 16 d sc (scale i: half i / 8, block i / 2 % 4 of it, sub-block
+ * i % 2), then each sub-block's 128 sum(q - 32): what the activations' offset adds to its sums (the
+ * tiles read them as x + 128, unsigned as dpbusd and maddubs want; offset_acts) */
+#define Q6K_DECODE(NAME, TARGET, ADD, FINISH)                                                       \
+    __attribute__((target(TARGET))) static void NAME(const uint8_t *w, int64_t row_bytes, int64_t n, \
+                                                     __m256i *vals, __m256 *scales) {               \
+        const __m256i low = _mm256_set1_epi8(15), top = _mm256_set1_epi8(0x30), mid = _mm256_set1_epi8(32); \
+        const __m256i ones = _mm256_set1_epi8(1);                                                   \
+        for (int64_t sb = 0; sb < n / QK_K; sb++) {                                                 \
+            const uint8_t *blk = w + sb * 210;                                                      \
+            panel_prefetch(w, row_bytes, sb, 210);                                                  \
+            q6k_panel_scales(blk, row_bytes, scales + sb * 32);                                     \
+            __m256i *offset = (__m256i *)(scales + sb * 32 + 16);                                   \
+            for (int hf = 0; hf < 2; hf++)                                                          \
+                for (int h = 0; h < 2; h++) {                                                       \
+                    __m256i l0[4], l1[4], qh[4], sum[4][2];                                         \
+                    block_quads(blk + 64 * hf + 16 * h, row_bytes, l0);                             \
+                    block_quads(blk + 64 * hf + 32 + 16 * h, row_bytes, l1);                        \
+                    block_quads(blk + 128 + 32 * hf + 16 * h, row_bytes, qh);                       \
+                    for (int m = 0; m < 4; m++) sum[m][0] = sum[m][1] = _mm256_setzero_si256();     \
+                    for (int k = 0; k < 4; k++) {                      /* Q6K_TILE's c[0..3] */     \
+                        const __m256i c[4] = {                                                      \
+                            _mm256_or_si256(_mm256_and_si256(l0[k], low), _mm256_and_si256(_mm256_slli_epi16(qh[k], 4), top)), \
+                            _mm256_or_si256(_mm256_and_si256(l1[k], low), _mm256_and_si256(_mm256_slli_epi16(qh[k], 2), top)), \
+                            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0[k], 4), low), _mm256_and_si256(qh[k], top)), \
+                            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1[k], 4), low),     \
+                                            _mm256_and_si256(_mm256_srli_epi16(qh[k], 2), top))};   \
+                        for (int m = 0; m < 4; m++) {                                               \
+                            const __m256i s = _mm256_sub_epi8(c[m], mid);                           \
+                            _mm256_store_si256(vals + (sb * 8 + 4 * hf + m) * 8 + 4 * h + k, s);    \
+                            ADD(sum[m][k / 2], ones, s);                                            \
+                        }                                                                           \
+                    }                                                                               \
+                    for (int m = 0; m < 4; m++)                                                     \
+                        offset[8 * hf + 2 * m + h] = _mm256_slli_epi32(                             \
+                            _mm256_add_epi32(FINISH(sum[m][0]), FINISH(sum[m][1])), 7);             \
+                }                                                                                   \
+        }                                                                                           \
+    }
+
+/* a decoded Q6_K panel against NT tokens (activations offset: offset_acts), Q6K_TILE's arithmetic
+ * lane by lane: sub-block (m, h) of a half's sums (two chains of two quads: AVX2's int16 lanes hold
+ * 2 * 2 * 255 * 32) less its offset, into accumulator m + 4h by d sc x_scale; hsum8's order at the end */
+#define Q6K_DECODED_PANEL(NAME, TARGET, ADD, FINISH, NT)                                            \
+    __attribute__((target(TARGET))) static void NAME(const __m256i *vals, const __m256 *scales, int64_t n, \
+                                                     const tile_row *a, int64_t r) {                \
+        __m256 acc[NT][8];                                                                          \
+        for (int t = 0; t < NT; t++)                                                                \
+            for (int j = 0; j < 8; j++) acc[t][j] = _mm256_setzero_ps();                            \
+        for (int64_t sb = 0; sb < n / QK_K; sb++) {                                                 \
+            const __m256 *dsc = scales + sb * 32;                                                   \
+            const __m256i *offset = (const __m256i *)(dsc + 16);                                    \
+            for (int i = 0; i < 16; i++) {                     /* half i / 8, block m, sub-block h */ \
+                const int m = i / 2 % 4, h = i % 2;                                                 \
+                const int64_t b = sb * 8 + i / 8 * 4 + m;                                           \
+                __m256i s[NT][2];                                                                   \
+                for (int t = 0; t < NT; t++) s[t][0] = s[t][1] = _mm256_setzero_si256();            \
+                for (int k = 0; k < 4; k++) {                                                       \
+                    const __m256i v = _mm256_load_si256(vals + b * 8 + 4 * h + k);                  \
+                    for (int t = 0; t < NT; t++) ADD(s[t][k / 2], BROADCAST4(a[t].q + b * QK + 16 * h + 4 * k), v); \
+                }                                                                                   \
+                for (int t = 0; t < NT; t++) {                                                      \
+                    const __m256i sum = _mm256_sub_epi32(_mm256_add_epi32(FINISH(s[t][0]), FINISH(s[t][1])), offset[i]); \
+                    acc[t][m + 4 * h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum),                    \
+                                                        _mm256_mul_ps(dsc[i], _mm256_set1_ps(a[t].s[b])), acc[t][m + 4 * h]); \
+                }                                                                                   \
+            }                                                                                       \
+        }                                                                                           \
+        for (int t = 0; t < NT; t++) {                          /* hsum8: (a0 + a4 + (a2 + a6)) + (a1 + a5 + (a3 + a7)) */ \
+            const __m256 *c = acc[t];                                                               \
+            const __m256 even = _mm256_add_ps(_mm256_add_ps(c[0], c[4]), _mm256_add_ps(c[2], c[6]));  \
+            const __m256 odd = _mm256_add_ps(_mm256_add_ps(c[1], c[5]), _mm256_add_ps(c[3], c[7]));   \
+            _mm256_storeu_ps(a[t].y + r, _mm256_add_ps(even, odd));                                 \
+        }                                                                                           \
+    }
+
 typedef void (*kdecode_fn)(const uint8_t *w, int64_t row_bytes, int64_t n, __m256i *vals, __m256 *scales);
 typedef void (*kdecoded_fn)(const __m256i *vals, const __m256 *scales, int64_t n, const tile_row *a, int64_t r);
 typedef struct {
@@ -132,9 +228,14 @@ typedef struct {
     kdecoded_fn tiles[KQ_TOKENS + 1];
 } kdecoded_set;
 #define KD_SET(DECODE, TILE) {DECODE, {NULL, TILE##1, TILE##2, TILE##3, TILE##4}}
-/* per instruction set: [0] Q4_K's decoded panels, [1] Q5_K's, [2] IQ4_XS's, [3] MXFP4's */
+/* per instruction set: [0] Q4_K's decoded panels, [1] Q5_K's, [2] Q6_K's, [3] IQ4_XS's, [4] MXFP4's */
 #define KD_TILES(ISA, TARGET, ADD, FINISH, IQ4_ADD, OFFSET)                                         \
     Q45K_DECODE(q4k_decode_##ISA, TARGET, 0) Q45K_DECODE(q5k_decode_##ISA, TARGET, 1)               \
+    Q6K_DECODE(q6k_decode_##ISA, TARGET, ADD, FINISH)                                               \
+    Q6K_DECODED_PANEL(q6k_decoded_##ISA##1, TARGET, ADD, FINISH, 1)                                 \
+    Q6K_DECODED_PANEL(q6k_decoded_##ISA##2, TARGET, ADD, FINISH, 2)                                 \
+    Q6K_DECODED_PANEL(q6k_decoded_##ISA##3, TARGET, ADD, FINISH, 3)                                 \
+    Q6K_DECODED_PANEL(q6k_decoded_##ISA##4, TARGET, ADD, FINISH, 4)                                 \
     IQ4_DECODE(iq4_decode_##ISA, TARGET, OFFSET)                                                    \
     Q45K_DECODED_PANEL(q45k_decoded_##ISA##1, TARGET, ADD, FINISH, 1)                               \
     Q45K_DECODED_PANEL(q45k_decoded_##ISA##2, TARGET, ADD, FINISH, 2)                               \
@@ -149,8 +250,9 @@ typedef struct {
     TABLE_DECODED_PANEL(mx_decoded_##ISA##2, TARGET, IQ4_ADD, OFFSET, MX_SCALE, 2)                  \
     TABLE_DECODED_PANEL(mx_decoded_##ISA##3, TARGET, IQ4_ADD, OFFSET, MX_SCALE, 3)                  \
     TABLE_DECODED_PANEL(mx_decoded_##ISA##4, TARGET, IQ4_ADD, OFFSET, MX_SCALE, 4)                  \
-    static const kdecoded_set kdecoded_##ISA[4] = {KD_SET(q4k_decode_##ISA, q45k_decoded_##ISA),   \
+    static const kdecoded_set kdecoded_##ISA[5] = {KD_SET(q4k_decode_##ISA, q45k_decoded_##ISA),   \
                                                    KD_SET(q5k_decode_##ISA, q45k_decoded_##ISA),   \
+                                                   KD_SET(q6k_decode_##ISA, q6k_decoded_##ISA),    \
                                                    KD_SET(iq4_decode_##ISA, iq4_decoded_##ISA),    \
                                                    KD_SET(mx_decode_##ISA, mx_decoded_##ISA)};
 KD_TILES(avx2, "avx2,fma,f16c", KP_ADD_AVX2, KP_FINISH_AVX2, IQ4_ADD_AVX2, 0)
@@ -160,13 +262,35 @@ KD_TILES(avxvnni, "avx2,fma,f16c,avxvnni", KP_ADD_AVXVNNI, KP_FINISH_VNNI, IQ4_A
 #endif
 static const kdecoded_set *kdecoded;                 /* choose_isa's, with ktiles */
 
-/* Rows [r0, r1) of a Q4_K, Q5_K, IQ4_XS or MXFP4 matrix against a call of more than one tile, whole panels
+/* Q6_K's decoded panels read each activation as x + 128 (unsigned: their codes are the signed
+ * operand, and the offset's sum is taken off a sub-block's sums once): A's rows copied so, in token
+ * order, into the thread's second buffer (their scales and sums beside them); NULL without one. */
+static const act_rows *offset_acts(const act_rows *A, int64_t cols, act_rows *out) {
+    const int64_t nb = cols / QK;
+    uint8_t *buf = thread_buffer(1, A->n * (cols + 8 * nb));
+    if (!buf) return NULL;
+    int8_t *q = (int8_t *)buf;
+    float *s = (float *)(buf + A->n * cols);
+    int32_t *sum = (int32_t *)(s + A->n * nb);
+    for (int64_t i = 0; i < A->n; i++) {
+        const int64_t row = A->row ? A->row[i] : i;
+        const int8_t *x = A->q + row * cols;
+        for (int64_t c = 0; c < cols; c++) q[i * cols + c] = (int8_t)(x[c] ^ 0x80);
+        memcpy(s + i * nb, A->s + row * nb, sizeof(float) * nb);
+        memcpy(sum + i * nb, A->sum + row * nb, sizeof(int32_t) * nb);
+    }
+    *out = (act_rows){q, s, sum, NULL, A->y, A->y_stride, A->n};
+    return out;
+}
+
+/* Rows [r0, r1) of a GGUF block type's matrix against a call of more than one tile, whole panels
  * decoded once each (above); returns the first row left (fewer than eight remain, or no buffer). */
 static int64_t decoded_rows(int quant, const uint8_t *w, int64_t cols, int64_t r0, int64_t r1, const act_rows *A) {
-    const kdecoded_set *set = &kdecoded[quant >= 13 ? quant - 11 : quant - 10];
+    const kdecoded_set *set = &kdecoded[quant - 10];
     const int64_t nb = cols / QK, bytes = (int64_t)block_row_bytes(quant, cols);
-    __m256i *vals = (__m256i *)panel_buffer(nb * 8 * 32 + nb * 2 * 32);
-    if (!vals) return r0;
+    __m256i *vals = (__m256i *)panel_buffer(nb * 8 * 32 + nb * 4 * 32);
+    act_rows offset;
+    if (!vals || (quant == 12 && !(A = offset_acts(A, cols, &offset)))) return r0;
     __m256 *scales = (__m256 *)(vals + nb * 8);
     for (; r0 + 8 <= r1; r0 += 8) {
         set->decode(w + r0 * bytes, bytes, cols, vals, scales);
@@ -182,11 +306,12 @@ static int64_t decoded_rows(int quant, const uint8_t *w, int64_t cols, int64_t r
 /* Rows [r0, r1) of a Q4_K, Q5_K, Q6_K, IQ4_XS or MXFP4 matrix against every activation row of A, KQ_TOKENS
  * tokens a tile; KQ_ROWS rows (a few KiB each) at a time, read again from the cache by each tile.
  * All but Q6_K's rows eight at a time where eight are left in the block (KQ_ROWS and the tasks' rows are
- * multiples of 16, so whether a row is in a panel depends only on the matrix's rows). */
+ * multiples of 16, so whether a row is in a panel depends only on the matrix's rows); Q6_K's decoded
+ * panels give its tile's bits. */
 #define KQ_ROWS 16
 static void kquant_rows(int quant, const uint8_t *w, int64_t cols, int64_t r0, int64_t r1, const act_rows *A) {
     const size_t bytes = block_row_bytes(quant, cols);
-    if (quant != 12 && A->n > KQ_TOKENS) r0 = decoded_rows(quant, w, cols, r0, r1, A);
+    if (A->n > KQ_TOKENS) r0 = decoded_rows(quant, w, cols, r0, r1, A);
     for (int64_t first = r0; first < r1; first += KQ_ROWS) {
         const int64_t last = first + KQ_ROWS < r1 ? first + KQ_ROWS : r1;
         for (int64_t i = 0; i < A->n; i += KQ_TOKENS) {

@@ -196,19 +196,22 @@ PANEL_TILES(avxvnni, "avx2,fma,f16c,avxvnni", SUMS_VNNI, ZERO_VNNI, ADD_AVXVNNI,
 #endif
 static const tile_fn (*panel_tiles)[PANEL_TOKENS + 1] = panel_tiles_avx2;      /* choose_isa's */
 
-/* The calling thread's panel buffers, grown as needed and kept (the pool's threads live as long
- * as the process; a 2048-column panel is 8 KiB of codes and 1 KiB of scales). */
-static uint8_t *panel_buffer(int64_t bytes) {
-    static __thread uint8_t *buf;
-    static __thread int64_t have;
-    if (bytes > have) {
-        free(buf);
-        have = 0;
-        if (!(buf = aligned_alloc(64, (bytes + 63) / 64 * 64))) return NULL;
-        have = bytes;
+/* The calling thread's buffers (0: a panel's codes and scales; 1: kdecoded.h's offset activations),
+ * grown as needed and kept (the pool's threads live as long as the process; a 2048-column panel is
+ * 8 KiB of codes and 1 KiB of scales). */
+static uint8_t *thread_buffer(int which, int64_t bytes) {
+    static __thread uint8_t *buf[2];
+    static __thread int64_t have[2];
+    if (bytes > have[which]) {
+        free(buf[which]);
+        have[which] = 0;
+        if (!(buf[which] = aligned_alloc(64, (bytes + 63) / 64 * 64))) return NULL;
+        have[which] = bytes;
     }
-    return buf;
+    return buf[which];
 }
+
+static uint8_t *panel_buffer(int64_t bytes) { return thread_buffer(0, bytes); }
 
 /* One panel (codes [nb][4][8][4], or eight rows of codes row_bytes apart when row_bytes > 0;
  * scales [groups][8]) against every activation row of A, the outputs at column r0,
