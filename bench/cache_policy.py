@@ -40,6 +40,8 @@ import sys
 from collections import OrderedDict, defaultdict
 from pathlib import Path
 
+import numpy as np
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from moefit.experts.cache import CacheBook, SwapPolicy  # noqa: E402
@@ -145,8 +147,10 @@ def adaptive(profile_steps, steps, capacity, layers, experts, preds=None, budget
     book = CacheBook(sizes, layers, experts, capacity, SwapPolicy(period=1, decay=0.98, max_swaps=2, margin=1.1))
     for key in sorted(sizes, key=lambda k: -counts[k])[:capacity]:
         book.admit(key)
+    seeded = np.zeros((layers, experts))
     for key, c in counts.items():
-        book.usage[key] = c * 0.02
+        seeded[key] = c * 0.02
+    book.set_usage(seeded)
     hits = total = 0
     per_token = max(1, len({k[0] for s in steps[:50] for k in s}))
     top_k = max(len(s) for s in steps[:50])

@@ -122,7 +122,7 @@ def test_coldest_of_size_is_coldest_filtered_without_the_sort():
         for key in sizes:
             if rng.random() < 0.6:
                 book.admit(key)
-        book.usage[:] = rng.integers(0, 3, size=book.usage.shape)       # ties on purpose
+        book.set_usage(rng.integers(0, 3, size=book.usage.shape))       # ties on purpose
         evicted = [k for k in list(book.resident) if rng.random() < 0.2]
         for key in evicted:
             book.evict(key)
@@ -152,7 +152,7 @@ def test_a_prefetchs_victims_found_once_are_those_it_would_find_one_by_one():
         for book in books:
             for key in resident:
                 book.admit(key)
-            book.usage[:] = usage
+            book.set_usage(usage)
         found = Victims(books[0], keep, arriving[0], len(admits))
         for key in admits:
             once = found.pop(sizes[key])
@@ -170,7 +170,7 @@ def test_shrink_gives_back_the_coldest_first():
     book = CacheBook(sizes, 1, 3, 300)
     for e in range(3):
         book.admit((0, e))
-    book.usage[0] = np.array([5.0, 1.0, 9.0])
+    book.set_usage([[5.0, 1.0, 9.0]])
     assert book.shrink_to(150) == [(0, 1), (0, 0)]
 
 
@@ -238,3 +238,32 @@ def qweights(obj, depth: int = 5):
     elif depth and hasattr(obj, "__dict__") and type(obj).__module__.startswith("moefit.models"):
         for item in vars(obj).values():
             yield from qweights(item, depth - 1)
+
+
+def test_the_victims_index_follows_every_change_of_use_and_residency():
+    """coldest_of_size reads an index that admit, evict, record, swap_round and set_usage keep
+    (experts/cache.py): after any mix of them it names what coldest() filtered would, ties
+    included; and usage cannot be written around it."""
+    rng = np.random.default_rng(11)
+    sizes = {(l, e): int(rng.choice([100, 200])) for l in range(3) for e in range(5)}
+    book = CacheBook(sizes, 3, 5, budget=1 << 30, policy=SwapPolicy(decay=0.5, max_swaps=0))
+    for step in range(300):
+        key = list(sizes)[rng.integers(len(sizes))]
+        op = rng.integers(5)
+        if op == 0 and key not in book.resident:
+            book.admit(key)
+        elif op == 1 and key in book.resident:
+            book.evict(key)
+        elif op == 2:
+            experts = sorted({int(e) for e in rng.integers(0, 5, size=2)})
+            book.record(key[0], experts, [(key[0], e) in book.resident for e in experts])
+        elif op == 3:
+            book.swap_round()
+        elif step % 50 == 0:
+            book.set_usage(rng.integers(0, 3, size=book.usage.shape))
+        skip = {k for k in sizes if rng.random() < 0.2}
+        for size in (100, 200):
+            want = [k for k in book.coldest() if sizes[k] == size and k not in skip]
+            assert book.coldest_of_size(size, skip, 3) == want[:3], step
+    with pytest.raises(ValueError):
+        book.usage[0, 0] = 1.0

@@ -48,6 +48,34 @@ def test_a_workers_error_is_raised_on_the_engine_thread_and_the_next_copy_still_
     assert torch.equal(good_slot.data, torch.ones(4, dtype=torch.uint8))
 
 
+def test_jobs_sent_together_reach_the_worker_as_one_in_their_order():
+    """together() (a prefetch's copies and read-aheads): one item on the worker's queue at the
+    block's end, the jobs run in the order they were given; a landed() inside the block sends
+    what it holds first, so a block never waits on its own copy."""
+    stager = Stager(torch.device("cpu"), largest_blob=16)
+    held, gate, order = threading.Event(), threading.Event(), []
+    stager.call(lambda: (held.set(), gate.wait()))          # the worker is held: the queue fills
+    held.wait()
+    with stager.together():
+        tickets = [stager.send((0, i), torch.full((16,), i, dtype=torch.uint8), torch.empty(16, dtype=torch.uint8))
+                   for i in range(3)]
+        stager.call(lambda: order.append("read-ahead"))
+        assert stager._work.qsize() == 0 and stager.backlog == 3
+    assert stager._work.qsize() == 1
+    gate.set()
+    for ticket in tickets:
+        stager.landed(ticket)
+    stager.call(lambda: order.append("after"))
+    with stager.together():
+        late = stager.send((1, 0), torch.zeros(16, dtype=torch.uint8), SlowSlot())
+        waits = threading.Thread(target=stager.landed, args=(late,), daemon=True)   # as the engine thread would
+        waits.start()
+        waits.join(10)
+        assert not waits.is_alive() and late.issued.is_set()   # held, it would wait forever
+    stager.close()
+    assert order == ["read-ahead", "after"] and stager.backlog == 0
+
+
 def test_prefetches_land_through_the_stager_and_the_tokens_do_not_change(packs, card):
     from moefit.config import ServeConfig
     from moefit.runtime.engine import Engine

@@ -110,13 +110,14 @@ class ExpertRunner:
         if not missing:
             return
         victims = Victims(self.book, self.ahead.wanted(layer, now, busy), self.arriving, min(budget, len(missing)))
-        for n, e in enumerate(missing):
-            if n >= budget or not self._make_room((layer, e), victims):
-                self.staging().call(partial(self.pack.warm, layer, e))
-                continue
-            self._send((layer, e))
-            self.book.swaps += 1
-            self.ahead.fetched_for(layer, e)
+        with self.staging().together():                   # the copies and read-aheads: one wake-up
+            for n, e in enumerate(missing):
+                if n >= budget or not self._make_room((layer, e), victims):
+                    self.staging().call(partial(self.pack.warm, layer, e))
+                    continue
+                self._send((layer, e))
+                self.book.swaps += 1
+                self.ahead.fetched_for(layer, e)
 
     def _send(self, key: Key) -> None:
         """The blob goes into a free slot off the engine thread (experts/stager.py) while the
@@ -161,10 +162,9 @@ class ExpertRunner:
         if self.pool.free_slots(key):
             return True
         victim = victims.pop(self.book.sizes[key])
-        if victim is None:
-            return False
-        self.unload(victim)
-        return True
+        if victim is not None:
+            self.unload(victim)
+        return victim is not None
 
     # -- placement ---------------------------------------------------------------
     def load(self, key: Key) -> None:
