@@ -68,6 +68,8 @@ def runner_sums(pack: str, card: str) -> dict:
     x = torch.randn(1, m.hidden_size, generator=torch.Generator().manual_seed(1))
     groups = Groups.of(torch.tensor([experts]), torch.rand(1, len(experts)))
     host = runner._host_experts(layer, x, groups)
+    for e in experts:                                           # a slot's views: made once a placement, not a call
+        dict(runner.slots[(layer, e)])
     kernels.usable = lambda x, quant: False                    # the device path: no host kernel
     fused_matvec = device_experts.matvec
 

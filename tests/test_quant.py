@@ -32,6 +32,20 @@ def test_blob_views_see_the_parts_where_the_layout_puts_them():
     assert blob.sum() > 0                                # a view, not a copy
 
 
+@pytest.mark.parametrize("quant", ["int4", "int8", "bf16"])
+def test_a_slots_part_addresses_are_its_views_without_making_them(quant):
+    """The host call's pointers into a slot come from the layout's offsets: the views (~30 us a
+    slot, several a layer call) are made only where something reads them."""
+    from moefit import kernels
+    from moefit.pack.quant import LazyViews
+    layout = expert_layout(64, 96, quant, 32)
+    blob = torch.zeros(blob_nbytes(layout), dtype=torch.uint8)
+    lazy = LazyViews(blob, layout)
+    got = kernels.addresses(lazy)
+    assert lazy._views is None and ("gate_up.scale" in lazy) == (quant != "bf16") and "nothing" not in lazy
+    assert got == kernels.addresses(blob_views(blob, layout)) and got[0] == blob.data_ptr()
+
+
 def test_mixed_recipe_keeps_edge_layers_at_int8():
     assert layer_quants("mixed", [0, 2, 3, 5]) == {0: "int8", 2: "int4", 3: "int4", 5: "int8"}
     int8 = blob_nbytes(expert_layout(2048, 768, "int8", 32))

@@ -70,10 +70,13 @@ def test_the_pool_reserves_exactly_its_ledger_line_and_gives_back_whole_chunks(t
         pool.acquire(k).fill_(i % 251)
         pool.ready(k)
     assert pool.state(keys[0]) == RESIDENT and (pool.table >= 0).sum() == len(keys)
+    sizes[(11, 99)] = BLOB                                        # one more of the class: no slot left for it
+    assert pool.free_slots(keys[0]) == 0 and pool.acquire((11, 99)) is None
     for k in keys[::3]:                                           # evict a third, spread over every chunk
         pool.release(k)
-    assert pool.state(keys[0]) == FREE
+    assert pool.state(keys[0]) == FREE and pool.free_slots(keys[0]) == len(keys[::3])
     freed, moved = pool.trim()
+    assert pool.free_slots(keys[0]) == sum(len(c.free) for c in pool.chunks) < len(keys[::3])
     mem.release_cached()
     assert freed > 0 and moved                                     # residents moved out of the freed chunks
     assert mem.device.sim.charged == pool.allocated == slots_bytes(len(keys), BLOB) - freed

@@ -5,6 +5,8 @@ Legend: T tokens, E hidden, k top-k, I an expert's intermediate size.
 
 from __future__ import annotations
 
+from array import array
+
 import torch
 import torch.nn.functional as F
 
@@ -26,7 +28,7 @@ class Groups:
             (row,), (w,) = ids.tolist(), weights.tolist()
             order = sorted(range(len(row)), key=row.__getitem__)
             return Groups([row[i] for i in order], list(range(len(row) + 1)), _token_zero(len(row)),
-                          torch.tensor([w[i] for i in order], dtype=torch.float32))
+                          torch.frombuffer(array("f", [w[i] for i in order]), dtype=torch.float32))  # torch.tensor's half
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)
         experts, counts = torch.unique_consecutive(flat[order], return_counts=True)

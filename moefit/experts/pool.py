@@ -64,6 +64,7 @@ class SlotPool:
         self.mem, self.sizes = mem, sizes
         self.chunks: list[Chunk] = []
         self.where: dict[Key, tuple[Chunk, int]] = {}
+        self._free: dict[int, int] = {}        # free slots per stride (a prefetch asks before each admission)
         # the table: the slot of each (layer, expert), -1 where it has none (a global slot id
         # = chunk index * 65536 + slot index; rebuilt when a trim moves chunks)
         self.table = np.full((num_layers, num_experts), -1, dtype=np.int32)
@@ -74,8 +75,7 @@ class SlotPool:
         return sum(c.storage.numel() for c in self.chunks)
 
     def free_slots(self, key: Key) -> int:
-        s = stride(self.sizes[key])
-        return sum(len(c.free) for c in self.chunks if c.slot_stride == s)
+        return self._free.get(stride(self.sizes[key]), 0)
 
     def reserve(self, keys: list[Key], keep_free: int = 0) -> int:
         """Allocate the chunks that hold `keys` (on top of what is there); stops before a chunk
@@ -106,14 +106,18 @@ class SlotPool:
             return False
         n = nbytes // slot_stride
         self.chunks.append(Chunk(storage, slot_stride, np.zeros(n, dtype=np.int8), [None] * n))
+        self._free[slot_stride] = self._free.get(slot_stride, 0) + n
         return True
 
     # -- slots ------------------------------------------------------------------------
     def acquire(self, key: Key) -> torch.Tensor | None:
         """A free slot of key's class, marked LOADING; None when the class has none."""
         s = stride(self.sizes[key])
+        if not self._free.get(s):
+            return None
         for c in self.chunks:
             if c.slot_stride == s and c.free:
+                self._free[s] -= 1
                 i = c.take()
                 c.states[i], c.keys[i] = LOADING, key
                 self.where[key] = (c, i)
@@ -129,6 +133,7 @@ class SlotPool:
         c, i = self.where.pop(key)
         c.states[i], c.keys[i] = FREE, None
         c.give(i)
+        self._free[c.slot_stride] += 1
         self.table[key] = -1
 
     def view(self, key: Key) -> torch.Tensor:
@@ -153,6 +158,7 @@ class SlotPool:
                 if key is not None:
                     moved.append((key, self._move(key, c, i, others)))
             self.chunks.remove(c)
+            self._free[c.slot_stride] -= len(c.free)
             self.mem.free(LINE, c.storage)
             freed += c.storage.numel()
         self._rebuild_table()

@@ -69,6 +69,16 @@ class Profile:
         return out
 
 
+def dump_routing(out, layer: int, ids: list[list[int]], weights: list[list[float]], guesses: list | None) -> None:
+    """One layer's routing, a JSON line a token (`generate --dump-routing`): its experts, their
+    weights and, with look-ahead, what was predicted."""
+    for t, (row_ids, row_w) in enumerate(zip(ids, weights)):
+        row = {"layer": layer, "experts": row_ids, "weights": [round(w, 5) for w in row_w]}
+        if guesses is not None:
+            row["predicted"] = guesses[t]
+        out.write(json.dumps(row) + "\n")
+
+
 def no_profile_note(cached: int, total: int) -> str:
     """What serving without a profile costs, in the operator's words."""
     share = f"about {cached / total:.0%} of routings (a uniform guess)" if total else "a uniform guess's share"

@@ -17,7 +17,6 @@ Legend: T tokens, E hidden, k top-k.
 
 from __future__ import annotations
 
-import json
 import time
 from functools import partial
 
@@ -34,7 +33,7 @@ from moefit.experts.host_panels import HostPanels
 from moefit.experts.host_rates import HostRates
 from moefit.experts.lookahead import LookAhead
 from moefit.experts.pool import SlotPool
-from moefit.experts.profile import Profile
+from moefit.experts.profile import Profile, dump_routing
 from moefit.experts.slot_table import SlotTable
 from moefit.experts.stager import STAGING_BYTES, Stager, Ticket
 from moefit.pack.layout import matrix_quants
@@ -110,14 +109,15 @@ class ExpertRunner:
         if not missing:
             return
         victims = Victims(self.book, self.ahead.wanted(layer, now, busy), self.arriving, min(budget, len(missing)))
-        with self.staging().together():                   # the copies and read-aheads: one wake-up
+        read_ahead = []
+        with self.staging().together():                   # the copies, then the read-aheads: one wake-up
             for n, e in enumerate(missing):
-                if n >= budget or not self._make_room((layer, e), victims):
-                    self.staging().call(partial(self.pack.warm, layer, e))
-                    continue
-                self._send((layer, e))
-                self.book.swaps += 1
-                self.ahead.fetched_for(layer, e)
+                if n < budget and self._make_room((layer, e), victims):
+                    self._send((layer, e))
+                else:
+                    read_ahead.append(e)
+            if read_ahead:
+                self.staging().call(partial(self.pack.warm, layer, read_ahead))
 
     def _send(self, key: Key) -> None:
         """The blob goes into a free slot off the engine thread (experts/stager.py) while the
@@ -128,6 +128,8 @@ class ExpertRunner:
             return
         self.arriving[key] = self.staging().send(key, self.pack.blob(*key), view)
         self.book.admit(key)
+        self.book.swaps += 1
+        self.ahead.fetched_for(*key)
 
     def staging(self) -> Stager:
         """The engine's worker (experts/stager.py): the look-ahead's copies and read-aheads, the
@@ -145,9 +147,9 @@ class ExpertRunner:
         for key in [k for k in self.arriving if layer is None or k[0] == layer]:
             if not wait and not self.arriving[key].issued.is_set():
                 continue
-            self.stager.landed(self.arriving.pop(key))
+            self.stager.landed(ticket := self.arriving.pop(key))
             self.pool.ready(key)
-            self._placed(key, self.pool.view(key))
+            self._placed(key, ticket.slot)
 
     def settle(self) -> None:
         """Every prefetch in flight resident and every layer's routing counted (a request's end:
@@ -236,7 +238,8 @@ class ExpertRunner:
             self.ahead.expect(guess[0], guessed[0].tolist())
         self.profile.record(layer, ids_h.numpy())
         if self.dump is not None:
-            self._dump(layer, ids_h, w_h)
+            guesses = self.ahead.per_token.get(layer) if self.ahead is not None else None
+            dump_routing(self.dump, layer, ids_h.tolist(), w_h.float().tolist(), guesses)
         groups = Groups.of(ids_h, w_h)
         if self.arriving:
             self._arrived(layer, self.wait_for_prefetch)
@@ -389,12 +392,3 @@ class ExpertRunner:
             parts = self._host_parts[key] = self.pack.expert_parts(layer, e)
         panels = self.panels.parts(key, parts, quant)
         return (parts, quant) if panels is None else (panels, "int4p")
-
-    def _dump(self, layer: int, ids: torch.Tensor, weights: torch.Tensor) -> None:
-        guesses = self.ahead.per_token.get(layer) if self.ahead is not None else None
-        for t, (row_ids, row_w) in enumerate(zip(ids.tolist(), weights.float().cpu().tolist())):
-            row = {"layer": layer, "experts": row_ids, "weights": [round(w, 5) for w in row_w]}
-            if guesses is not None:
-                row["predicted"] = guesses[t]
-            self.dump.write(json.dumps(row) + "\n")
-

@@ -37,6 +37,7 @@ STAGING_BYTES = 256 << 20      # the pinned ring holds 2-4 of the largest blob, 
 @dataclass(eq=False)
 class Ticket:
     key: tuple[int, int]
+    slot: torch.Tensor                        # the view the blob is copied into
     issued: threading.Event = field(default_factory=threading.Event)
     event: object = None                      # the CUDA copy's event
     error: BaseException | None = None
@@ -75,7 +76,7 @@ class Stager:
         self._thread.join(timeout_s)
 
     def send(self, key: tuple[int, int], blob: torch.Tensor, slot: torch.Tensor) -> Ticket:
-        ticket = Ticket(key)
+        ticket = Ticket(key, slot)
         self._put(lambda: self._copy(ticket, blob, slot))
         self.sent += 1
         return ticket
@@ -83,7 +84,7 @@ class Stager:
     @contextmanager
     def together(self):
         """The jobs sent and called inside go to the worker as one, in their order, at the block's
-        end: one wake-up. A prefetch sends two or three copies and asks for ten read-aheads, and
+        end: one wake-up. A prefetch sends two or three copies and a job of ten read-aheads, and
         each put that woke the worker cost the engine thread 30-45 us (a GIL hand-off and a futex
         call; ~60-100 us for eleven, against one's 30-45, measured here)."""
         if self._held is not None:                # nested: the outer block sends them

@@ -344,8 +344,10 @@ PARTS = ("gate_up", "gate_up.scale", "down", "down.scale")
 
 def addresses(parts: dict, panels: bool = False) -> list[int]:
     """An expert's four part addresses, as moe_call takes them (0: a scale kept inside the blocks),
-    and 1 where it is int4 held in panels (experts/host_panels.py), else 0."""
-    return [parts[name].data_ptr() if name in parts else 0 for name in PARTS] + [int(panels)]
+    and 1 where it is int4 held in panels (experts/host_panels.py), else 0. Parts that know their
+    addresses without views (pack/quant.py LazyViews: a slot of a host-memory card) give them."""
+    at = getattr(parts, "address", None) or (lambda name: parts[name].data_ptr())
+    return [at(name) if name in parts else 0 for name in PARTS] + [int(panels)]
 
 
 @dataclass(frozen=True)

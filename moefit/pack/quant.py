@@ -195,6 +195,13 @@ class LazyViews(Mapping):
     def __len__(self) -> int:
         return len(self._layout)
 
+    def __contains__(self, name) -> bool:
+        return any(p.name == name for p in self._layout)
+
+    def address(self, name: str) -> int:
+        """A part's address, without making the views (the host call's pointers: kernels.addresses)."""
+        return self._blob.data_ptr() + next(p.offset for p in self._layout if p.name == name)
+
     @property
     def device(self) -> torch.device:
         return self._blob.device

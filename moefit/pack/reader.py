@@ -85,15 +85,16 @@ class Pack:
         b = self.blobs[(layer, expert)]
         return self._experts_u8[b.offset:b.offset + b.nbytes]
 
-    def warm(self, layer: int, expert: int) -> None:
-        """Ask the kernel to read one blob's pages ahead (MADV_WILLNEED): a pack larger than
-        the page cache then reads a predicted expert while the current layer computes."""
-        b = self.blobs[(layer, expert)]
-        start = b.offset - b.offset % mmap.PAGESIZE
-        try:
-            self._experts_map.madvise(mmap.MADV_WILLNEED, start, b.offset + b.nbytes - start)
-        except (AttributeError, OSError, ValueError):
-            pass                                   # no madvise here: reading on demand still works
+    def warm(self, layer: int, experts: list[int]) -> None:
+        """Ask the kernel to read some blobs' pages ahead (MADV_WILLNEED): a pack larger than
+        the page cache then reads predicted experts while the current layer computes."""
+        for expert in experts:
+            b = self.blobs[(layer, expert)]
+            start = b.offset - b.offset % mmap.PAGESIZE
+            try:
+                self._experts_map.madvise(mmap.MADV_WILLNEED, start, b.offset + b.nbytes - start)
+            except (AttributeError, OSError, ValueError):
+                return                             # no madvise here: reading on demand still works
 
     def expert_parts(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
         b = self.blobs[(layer, expert)]
