@@ -267,3 +267,25 @@ def test_the_victims_index_follows_every_change_of_use_and_residency():
             assert book.coldest_of_size(size, skip, 3) == want[:3], step
     with pytest.raises(ValueError):
         book.usage[0, 0] = 1.0
+
+
+def test_the_profile_counts_every_routing_whether_held_in_lists_or_added_at_once(monkeypatch):
+    """A decode step's routings wait in lists (no numpy on the engine thread's path); a read of
+    counts, a prompt's routing or a long run of steps adds them up, and nothing is lost or twice."""
+    from moefit.experts import profile as profile_module
+    from moefit.experts.profile import Profile
+    monkeypatch.setattr(profile_module, "FOLD_AT", 20)
+    rng = np.random.default_rng(3)
+    p, want = Profile.empty(4, 16), np.zeros((4, 16), dtype=np.int64)
+    for step in range(60):
+        layer, tokens = int(rng.integers(4)), int(rng.choice([1, 1, 2, 7]))
+        rows = rng.integers(0, 16, size=(tokens, 3)).tolist()
+        p.record(layer, rows)
+        np.add.at(want[layer], np.asarray(rows).reshape(-1), 1)
+        if step % 17 == 0:
+            assert (p.counts == want).all(), step
+        assert len(p._layers) <= 20 + 6
+    assert (p.counts == want).all() and not p._layers
+    p.counts = np.ones((4, 16), dtype=np.int64)
+    p.record(1, [[2, 3]])
+    assert p.counts[1, 2] == 2 and p.counts.sum() == 66

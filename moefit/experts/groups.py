@@ -22,10 +22,10 @@ class Groups:
         self.experts, self.start, self.rows, self.weights = experts, start, rows, weights
 
     @staticmethod
-    def of(ids: torch.Tensor, weights: torch.Tensor) -> "Groups":
-        """ids, weights [T, k] on the host."""
+    def of(ids: torch.Tensor, weights: torch.Tensor, routed: list[list[int]] | None = None) -> "Groups":
+        """ids, weights [T, k] on the host (`routed`: ids as lists, where the caller has them)."""
         if ids.shape[0] == 1:                   # a decode step: k distinct experts, sorted in Python
-            (row,), (w,) = ids.tolist(), weights.tolist()
+            (row,), (w,) = routed or ids.tolist(), weights.tolist()
             order = sorted(range(len(row)), key=row.__getitem__)
             return Groups([row[i] for i in order], list(range(len(row) + 1)), _token_zero(len(row)),
                           torch.frombuffer(array("f", [w[i] for i in order]), dtype=torch.float32))  # torch.tensor's half

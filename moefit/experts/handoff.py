@@ -33,9 +33,9 @@ class Handoff:
         """Queue the copies to the host without waiting: work the stream queues after this (the
         resident experts) runs while the host waits for them (`wait`). `guess`: the look-ahead's
         ids for the next layer, made before this layer's MoE, ride along (no wait of their own)."""
-        sent = (("x", x), ("ids", ids), ("weights", weights)) + ((("guess", guess),) if guess is not None else ())
         if x.device.type == "cpu":
-            return tuple(t for _, t in sent), None
+            return ((x, ids, weights) if guess is None else (x, ids, weights, guess)), None
+        sent = (("x", x), ("ids", ids), ("weights", weights)) + ((("guess", guess),) if guess is not None else ())
         out = tuple(self._pin(name, t).copy_(t, non_blocking=True) for name, t in sent)
         event = torch.cuda.Event()
         event.record()

@@ -236,16 +236,17 @@ class ExpertRunner:
         xh, ids_h, w_h, *guessed = self.handoff.wait(sent)         # the layer's one synchronisation
         if guess:
             self.ahead.expect(guess[0], guessed[0].tolist())
-        self.profile.record(layer, ids_h.numpy())
+        routed = ids_h.tolist()                                     # the bookkeeping's one conversion
+        self.profile.record(layer, routed)
         if self.dump is not None:
             guesses = self.ahead.per_token.get(layer) if self.ahead is not None else None
-            dump_routing(self.dump, layer, ids_h.tolist(), w_h.float().tolist(), guesses)
-        groups = Groups.of(ids_h, w_h)
+            dump_routing(self.dump, layer, routed, w_h.float().tolist(), guesses)
+        groups = Groups.of(ids_h, w_h, routed)
         if self.arriving:
             self._arrived(layer, self.wait_for_prefetch)
         if self.ahead is not None:
             late = [e for e in groups.experts if (layer, e) in self.arriving] if self.arriving else []
-            self.ahead.score(layer, groups.experts, ids_h[-1].tolist(), late)
+            self.ahead.score(layer, groups.experts, routed[-1], late)
         resident = [bool(early[1][e]) if early else (layer, e) in self.slots for e in groups.experts]
         self.book.record(layer, groups.experts, resident)
         if self.ahead is not None:                                # the next layer's guess, brought in
@@ -272,10 +273,11 @@ class ExpertRunner:
         for layer, guess, ((ids_h, w_h, *guessed), _) in later:
             if guess:
                 self.ahead.expect(guess[0], guessed[0].tolist())
-            self.profile.record(layer, ids_h.numpy())
-            groups = Groups.of(ids_h, w_h)
+            routed = ids_h.tolist()
+            self.profile.record(layer, routed)
+            groups = Groups.of(ids_h, w_h, routed)
             if self.ahead is not None:
-                self.ahead.score(layer, groups.experts, ids_h[-1].tolist())
+                self.ahead.score(layer, groups.experts, routed[-1])
             self.book.record(layer, groups.experts, [True] * len(groups.experts))
 
     def run_on_host(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
