@@ -211,6 +211,26 @@ def test_a_one_token_routing_groups_as_the_general_path_does():
     assert torch.equal(fast.weights, both.weights[0::2]) and torch.equal(fast.rows, both.rows[0::2])
 
 
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_a_subset_of_the_groups_is_each_kept_experts_rows_and_weights(tokens):
+    """Groups.subset (a step's resident experts, its misses) keeps each kept expert's own rows and
+    weights, in order, a decode step's (from its floats) as a multi-token step's (one index)."""
+    from moefit.experts.groups import Groups
+    gen = torch.Generator().manual_seed(tokens)
+    ids = torch.stack([torch.randperm(16, generator=gen)[:4] for _ in range(tokens)])
+    groups = Groups.of(ids, torch.rand(tokens, 4, generator=gen))
+    for keep in ([i % 2 == 0 for i in range(len(groups.experts))], [True] * len(groups.experts),
+                 [False] * len(groups.experts)):
+        part = groups.subset(keep)
+        kept = [i for i, k in enumerate(keep) if k]
+        assert part.experts == [groups.experts[i] for i in kept] and len(part.start) == len(kept) + 1
+        for j, i in enumerate(kept):
+            rows, w = part.rows_of(j)
+            want_rows, want_w = groups.rows_of(i)
+            assert torch.equal(rows, want_rows) and torch.equal(w, want_w)
+        assert part.rows.dtype == groups.rows.dtype and part.weights.dtype == torch.float32
+
+
 def test_the_pcie_or_host_choice_costs_a_busy_expert_as_the_gemm_it_would_run(packs, card, monkeypatch):
     """A prompt chunk's busy experts would run on the host as fp32 GEMMs (experts/groups.py): the
     choice costs them with the GEMM path's own rates, measured at start next to the dots'."""
