@@ -77,7 +77,7 @@ class Stager:
 
     def send(self, key: tuple[int, int], blob: torch.Tensor, slot: torch.Tensor) -> Ticket:
         ticket = Ticket(key, slot)
-        self._put(lambda: self._copy(ticket, blob, slot))
+        self._put(lambda: self._copy(ticket, blob))
         self.sent += 1
         return ticket
 
@@ -104,6 +104,10 @@ class Stager:
 
     def _flush(self) -> None:
         jobs, self._held = self._held, None
+        self._hand_over(jobs)
+
+    def _hand_over(self, jobs: list) -> None:
+        """A together() block's jobs to the worker: one queue item."""
         if jobs:
             self._work.put(jobs[0] if len(jobs) == 1 else lambda: [job() for job in jobs])
 
@@ -120,8 +124,8 @@ class Stager:
     def landed(self, ticket: Ticket) -> None:
         """The slot's copy is ordered before what the compute stream does next (CUDA), or done."""
         if self._held:                            # a together() block waits for its own job: send them now
-            self._work.put(lambda jobs=self._held: [job() for job in jobs])
-            self._held = []
+            jobs, self._held = self._held, []
+            self._hand_over(jobs)
         ticket.issued.wait()
         if ticket.error is not None:
             raise ticket.error
@@ -134,26 +138,26 @@ class Stager:
         while (job := self._work.get()) is not None:
             job()
 
-    def _copy(self, ticket: Ticket, blob: torch.Tensor, slot: torch.Tensor) -> None:
+    def _copy(self, ticket: Ticket, blob: torch.Tensor) -> None:
         try:
             if self.cuda:
-                self._through_ring(ticket, blob, slot)
+                self._through_ring(ticket, blob)
             else:
-                slot.copy_(blob)
+                ticket.slot.copy_(blob)
         except BaseException as e:  # noqa: BLE001 - raised again on the engine thread, at landed()
             ticket.error = e
         finally:
             self.issued += 1                      # the worker's alone: the engine thread only reads it
             ticket.issued.set()
 
-    def _through_ring(self, ticket: Ticket, blob: torch.Tensor, slot: torch.Tensor) -> None:
+    def _through_ring(self, ticket: Ticket, blob: torch.Tensor) -> None:
         i, last = self._free.get()
         if last is not None:
             last.synchronize()                    # the copy that read this buffer has run
         staged = self._ring[i, : blob.numel()]
         staged.copy_(blob)
         with torch.cuda.stream(self.stream):
-            slot.copy_(staged, non_blocking=True)
+            ticket.slot.copy_(staged, non_blocking=True)
             ticket.event = torch.cuda.Event()
             ticket.event.record(self.stream)
         self._free.put((i, ticket.event))
