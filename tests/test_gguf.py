@@ -230,7 +230,7 @@ def test_a_prompts_busy_k_quant_experts_run_as_gemms(hf256, tmp_path, monkeypatc
     """A Q4_K_M-style layer's (gate and up Q4_K, down Q6_K) busy experts in a prompt chunk: two fp32
     GEMMs on the blocks dequantised natively, close to the dots (tests/test_quant.py)."""
     from moefit import kernels
-    from moefit.experts import runner
+    from moefit.experts import host_side
     from moefit.pack import quant as q
     if kernels.library() is None:
         pytest.skip("the native kernel is not built")
@@ -238,8 +238,8 @@ def test_a_prompts_busy_k_quant_experts_run_as_gemms(hf256, tmp_path, monkeypatc
     convert(path, tmp_path / "pack", progress=False)
     prompt = [(7 * i) % 300 + 3 for i in range(q.GEMM_TOKENS + 4)]
     calls = []
-    real = runner.gemm_first
-    monkeypatch.setattr(runner, "gemm_first", lambda x, p, name, quant: calls.append(quant) or real(x, p, name, quant))
+    real = host_side.gemm_first
+    monkeypatch.setattr(host_side, "gemm_first", lambda x, p, name, quant: calls.append(quant) or real(x, p, name, quant))
     gemm = Engine.open(tmp_path / "pack", ServeConfig(ctx=256, expert_gemm_rows="8")).prefill(prompt)[0]
     assert set(calls) == {"q4_k/q6_k"}
     calls.clear()

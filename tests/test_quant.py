@@ -247,7 +247,7 @@ def test_a_prompts_busy_experts_run_as_gemms_and_decode_steps_keep_the_dots(fami
     its logits close to the all-dots prefill's (see above); a decode step never does, nor any with off."""
     import tiny
     from moefit import kernels
-    from moefit.experts import runner
+    from moefit.experts import host_side
     from moefit.config import ServeConfig
     from moefit.pack.convert import convert
     from moefit.runtime.engine import Engine
@@ -255,7 +255,7 @@ def test_a_prompts_busy_experts_run_as_gemms_and_decode_steps_keep_the_dots(fami
         pytest.skip("the native kernel is not built")
     convert(tiny.build_checkpoint(family, tmp_path / "hf"), tmp_path / "pack", "int4", progress=False)
     engine = Engine.open(tmp_path / "pack", ServeConfig(ctx=256, expert_gemm_rows="8"))
-    rows, gap = spied_prefills(engine, monkeypatch, (runner, "gemm_first", lambda x, *a: x.shape[0]),
+    rows, gap = spied_prefills(engine, monkeypatch, (host_side, "gemm_first", lambda x, *a: x.shape[0]),
                                lambda: setattr(engine.runner.rates, "setting", "off"))
     assert rows and min(rows) >= 8 and gap < 5e-2
 

@@ -3,7 +3,9 @@ misses on the host straight from the pack's map.
 
 The host part is one native call per layer (kernels.moe_layer) for all its experts; in a prompt
 chunk, an expert with rows enough runs as two fp32 GEMMs instead (Groups.busy, from the rows where
-that pays on this machine: experts/host_rates.py), added after. Where the
+that pays on this machine: experts/host_rates.py), added after. The call is posted to the kernel
+pool and the layer's bookkeeping (profile, cache counts, the next layer's prefetch) is done while
+it runs (experts/host_side.py, `_account`). Where the
 device's memory is host memory (cpu, a simulated card), resident experts go through that same
 call, so the numbers do not depend on the cache size. On CUDA, the layer's routing and hidden
 rows come to the host in one hand-off (experts/handoff.py) and the resident experts run on the
@@ -26,8 +28,8 @@ from moefit import kernels
 from moefit.experts.cache import CacheBook, Key, Victims
 from moefit.errors import DeviceOutOfMemory
 from moefit.experts.costs import MissCosts
-from moefit.experts import device_side
-from moefit.experts.groups import Groups, expert_forward, gemm_first
+from moefit.experts import device_side, host_side
+from moefit.experts.groups import Groups
 from moefit.experts.handoff import Handoff
 from moefit.experts.host_panels import HostPanels
 from moefit.experts.host_rates import HostRates
@@ -37,7 +39,7 @@ from moefit.experts.profile import Profile, dump_routing
 from moefit.experts.slot_table import SlotTable
 from moefit.experts.stager import STAGING_BYTES, Stager, Ticket
 from moefit.pack.layout import matrix_quants
-from moefit.pack.quant import LazyViews, qlinear
+from moefit.pack.quant import LazyViews
 from moefit.pack.reader import Pack
 from moefit.runtime.placement import DeviceMemory
 
@@ -234,32 +236,43 @@ class ExpertRunner:
         sent = self.handoff.send(x, ids, weights, guess[1] if guess else None)
         early = self.fused.queue(layer, x, ids, weights, shape) if shape is not None else None  # before the wait
         xh, ids_h, w_h, *guessed = self.handoff.wait(sent)         # the layer's one synchronisation
+        routed = ids_h.tolist()                                     # the bookkeeping's one conversion
+        groups = Groups.of(ids_h, w_h, routed)
+        if self.arriving:
+            self._arrived(layer, self.wait_for_prefetch)
+        late = [e for e in groups.experts if (layer, e) in self.arriving] if self.arriving else []
+        hits = [bool(early[1][e]) if early else (layer, e) in self.slots for e in groups.experts]
+        resident = hits
+        if early is None and x.shape[0] > 1 and self.costs.enabled:
+            resident = self._copy_cheap_misses(layer, x.shape[0], groups, hits)
+        if early is None and x.device.type == "cpu":   # slots and the pack's map are both host memory: one call
+            host = host_side.start(self, layer, x, groups)
+            self._account(layer, routed, w_h, groups, hits, late, guess, guessed)    # while the host computes
+            return host.result()
+        misses = groups.subset([not r for r in resident])
+        host = host_side.start(self, layer, xh.float(), misses) if misses.experts else None
+        out = early[0] if early else self._device_experts(layer, x, groups.subset(resident))  # queued on the device ...
+        self._account(layer, routed, w_h, groups, hits, late, guess, guessed)   # ... while the host computes the misses
+        if host is not None:
+            out = out + self.handoff.to_device(host.result(), out)
+        return out.to(x.dtype)
+
+    def _account(self, layer: int, routed: list[list[int]], w_h: torch.Tensor, groups: Groups, hits: list[bool],
+                 late: list[int], guess, guessed: list) -> None:
+        """A layer's bookkeeping, once its routing is on the host and its experts are computing:
+        the next layer's guess, the profile (and the routing dump), the look-ahead's score, the
+        cache's counts, and the next layer's prefetch."""
         if guess:
             self.ahead.expect(guess[0], guessed[0].tolist())
-        routed = ids_h.tolist()                                     # the bookkeeping's one conversion
         self.profile.record(layer, routed)
         if self.dump is not None:
             guesses = self.ahead.per_token.get(layer) if self.ahead is not None else None
             dump_routing(self.dump, layer, routed, w_h.float().tolist(), guesses)
-        groups = Groups.of(ids_h, w_h, routed)
-        if self.arriving:
-            self._arrived(layer, self.wait_for_prefetch)
         if self.ahead is not None:
-            late = [e for e in groups.experts if (layer, e) in self.arriving] if self.arriving else []
             self.ahead.score(layer, groups.experts, routed[-1], late)
-        resident = [bool(early[1][e]) if early else (layer, e) in self.slots for e in groups.experts]
-        self.book.record(layer, groups.experts, resident)
+        self.book.record(layer, groups.experts, hits)
         if self.ahead is not None:                                # the next layer's guess, brought in
             self.prefetch(self.ahead.next_guessed(layer), layer, groups.experts)
-        if early is None and x.shape[0] > 1 and self.costs.enabled:
-            resident = self._copy_cheap_misses(layer, x.shape[0], groups, resident)
-        if early is None and x.device.type == "cpu":   # slots and the pack's map are both host memory: one call
-            return self._host_experts(layer, x, groups)
-        out = early[0] if early else self._device_experts(layer, x, groups.subset(resident))  # queued on the device ...
-        misses = groups.subset([not r for r in resident])
-        if misses.experts:                     # ... while the host computes the misses
-            out = out + self.handoff.to_device(self._host_experts(layer, xh.float(), misses), out)
-        return out.to(x.dtype)
 
     def defer(self, layer: int, guess, sent) -> None:
         self._later.append((layer, guess, sent))
@@ -311,49 +324,13 @@ class ExpertRunner:
         return self.handoff.syncs
 
     def _host_experts(self, layer: int, x: torch.Tensor, groups: "Groups", busy: list[bool] | None = None) -> torch.Tensor:
-        """The experts of `groups` on host memory (a slot of a simulated card, or the pack's
-        map): one native call, summed in expert order; torch per expert where it cannot. A
-        prompt chunk's busy experts run as GEMMs (`busy`: each expert's choice, given or decided)."""
-        quant = self.pack.blobs[(layer, groups.experts[0])].quant
-        native = self.expert_fn is None or self.native_act is not None
-        if kernels.usable(x, quant) and native:
-            busy = self.rates.busy(layer, quant, groups, x.shape[0]) if busy is None else busy
-            dots = groups.subset([not b for b in busy]) if any(busy) else groups
-            act = self.native_act(layer, dots.experts) if self.native_act is not None and dots.experts else None
-            out = (kernels.moe_call(x, quant, self._shape(quant), self._pointers(layer, dots.experts), dots.start,
-                                    dots.rows, dots.weights, act) if dots.experts else torch.zeros_like(x))
-            if out is not None:
-                return self._gemm_experts(layer, x, groups, busy, out) if any(busy) else out
-        out = torch.zeros_like(x)
-        for i, e in enumerate(groups.experts):                  # fixed summation order
-            rows, w = groups.rows_of(i)
-            parts, quant_e = self._on_host(layer, e)
-            y = self._forward(layer, e)(x[rows], parts, quant_e)
-            out.index_add_(0, rows, y * w[:, None].to(y.dtype))
-        return out
-
-    def _gemm_experts(self, layer: int, x: torch.Tensor, groups: "Groups", busy: list[bool],
-                      out: torch.Tensor) -> torch.Tensor:
-        """The busy experts of a prompt chunk (groups.busy) added to out as fp32 GEMMs, in expert order."""
-        with kernels.torch_threads():
-            for i, e in enumerate(groups.experts):
-                if busy[i]:
-                    rows, w = groups.rows_of(i)
-                    parts, quant = self._on_host(layer, e)
-                    y = self._forward(layer, e)(x[rows], parts, quant, gemm_first)
-                    out.index_add_(0, rows, y.mul_(w[:, None]))
-        return out
+        """The experts of `groups` on host memory, computed now (experts/host_side.py)."""
+        return host_side.start(self, layer, x, groups, busy).result()
 
     def _device_experts(self, layer: int, x: torch.Tensor, groups: "Groups") -> torch.Tensor:
         """Resident experts on the device from their pool slots, as the host chose them
         (experts/device_side.py)."""
         return device_side.grouped(self, layer, x, groups)
-
-    def _forward(self, layer: int, e: int):
-        """The expert function: the family's own (gpt-oss) or SwiGLU."""
-        if self.expert_fn is None:
-            return expert_forward
-        return lambda xs, parts, q, linear=qlinear: self.expert_fn(layer, e, xs, parts, q, linear)
 
     def _shape(self, quant: str) -> tuple[int, int]:
         """(intermediate size, int4 group size or 0) of this quant's blobs, from the layout."""

@@ -1,6 +1,7 @@
 """The native host kernels (moe.c), built at install time (setup.py) and loaded with ctypes.
 
-- moe_layer: one call per MoE layer for the routed experts computed on the host;
+- moe_layer: one call per MoE layer for the routed experts computed on the host, posted to the
+  pool while the caller goes on (layer_call.py);
 - qlinear: one quantised matrix (the dense path with --dense-quant); dequantize: one as fp32
   rows (for a prompt's product where torch's fp32 GEMM runs its shape faster here: gemm.py);
 - the float operations between them (RMSNorm, QK-norm + RoPE, one position's attention):
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 import ctypes
-from dataclasses import dataclass
 import importlib.machinery
 import logging
 import os
@@ -41,7 +41,7 @@ GROUPED = ("int4", "int4p", "q8_0")             # a scale per (row, group of inp
 # panels, kpanels.h; 5: IQ4_XS and MXFP4 in panels; 6: a prompt's Q6_K in decoded panels,
 # kdecoded.h): the choices a host measured and kept (ops/measured.py) are then measured again.
 REVISION = 6
-ABI = 3                                         # moe.c's moe_abi(): the exported functions' arguments
+ABI = 4                                         # moe.c's moe_abi(): the exported functions' arguments
 c_i64, c_ptr = ctypes.c_int64, ctypes.c_void_p
 
 
@@ -71,9 +71,10 @@ def _load() -> ctypes.CDLL | None:
     lib.moe_layer.argtypes = [c_ptr, c_i64, c_i64, c_i64, ctypes.c_int, c_i64, c_i64, c_ptr, c_ptr, c_ptr, c_ptr,
                               c_ptr]
     lib.moe_linear.argtypes = [c_ptr, c_i64, c_i64, c_i64, ctypes.c_int, c_i64, c_ptr, c_ptr, c_ptr]
-    if hasattr(lib, "moe_layer_act"):               # gpt-oss's experts (a library built before it lacks it)
-        lib.moe_layer_act.restype = ctypes.c_int
-        lib.moe_layer_act.argtypes = lib.moe_layer.argtypes + [ctypes.c_float, ctypes.c_float, c_ptr, c_ptr]
+    lib.moe_layer_act.restype = lib.moe_layer_wait.restype = ctypes.c_int
+    lib.moe_layer_act.argtypes = lib.moe_layer.argtypes + [ctypes.c_float, ctypes.c_float, c_ptr, c_ptr]
+    lib.moe_layer_post.restype, lib.moe_layer_post.argtypes = c_i64, lib.moe_layer_act.argtypes
+    lib.moe_layer_wait.argtypes = [c_i64]
     lib.moe_isa.restype = ctypes.c_char_p
     lib.moe_set_threads(default_threads())
     return lib
@@ -339,59 +340,5 @@ def _reorder(codes: torch.Tensor, scale: torch.Tensor, to_panels: bool) -> tuple
     return torch.cat([c, codes[head:]]), torch.cat([s, scale[head:]])
 
 
-PARTS = ("gate_up", "gate_up.scale", "down", "down.scale")
-
-
-def addresses(parts: dict, panels: bool = False) -> list[int]:
-    """An expert's four part addresses, as moe_call takes them (0: a scale kept inside the blocks),
-    and 1 where it is int4 held in panels (experts/host_panels.py), else 0. Parts that know their
-    addresses without views (pack/quant.py LazyViews: a slot of a host-memory card) give them."""
-    at = getattr(parts, "address", None) or (lambda name: parts[name].data_ptr())
-    return [at(name) if name in parts else 0 for name in PARTS] + [int(panels)]
-
-
-@dataclass(frozen=True)
-class GptOssAct:
-    """gpt-oss's expert activation for moe_call: the clamped, alpha-scaled gate, and each
-    expert's biases (addresses of fp32 rows: gate_up [2I] gate then up, down [E])."""
-    alpha: float
-    limit: float
-    gate_up_bias: list[int]
-    down_bias: list[int]
-
-
-def moe_call(x: torch.Tensor, quant: str, shape: tuple[int, int], pointers: list[int], start: list[int],
-             rows: torch.Tensor, weights: torch.Tensor, act: GptOssAct | None = None) -> torch.Tensor | None:
-    """One layer's experts on the host: expert i (its `addresses` at pointers[5i:5i+5])
-    takes the tokens rows[start[i]:start[i+1]] (int32) with their router weights (fp32).
-    shape is (intermediate size, int4 group size or 0). Returns [T, E] fp32 summed in expert
-    order, or None for shapes the kernel does not take (or an activation it was built without)."""
-    x = x.contiguous()
-    t, e = x.shape
-    inter, group = shape
-    n = len(start) - 1
-    out = torch.zeros(t, e, dtype=torch.float32)
-    lib = library()
-    args = [_p(x), t, e, inter, code(quant), group, n, (ctypes.c_int64 * len(pointers))(*pointers),
-            (ctypes.c_int64 * len(start))(*start), _p(rows), _p(weights), _p(out)]
-    if act is None:
-        ok = lib.moe_layer(*args)
-    elif hasattr(lib, "moe_layer_act"):
-        ok = lib.moe_layer_act(*args, act.alpha, act.limit, (ctypes.c_int64 * n)(*act.gate_up_bias),
-                               (ctypes.c_int64 * n)(*act.down_bias))
-    else:
-        return None
-    return out if ok == 0 else None
-
-
-def moe_layer(x: torch.Tensor, quant: str, experts: list[dict], rows: list[torch.Tensor],
-              weights: list[torch.Tensor], panels: list[bool] | None = None) -> torch.Tensor | None:
-    """moe_call from part views and per-expert token rows and weights (tests, benchmarks); `panels`:
-    which experts' parts are int4 in panel order (rows_to_panels)."""
-    e = x.shape[1]
-    inter = experts[0]["gate_up"].shape[0] // 2
-    group = group_of(matrix_quants(quant)[0], e, experts[0].get("gate_up.scale"))
-    start = torch.tensor([0] + [len(r) for r in rows]).cumsum(0).tolist()
-    pointers = [a for i, p in enumerate(experts) for a in addresses(p, bool(panels and panels[i]))]
-    return moe_call(x, quant, (inter, group), pointers, start, torch.cat(rows).to(torch.int32),
-                    torch.cat(weights).float().contiguous())
+# the MoE layer's call (kernels/layer_call.py), here with the rest of the native interface
+from moefit.kernels.layer_call import PARTS, GptOssAct, NativeCall, addresses, moe_call, moe_layer, moe_post  # noqa: E402,F401

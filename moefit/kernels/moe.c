@@ -155,7 +155,7 @@ int moe_int4_panels(void) {
 
 /* Raised whenever an exported function's arguments change: kernels/__init__.py refuses a library
  * built from other sources (an install not rebuilt after an update) rather than call it wrongly. */
-int moe_abi(void) { return 3; }
+int moe_abi(void) { return 4; }
 
 const char *moe_isa(void) {
     choose_isa();
@@ -369,6 +369,8 @@ int moe_layer_act(const float *x, int64_t T, int64_t E, int64_t I, int quant, in
     const act_params act = {alpha, limit, gu_bias, dn_bias};
     return run_layer(x, T, E, I, quant, group, n_exp, ex, start, rows, weights, out, &act);
 }
+
+#include "posted.h"
 
 #include "linear.h"
 #include "weights.h"

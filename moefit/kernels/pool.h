@@ -1,5 +1,6 @@
 /* The native kernels' thread pool (included by moe.c): persistent pthread workers that claim a
- * call's tasks, the caller working with them; moe_set_threads sizes it. */
+ * call's tasks, the caller working with them; moe_set_threads sizes it. A worker may also lead a
+ * layer call the caller posted and went on from (posted.h). */
 
 /* ---- the thread pool: workers spin for a while after a phase (SPIN_NS), then sleep on a
  * condition variable; a call wakes them only when one sleeps. `next` holds (generation << 32 |
@@ -32,6 +33,10 @@ static struct {
 #else
 #define RELAX() ((void)0)
 #endif
+
+static void take_posted(void);                 /* posted.h: lead a posted layer call, if one waits */
+static int join_posted(void);                  /* ... and see it done */
+static _Thread_local int leading;              /* this thread runs a posted call's phases */
 
 static int64_t now_ns(void) {
     struct timespec t;
@@ -66,12 +71,24 @@ static void *worker(void *arg) {
             pthread_mutex_unlock(&pool.lock);
         }
         seen = atomic_load(&pool.generation);
+        take_posted();
         run_tasks(seen);
     }
     return NULL;
 }
 
+/* A new generation: stale workers stop claiming, spinning ones see it, sleeping ones are woken. */
+static void publish(uint64_t gen) {
+    atomic_store(&pool.generation, gen);
+    if (atomic_load(&pool.sleeping)) {              /* workers still spinning need no wake-up call */
+        pthread_mutex_lock(&pool.lock);             /* a sleeper is now in its wait, not between check and wait */
+        pthread_mutex_unlock(&pool.lock);
+        pthread_cond_broadcast(&pool.wake);         /* after the unlock: the woken take a free lock */
+    }
+}
+
 static void parallel(task_fn fn, void *ctx, int64_t tasks) {
+    if (!leading) join_posted();                    /* one call's phases at a time in the pool */
     if (pool.threads <= 1 || tasks == 1) {
         for (int64_t t = 0; t < tasks; t++) fn(ctx, t);
         return;
@@ -80,12 +97,7 @@ static void parallel(task_fn fn, void *ctx, int64_t tasks) {
     atomic_store(&pool.next, gen << 32);            /* first: stale workers stop claiming */
     pool.fn = fn, pool.ctx = ctx, pool.tasks = tasks;
     atomic_store(&pool.done, 0);
-    atomic_store(&pool.generation, gen);
-    if (atomic_load(&pool.sleeping)) {              /* workers still spinning need no wake-up call */
-        pthread_mutex_lock(&pool.lock);             /* a sleeper is now in its wait, not between check and wait */
-        pthread_mutex_unlock(&pool.lock);
-        pthread_cond_broadcast(&pool.wake);         /* after the unlock: the woken take a free lock */
-    }
+    publish(gen);
     run_tasks(gen);
     while (atomic_load(&pool.done) < tasks) RELAX();
 }

@@ -1,0 +1,115 @@
+"""The MoE layer's native call (moe.c run_layer): every expert a layer computes on the host in one
+call, posted to the kernel pool (posted.h) so that the caller can go on while a worker leads it;
+`NativeCall.result()` joins it. The runner posts a layer's call, then does that layer's
+bookkeeping (the profile, the cache's counts, the next layer's prefetch) and only then waits
+(experts/host_side.py): on a GPU's engine thread that bookkeeping no longer comes before the
+host's experts on every layer.
+
+One call is in flight at a time: posting another first joins it (here, keeping its result), and
+any other pooled native call of the engine thread first finishes it (posted.h). What it reads (the hidden rows, the routing, the
+pointer arrays) and writes (the output) is held by the NativeCall until it is joined; dropping
+a NativeCall joins it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+
+from moefit.kernels import _p, code, group_of, library
+from moefit.pack.layout import matrix_quants
+
+PARTS = ("gate_up", "gate_up.scale", "down", "down.scale")
+
+
+def addresses(parts: dict, panels: bool = False) -> list[int]:
+    """An expert's four part addresses, as moe_call takes them (0: a scale kept inside the blocks),
+    and 1 where it is int4 held in panels (experts/host_panels.py), else 0. Parts that know their
+    addresses without views (pack/quant.py LazyViews: a slot of a host-memory card) give them."""
+    at = getattr(parts, "address", None) or (lambda name: parts[name].data_ptr())
+    return [at(name) if name in parts else 0 for name in PARTS] + [int(panels)]
+
+
+@dataclass(frozen=True)
+class GptOssAct:
+    """gpt-oss's expert activation for moe_call: the clamped, alpha-scaled gate, and each
+    expert's biases (addresses of fp32 rows: gate_up [2I] gate then up, down [E])."""
+    alpha: float
+    limit: float
+    gate_up_bias: list[int]
+    down_bias: list[int]
+
+
+_last: NativeCall | None = None                # the call posted last: joined before the next is posted
+
+
+class NativeCall:
+    """A posted layer call: result() waits for it (the pool's threads and this one finish it)
+    and gives its [T, E] fp32 sum, or None where the kernel did not take the shapes."""
+
+    def __init__(self, lib: ctypes.CDLL, ticket: int, out: torch.Tensor, held: tuple):
+        self._lib, self.ticket, self.out, self._held = lib, ticket, out, held
+        self._rc: int | None = None
+
+    def result(self) -> torch.Tensor | None:
+        if self._rc is None:
+            self._rc = self._lib.moe_layer_wait(self.ticket)
+            self._held = ()
+        return self.out if self._rc == 0 else None
+
+    def __del__(self):
+        if self._rc is None and self._held:       # never free what a running call reads
+            self.result()
+
+
+def moe_post(x: torch.Tensor, quant: str, shape: tuple[int, int], pointers: list[int], start: list[int],
+             rows: torch.Tensor, weights: torch.Tensor, act: GptOssAct | None = None) -> NativeCall:
+    """One layer's experts on the host, posted: expert i (its `addresses` at pointers[5i:5i+5])
+    takes the tokens rows[start[i]:start[i+1]] (int32) with their router weights (fp32).
+    shape is (intermediate size, int4 group size or 0). The caller has checked library()."""
+    x = x.contiguous()
+    t, e = x.shape
+    inter, group = shape
+    n = len(start) - 1
+    out = torch.zeros(t, e, dtype=torch.float32)
+    ex, at = (ctypes.c_int64 * len(pointers))(*pointers), (ctypes.c_int64 * len(start))(*start)
+    gate_up_bias = down_bias = None
+    if act is not None:
+        gate_up_bias, down_bias = (ctypes.c_int64 * n)(*act.gate_up_bias), (ctypes.c_int64 * n)(*act.down_bias)
+    alpha, limit = (act.alpha, act.limit) if act is not None else (0.0, 0.0)
+    global _last
+    if _last is not None:                         # its result kept: posting would join it unseen
+        _last.result()
+    lib = library()
+    ticket = lib.moe_layer_post(_p(x), t, e, inter, code(quant), group, n, ex, at, _p(rows), _p(weights),
+                                      _p(out), alpha, limit, gate_up_bias, down_bias)
+    _last = NativeCall(lib, ticket, out, (x, rows, weights, ex, at, gate_up_bias, down_bias))
+    return _last
+
+
+def moe_call(x: torch.Tensor, quant: str, shape: tuple[int, int], pointers: list[int], start: list[int],
+             rows: torch.Tensor, weights: torch.Tensor, act: GptOssAct | None = None) -> torch.Tensor | None:
+    """moe_post, waited for: [T, E] fp32 summed in expert order, or None for shapes the kernel
+    does not take."""
+    return moe_post(x, quant, shape, pointers, start, rows, weights, act).result()
+
+
+def post_views(x: torch.Tensor, quant: str, experts: list[dict], rows: list[torch.Tensor],
+               weights: list[torch.Tensor], panels: list[bool] | None = None) -> NativeCall:
+    """moe_post from part views and per-expert token rows and weights (tests, benchmarks); `panels`:
+    which experts' parts are int4 in panel order (rows_to_panels)."""
+    e = x.shape[1]
+    inter = experts[0]["gate_up"].shape[0] // 2
+    group = group_of(matrix_quants(quant)[0], e, experts[0].get("gate_up.scale"))
+    start = torch.tensor([0] + [len(r) for r in rows]).cumsum(0).tolist()
+    pointers = [a for i, p in enumerate(experts) for a in addresses(p, bool(panels and panels[i]))]
+    return moe_post(x, quant, (inter, group), pointers, start, torch.cat(rows).to(torch.int32),
+                    torch.cat(weights).float().contiguous())
+
+
+def moe_layer(x: torch.Tensor, quant: str, experts: list[dict], rows: list[torch.Tensor],
+              weights: list[torch.Tensor], panels: list[bool] | None = None) -> torch.Tensor | None:
+    """post_views, waited for."""
+    return post_views(x, quant, experts, rows, weights, panels).result()

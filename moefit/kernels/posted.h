@@ -1,0 +1,89 @@
+/* A layer call posted to the pool (included by moe.c after run_layer): moe_layer_post returns at
+ * once and a pool worker leads the call, its phases shared with the other workers as parallel()
+ * shares them, while the caller goes on with other work (the runner's bookkeeping of the layer:
+ * experts/host_side.py); moe_layer_wait then works on the call's tasks with them until it is done
+ * and returns what run_layer returned. The pool's threads stay the pool's threads: the caller is
+ * not working while it is away, and joins when it waits.
+ *
+ * One call in flight: posting another, or any parallel() of the caller's meanwhile, first joins
+ * it. Where no worker has taken it when the caller waits (a pool of one thread has none), the
+ * caller runs it itself. */
+
+enum { IDLE, POSTED, RUNNING, DONE };
+
+static struct {
+    _Atomic int state;
+    int64_t ticket;                    /* the last call posted; its rc stays until the next */
+    int rc;
+    const float *x;
+    int64_t T, E, I, group, n_exp;
+    int quant;
+    const expert_ptrs *ex;
+    const int64_t *start;
+    const int32_t *rows;
+    const float *weights;
+    float *out;
+    act_params act;                    /* used when act.gu_bias is set (gpt-oss's experts) */
+} posted;
+
+static void lead_posted(void) {
+    leading = 1;
+    posted.rc = run_layer(posted.x, posted.T, posted.E, posted.I, posted.quant, posted.group, posted.n_exp, posted.ex,
+                          posted.start, posted.rows, posted.weights, posted.out,
+                          posted.act.gu_bias ? &posted.act : NULL);
+    leading = 0;
+    atomic_store(&posted.state, DONE);
+}
+
+static void take_posted(void) {
+    int want = POSTED;
+    if (atomic_load(&posted.state) == POSTED && atomic_compare_exchange_strong(&posted.state, &want, RUNNING))
+        lead_posted();
+}
+
+/* Until the posted call is done, its phases' tasks claimed here too; then the pool is free. */
+static int join_posted(void) {
+    if (atomic_load(&posted.state) == IDLE) return posted.rc;
+    uint64_t seen = 0;
+    while (atomic_load(&posted.state) != DONE) {
+        take_posted();                                  /* nobody has: it runs here */
+        const uint64_t gen = atomic_load(&pool.generation);
+        if (gen != seen) {
+            seen = gen;
+            run_tasks(gen);
+        } else {
+            RELAX();
+        }
+    }
+    atomic_store(&posted.state, IDLE);
+    return posted.rc;
+}
+
+/* moe_layer (gu_bias NULL) or moe_layer_act, posted; returns its ticket for moe_layer_wait. The
+ * arrays it is given must live until then. */
+int64_t moe_layer_post(const float *x, int64_t T, int64_t E, int64_t I, int quant, int64_t group, int64_t n_exp,
+                       const expert_ptrs *ex, const int64_t *start, const int32_t *rows, const float *weights,
+                       float *out, float alpha, float limit, const float *const *gu_bias,
+                       const float *const *dn_bias) {
+    join_posted();
+    choose_isa();                                       /* here, not racing a worker's first call */
+    posted.x = x, posted.T = T, posted.E = E, posted.I = I, posted.quant = quant, posted.group = group;
+    posted.n_exp = n_exp, posted.ex = ex, posted.start = start, posted.rows = rows, posted.weights = weights;
+    posted.out = out, posted.act = (act_params){alpha, limit, gu_bias, dn_bias};
+    posted.ticket++;
+    atomic_store(&posted.state, POSTED);
+    if (pool.threads > 1) {                             /* a new generation with no tasks wakes a worker */
+        const uint64_t gen = atomic_load(&pool.generation) + 1;
+        atomic_store(&pool.next, gen << 32);
+        pool.tasks = 0;
+        publish(gen);
+    }
+    return posted.ticket;
+}
+
+/* The posted call's result (0, or -1 for shapes it does not take), once it is done; -2 for a
+ * ticket older than the last one posted. */
+int moe_layer_wait(int64_t ticket) {
+    if (ticket != posted.ticket) return -2;
+    return join_posted();
+}

@@ -1,0 +1,82 @@
+"""The MoE layer's native call posted to the kernel pool (kernels/layer_call.py, posted.h): the
+same bits as the call waited for at once, whatever the engine thread does before it waits; and
+the runner doing a layer's bookkeeping while its call is in flight (experts/host_side.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moefit import kernels
+from moefit.kernels import layer_call
+from moefit.pack.quant import quantize
+from test_kernels import make
+
+pytestmark = pytest.mark.skipif(kernels.library() is None, reason="the native kernels are not built")
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_posted_call_gives_the_bits_of_a_waited_one_with_other_native_work_between(threads):
+    """While a call is posted, the engine thread's own pooled call (a dense matrix) first finishes
+    it; a second call posted joins the first; each result is bit for bit the one of its own."""
+    kernels.set_threads(threads)
+    try:
+        a, b = make("int4", 160, 224, 5, 3, seed=1), make("q8_0", 96, 64, 3, 8, seed=2)
+        alone_a, alone_b = kernels.moe_layer(*a[:1], "int4", *a[1:]), kernels.moe_layer(*b[:1], "q8_0", *b[1:])
+        g = torch.Generator().manual_seed(3)
+        parts = dict(zip(["w", "w.scale"], quantize(torch.randn(70, 64, generator=g), "int8", 32)))
+        x = torch.randn(4, 64, generator=g)
+        dense_alone = kernels.qlinear(x, parts, "w", "int8")
+
+        first = layer_call.post_views(*a[:1], "int4", *a[1:])
+        dense = kernels.qlinear(x, parts, "w", "int8")                 # the pool is the posted call's first
+        second = layer_call.post_views(*b[:1], "q8_0", *b[1:])          # joins the first, keeping its result
+        assert torch.equal(dense, dense_alone)
+        assert torch.equal(second.result(), alone_b) and torch.equal(first.result(), alone_a)
+        assert first.result() is first.result()                        # waited for once
+    finally:
+        kernels.set_threads(kernels.default_threads())
+
+
+def test_a_posted_call_dropped_unwaited_is_finished_before_its_buffers_go():
+    """Dropping a NativeCall joins it (what it reads and writes is freed only after); the pool
+    then takes the next call as usual."""
+    x, experts, rows, weights = make("int8", 544, 768, 4, 8, seed=4)
+    want = kernels.moe_layer(x, "int8", experts, rows, weights)
+    for _ in range(3):
+        layer_call.post_views(x.clone(), "int8", experts, [r.clone() for r in rows], weights)   # dropped at once
+    assert torch.equal(kernels.moe_layer(x, "int8", experts, rows, weights), want)
+
+
+def test_the_runner_does_a_layers_bookkeeping_while_its_host_call_is_in_flight(packs, card):
+    """On a simulated card with look-ahead (so every step prefetches), each decode layer's
+    profile, cache counts and prefetch run after its call was posted and before it is joined;
+    the greedy tokens are those of the experts computed call by call, waited for at once."""
+    from moefit.config import ServeConfig
+    from moefit.experts import host_side
+    from moefit.runtime.engine import Engine
+    from moefit.runtime.sampler import SamplingParams
+    params, prompt = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True), [5, 17, 42, 99, 7, 3]
+
+    def engine():
+        return Engine.open(packs("qwen3_moe", "int8"), ServeConfig(
+            device=f"sim:{card(64)}", ctx=64, vram_reserve_mib=1, low_headroom_mib=0, min_expert_slots=0,
+            expert_cache="4", prefetch_per_layer=2))
+    e = engine()
+    seen = []
+    record = e.runner.book.record
+
+    def record_in_flight(*args):
+        seen.append(layer_call._last is not None and layer_call._last._rc is None)
+        return record(*args)
+    e.runner.book.record = record_in_flight
+    posted = e.generate(prompt, params)[1].generated
+    assert len(seen) == 20 and all(seen), seen                          # 10 forwards x 2 MoE layers
+
+    start = host_side.start
+    host_side.start = lambda *a, **k: host_side.HostWork(*a[:4], [], out=start(*a, **k).result())
+    try:
+        at_once = engine().generate(prompt, params)[1].generated
+    finally:
+        host_side.start = start
+    assert posted == at_once
