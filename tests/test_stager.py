@@ -37,6 +37,18 @@ def test_the_worker_copies_and_landed_waits_for_it():
     assert stager.sent == 1
 
 
+def test_a_blob_given_as_a_function_is_made_on_the_worker():
+    """The runner sends its view of the pack's map as a function: the view is made off the engine thread."""
+    stager = Stager(torch.device("cpu"), largest_blob=16)
+    made_on, slot, blob = [], SlowSlot(), torch.full((16,), 7, dtype=torch.uint8)
+
+    def view():
+        made_on.append(threading.current_thread().name)
+        return blob
+    stager.landed(stager.send((1, 2), view, slot))
+    assert made_on == ["moefit-stager"] and torch.equal(slot.data, blob)
+
+
 def test_a_workers_error_is_raised_on_the_engine_thread_and_the_next_copy_still_runs():
     stager = Stager(torch.device("cpu"), largest_blob=16)
     bad = stager.send((0, 1), torch.zeros(4, dtype=torch.uint8), SlowSlot(fail=True))

@@ -128,7 +128,7 @@ class ExpertRunner:
         view = self.pool.acquire(key)
         if view is None:
             return
-        self.arriving[key] = self.staging().send(key, self.pack.blob(*key), view)
+        self.arriving[key] = self.staging().send(key, partial(self.pack.blob, *key), view)   # viewed there
         self.book.admit(key)
         self.book.swaps += 1
         self.ahead.fetched_for(*key)

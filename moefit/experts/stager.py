@@ -1,6 +1,6 @@
 """The look-ahead's copies into the cache, made off the engine thread.
 
-    ticket = stager.send(key, blob, slot)   # returns at once; a worker copies blob into slot
+    ticket = stager.send(key, blob, slot)   # returns at once; a worker copies blob (or blob()) into slot
     stager.call(job)                        # ... or runs job() (a page read-ahead)
     ...                                     # the engine thread goes on with the layer
     stager.landed(ticket)                   # before the slot is read: its copy is ordered first
@@ -75,7 +75,9 @@ class Stager:
         self._work.put(None)
         self._thread.join(timeout_s)
 
-    def send(self, key: tuple[int, int], blob: torch.Tensor, slot: torch.Tensor) -> Ticket:
+    def send(self, key: tuple[int, int], blob, slot: torch.Tensor) -> Ticket:
+        """blob: the bytes, or a function giving them, called on the worker (the runner's view of
+        the pack's map: a tensor op, tens of us on the engine thread with its caches cold)."""
         ticket = Ticket(key, slot)
         self._put(lambda: self._copy(ticket, blob))
         self.sent += 1
@@ -138,8 +140,9 @@ class Stager:
         while (job := self._work.get()) is not None:
             job()
 
-    def _copy(self, ticket: Ticket, blob: torch.Tensor) -> None:
+    def _copy(self, ticket: Ticket, blob) -> None:
         try:
+            blob = blob() if callable(blob) else blob
             if self.cuda:
                 self._through_ring(ticket, blob)
             else:
