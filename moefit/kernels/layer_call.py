@@ -13,6 +13,7 @@ a NativeCall joins it.
 
 from __future__ import annotations
 
+from array import array
 import ctypes
 from dataclasses import dataclass
 
@@ -64,6 +65,11 @@ class NativeCall:
             self.result()
 
 
+def _a(values: array | None) -> int | None:
+    """An int64 array's address for a c_void_p argument (None: NULL)."""
+    return values.buffer_info()[0] if values is not None else None
+
+
 def moe_post(x: torch.Tensor, quant: str, shape: tuple[int, int], pointers: list[int], start: list[int],
              rows: torch.Tensor, weights: torch.Tensor, act: GptOssAct | None = None) -> NativeCall:
     """One layer's experts on the host, posted: expert i (its `addresses` at pointers[5i:5i+5])
@@ -74,17 +80,17 @@ def moe_post(x: torch.Tensor, quant: str, shape: tuple[int, int], pointers: list
     inter, group = shape
     n = len(start) - 1
     out = torch.zeros(t, e, dtype=torch.float32)
-    ex, at = (ctypes.c_int64 * len(pointers))(*pointers), (ctypes.c_int64 * len(start))(*start)
+    ex, at = array("q", pointers), array("q", start)      # int64 arrays: faster made than ctypes' from lists
     gate_up_bias = down_bias = None
     if act is not None:
-        gate_up_bias, down_bias = (ctypes.c_int64 * n)(*act.gate_up_bias), (ctypes.c_int64 * n)(*act.down_bias)
+        gate_up_bias, down_bias = array("q", act.gate_up_bias), array("q", act.down_bias)
     alpha, limit = (act.alpha, act.limit) if act is not None else (0.0, 0.0)
     global _last
     if _last is not None:                         # its result kept: posting would join it unseen
         _last.result()
     lib = library()
-    ticket = lib.moe_layer_post(_p(x), t, e, inter, code(quant), group, n, ex, at, _p(rows), _p(weights),
-                                      _p(out), alpha, limit, gate_up_bias, down_bias)
+    ticket = lib.moe_layer_post(_p(x), t, e, inter, code(quant), group, n, _a(ex), _a(at), _p(rows), _p(weights),
+                                _p(out), alpha, limit, _a(gate_up_bias), _a(down_bias))
     _last = NativeCall(lib, ticket, out, (x, rows, weights, ex, at, gate_up_bias, down_bias))
     return _last
 
