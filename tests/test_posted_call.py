@@ -4,6 +4,8 @@ the runner doing a layer's bookkeeping while its call is in flight (experts/host
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 
@@ -38,14 +40,17 @@ def test_a_posted_call_gives_the_bits_of_a_waited_one_with_other_native_work_bet
         kernels.set_threads(kernels.default_threads())
 
 
-def test_a_posted_call_dropped_unwaited_is_finished_before_its_buffers_go():
-    """Dropping a NativeCall joins it (what it reads and writes is freed only after); the pool
-    then takes the next call as usual."""
+def test_a_posted_call_holds_what_it_reads_until_it_is_joined():
+    """A caller that drops the call unjoined (it raised before waiting) frees nothing the pool
+    still reads: the call posted last holds its inputs until it is joined, then lets them go."""
     x, experts, rows, weights = make("int8", 544, 768, 4, 8, seed=4)
     want = kernels.moe_layer(x, "int8", experts, rows, weights)
-    for _ in range(3):
-        layer_call.post_views(x.clone(), "int8", experts, [r.clone() for r in rows], weights)   # dropped at once
-    assert torch.equal(kernels.moe_layer(x, "int8", experts, rows, weights), want)
+    mine = x.clone()
+    alive = weakref.ref(mine)
+    layer_call.post_views(mine, "int8", experts, rows, weights)     # the handle dropped at once
+    del mine
+    assert alive() is not None
+    assert torch.equal(layer_call._last.result(), want) and alive() is None
 
 
 def test_the_runner_does_a_layers_bookkeeping_while_its_host_call_is_in_flight(packs, card):

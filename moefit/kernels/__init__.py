@@ -341,4 +341,4 @@ def _reorder(codes: torch.Tensor, scale: torch.Tensor, to_panels: bool) -> tuple
 
 
 # the MoE layer's call (kernels/layer_call.py), here with the rest of the native interface
-from moefit.kernels.layer_call import PARTS, GptOssAct, NativeCall, addresses, moe_call, moe_layer, moe_post  # noqa: E402,F401
+from moefit.kernels.layer_call import PARTS, GptOssAct, NativeCall, addresses, moe_layer, moe_post  # noqa: E402,F401

@@ -7,8 +7,9 @@ host's experts on every layer.
 
 One call is in flight at a time: posting another first joins it (here, keeping its result), and
 any other pooled native call of the engine thread first finishes it (posted.h). What it reads (the hidden rows, the routing, the
-pointer arrays) and writes (the output) is held by the NativeCall until it is joined; dropping
-a NativeCall joins it.
+pointer arrays) and writes (the output) is held by the NativeCall until it is joined, and the
+module holds the call posted last until the next is posted: a caller that raised before waiting
+frees nothing the pool still reads.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ PARTS = ("gate_up", "gate_up.scale", "down", "down.scale")
 
 
 def addresses(parts: dict, panels: bool = False) -> list[int]:
-    """An expert's four part addresses, as moe_call takes them (0: a scale kept inside the blocks),
+    """An expert's four part addresses, as moe_post takes them (0: a scale kept inside the blocks),
     and 1 where it is int4 held in panels (experts/host_panels.py), else 0. Parts that know their
     addresses without views (pack/quant.py LazyViews: a slot of a host-memory card) give them."""
     at = getattr(parts, "address", None) or (lambda name: parts[name].data_ptr())
@@ -35,7 +36,7 @@ def addresses(parts: dict, panels: bool = False) -> list[int]:
 
 @dataclass(frozen=True)
 class GptOssAct:
-    """gpt-oss's expert activation for moe_call: the clamped, alpha-scaled gate, and each
+    """gpt-oss's expert activation for moe_post: the clamped, alpha-scaled gate, and each
     expert's biases (addresses of fp32 rows: gate_up [2I] gate then up, down [E])."""
     alpha: float
     limit: float
@@ -59,10 +60,6 @@ class NativeCall:
             self._rc = self._lib.moe_layer_wait(self.ticket)
             self._held = ()
         return self.out if self._rc == 0 else None
-
-    def __del__(self):
-        if self._rc is None and self._held:       # never free what a running call reads
-            self.result()
 
 
 def _a(values: array | None) -> int | None:
@@ -93,13 +90,6 @@ def moe_post(x: torch.Tensor, quant: str, shape: tuple[int, int], pointers: list
                                 _p(out), alpha, limit, _a(gate_up_bias), _a(down_bias))
     _last = NativeCall(lib, ticket, out, (x, rows, weights, ex, at, gate_up_bias, down_bias))
     return _last
-
-
-def moe_call(x: torch.Tensor, quant: str, shape: tuple[int, int], pointers: list[int], start: list[int],
-             rows: torch.Tensor, weights: torch.Tensor, act: GptOssAct | None = None) -> torch.Tensor | None:
-    """moe_post, waited for: [T, E] fp32 summed in expert order, or None for shapes the kernel
-    does not take."""
-    return moe_post(x, quant, shape, pointers, start, rows, weights, act).result()
 
 
 def post_views(x: torch.Tensor, quant: str, experts: list[dict], rows: list[torch.Tensor],
