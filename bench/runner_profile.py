@@ -98,6 +98,7 @@ def timed(e: Engine, params: SamplingParams, a) -> None:
     for name in TIMED:
         wrap(runner_module.ExpertRunner, name, name)
     wrap(kernels, "moe_post", "native call posted")
+    wrap(kernels, "step_post", "step call posted")          # a decode step's, from its routing
     wrap(kernels.NativeCall, "result", "native call waited")
     wrap(stager.Stager, "landed", "worker waits (landed)")
     e.generate(list(range(300, 364)), params)

@@ -5,6 +5,7 @@ the runner doing a layer's bookkeeping while its call is in flight (experts/host
 from __future__ import annotations
 
 import weakref
+from array import array
 
 import pytest
 import torch
@@ -53,6 +54,39 @@ def test_a_posted_call_holds_what_it_reads_until_it_is_joined():
     assert torch.equal(layer_call._last.result(), want) and alive() is None
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("quant", ["int8", "int4", "q8_0", "q4_k/q6_k"])
+def test_a_step_posted_from_its_routing_gives_the_bits_of_the_grouped_call(quant, threads):
+    """moe_step_post: a token's experts in the router's order, their parts read from the layer's
+    row of addresses, sorted there; the same bits as moe_post given them grouped (ascending)."""
+    kernels.set_threads(threads)
+    try:
+        x, experts, _, _ = make(quant, 512, 256, 12, 1, seed=5)
+        ids, weights = [9, 2, 11, 0, 5, 7], [0.3, 0.05, 0.2, 0.1, 0.25, 0.1]
+        table = array("q", [a for p in experts for a in kernels.addresses(p)])
+        shape = (256, kernels.group_of(quant.split("/")[0], 512, experts[0].get("gate_up.scale")))
+        got = layer_call.step_post(x, quant, shape, table, array("q", ids), array("f", weights)).result()
+        order = sorted(range(len(ids)), key=ids.__getitem__)
+        want = layer_call.post_views(x, quant, [experts[ids[i]] for i in order], [torch.tensor([0])] * len(ids),
+                                     [torch.tensor([weights[i]]) for i in order]).result()
+        assert torch.equal(got, want)
+        from_tensors = layer_call.step_post(x, quant, shape, table, torch.tensor([ids]), torch.tensor([weights])).result()
+        assert torch.equal(from_tensors, want)
+        unsorted = layer_call.post_views(x, quant, [experts[e] for e in ids], [torch.tensor([0])] * len(ids),
+                                         [torch.tensor([w]) for w in weights]).result()
+        assert not torch.equal(got, unsorted)               # the order is the sum's: the test can see it
+    finally:
+        kernels.set_threads(kernels.default_threads())
+
+
+def test_a_step_of_more_experts_than_it_holds_is_refused():
+    x, experts, _, _ = make("int8", 64, 64, 1, 1, seed=6)
+    table = array("q", kernels.addresses(experts[0]))
+    too_many = kernels.STEP_MOST + 1
+    call = layer_call.step_post(x, "int8", (64, 0), table, array("q", [0] * too_many), array("f", [1.0] * too_many))
+    assert call.result() is None
+
+
 def test_the_runner_does_a_layers_bookkeeping_while_its_host_call_is_in_flight(packs, card):
     """On a simulated card with look-ahead (so every step prefetches), each decode layer's
     profile, cache counts and prefetch run after its call was posted and before it is joined;
@@ -78,10 +112,38 @@ def test_the_runner_does_a_layers_bookkeeping_while_its_host_call_is_in_flight(p
     posted = e.generate(prompt, params)[1].generated
     assert len(seen) == 20 and all(seen), seen                          # 10 forwards x 2 MoE layers
 
-    start = host_side.start
+    start, step = host_side.start, host_side.step
     host_side.start = lambda *a, **k: host_side.HostWork(*a[:4], [], out=start(*a, **k).result())
+    host_side.step = lambda *a, **k: None                               # each step grouped first, as before
     try:
         at_once = engine().generate(prompt, params)[1].generated
     finally:
-        host_side.start = start
+        host_side.start, host_side.step = start, step
     assert posted == at_once
+
+
+def test_a_decode_step_on_host_memory_is_posted_before_its_routing_is_grouped(packs):
+    """--device cpu: each decode layer's call is posted from the routing (step_post) before
+    Groups.of runs, and is still in flight then; the prompt's layers go through moe_post."""
+    from moefit.config import ServeConfig
+    from moefit.experts import groups, runner
+    from moefit.runtime.engine import Engine
+    from moefit.runtime.sampler import SamplingParams
+    e = Engine.open(packs("qwen3_moe", "int8"), ServeConfig(ctx=64))
+    calls, grouped = [], []
+    step_post, of = kernels.step_post, groups.Groups.of
+
+    def step_spy(*a):
+        calls.append("step")
+        return step_post(*a)
+
+    def of_spy(ids, *a):
+        if ids.shape[0] == 1:
+            grouped.append(layer_call._last is not None and layer_call._last._rc is None)
+        return of(ids, *a)
+    kernels.step_post, runner.Groups.of = step_spy, of_spy
+    try:
+        e.generate([5, 17, 42, 99, 7, 3], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+    finally:
+        kernels.step_post, runner.Groups.of = step_post, of
+    assert calls == ["step"] * 8 and grouped == [True] * 8, (calls, grouped)   # 4 decode forwards x 2 MoE layers

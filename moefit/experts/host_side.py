@@ -11,6 +11,8 @@ start. The numbers are the same whether the call was posted or run at once.
 
 from __future__ import annotations
 
+from array import array
+
 import torch
 
 from moefit import kernels
@@ -19,18 +21,19 @@ from moefit.pack.quant import qlinear
 
 
 class HostWork:
-    """A layer's host experts in progress: result() gives their [T, E] fp32 sum."""
+    """A layer's host experts in progress: result() gives their [T, E] fp32 sum. `groups` may be
+    None where the call was posted from the routing (`step`): made from it if ever needed."""
 
-    def __init__(self, runner, layer: int, x: torch.Tensor, groups: Groups, busy: list[bool],
-                 call: kernels.NativeCall | None = None, out: torch.Tensor | None = None):
+    def __init__(self, runner, layer: int, x: torch.Tensor, groups: Groups | None, busy: list[bool],
+                 call: kernels.NativeCall | None = None, out: torch.Tensor | None = None, routing: tuple = ()):
         self.runner, self.layer, self.x, self.groups, self.busy = runner, layer, x, groups, busy
-        self.call, self.out = call, out
+        self.call, self.out, self.routing = call, out, routing
 
     def result(self) -> torch.Tensor:
         if self.out is None:
             out = self.call.result() if self.call is not None else torch.zeros_like(self.x)
             if out is None:                        # shapes the kernel does not take
-                out = one_by_one(self.runner, self.layer, self.x, self.groups)
+                out = one_by_one(self.runner, self.layer, self.x, self.groups or Groups.of(*self.routing))
             elif any(self.busy):
                 out = gemm_experts(self.runner, self.layer, self.x, self.groups, self.busy, out)
             self.out = out
@@ -49,10 +52,31 @@ def start(runner, layer: int, x: torch.Tensor, groups: Groups, busy: list[bool] 
     dots = groups.subset([not b for b in busy]) if any(busy) else groups
     if not dots.experts:
         return HostWork(runner, layer, x, groups, busy)
+    if x.shape[0] == 1 and runner.native_act is None and dots.token_weights is not None \
+            and len(dots.experts) <= kernels.STEP_MOST:
+        call = kernels.step_post(x, quant, runner._shape(quant), runner.host.row(layer, dots.experts),
+                                 array("q", dots.experts), array("f", dots.token_weights))
+        return HostWork(runner, layer, x, groups, busy, call)
     act = runner.native_act(layer, dots.experts) if runner.native_act is not None else None
     call = kernels.moe_post(x, quant, runner._shape(quant), runner._pointers(layer, dots.experts), dots.start,
                             dots.rows, dots.weights, act)
     return HostWork(runner, layer, x, groups, busy, call)
+
+
+def step(runner, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+         experts: list[int]) -> HostWork | None:
+    """A decode step's experts on host memory posted straight from its routing (ids [1, k] int64,
+    weights [1, k], `experts` the ids as a list), before the runner groups it: the kernel sorts
+    them and reads their addresses from the layer's row (experts/host_table.py). None where
+    `start` must do it (a family's own expert function, a library or shapes the call lacks)."""
+    quant = runner.pack.blobs[(layer, experts[0])].quant
+    if runner.expert_fn is not None or not kernels.usable(x, quant) or not 0 < len(experts) <= kernels.STEP_MOST \
+            or ids.dtype != torch.int64 or not ids.is_contiguous():
+        return None
+    if weights.dtype != torch.float32 or not weights.is_contiguous():
+        weights = weights.float().contiguous()
+    call = kernels.step_post(x, quant, runner._shape(quant), runner.host.row(layer, experts), ids, weights)
+    return HostWork(runner, layer, x, None, [], call, routing=(ids, weights))
 
 
 def one_by_one(runner, layer: int, x: torch.Tensor, groups: Groups) -> torch.Tensor:

@@ -33,6 +33,7 @@ from moefit.experts.groups import Groups
 from moefit.experts.handoff import Handoff
 from moefit.experts.host_panels import HostPanels
 from moefit.experts.host_rates import HostRates
+from moefit.experts.host_table import HostTable
 from moefit.experts.lookahead import LookAhead
 from moefit.experts.pool import SlotPool
 from moefit.experts.profile import Profile, dump_routing
@@ -52,7 +53,7 @@ class ExpertRunner:
         self.pool = pool
         self.slots: dict[Key, LazyViews] = {}   # a resident expert's part views into its pool slot
         self._host_parts: dict[Key, dict] = {}
-        self._addresses: dict[Key, list[int]] = {}  # the kernel's part addresses, where the expert is now
+        self.host = HostTable(self, pack.model.num_experts)   # the kernels' part addresses, where each expert is now
         self.panels = HostPanels()             # int4 experts kept in the kernel's panel order (the loader sets a budget)
         self._shapes: dict[str, tuple[int, int]] = {}
         self.dump = None                       # an open file: every token's routing as JSON lines
@@ -183,7 +184,7 @@ class ExpertRunner:
 
     def _placed(self, key: Key, view: torch.Tensor) -> None:
         """key's blob is resident in `view`: its part views, and the device table's address."""
-        self._addresses.pop(key, None)
+        self.host.forget(key)
         self.slots[key] = LazyViews(view, self.pack.layouts[self.pack.blobs[key].quant])
         if self.table is not None:
             self.table.place(key, view)
@@ -191,7 +192,7 @@ class ExpertRunner:
     def unload(self, key: Key) -> None:
         if key in self.arriving:               # a prefetch in flight into this slot: let it land first
             self.stager.landed(self.arriving.pop(key))
-        self._addresses.pop(key, None)
+        self.host.forget(key)
         self.slots.pop(key, None)
         if self.table is not None:
             self.table.drop(key)
@@ -237,16 +238,18 @@ class ExpertRunner:
         early = self.fused.queue(layer, x, ids, weights, shape) if shape is not None else None  # before the wait
         xh, ids_h, w_h, *guessed = self.handoff.wait(sent)         # the layer's one synchronisation
         routed = ids_h.tolist()                                     # the bookkeeping's one conversion
-        groups = Groups.of(ids_h, w_h, routed)
         if self.arriving:
             self._arrived(layer, self.wait_for_prefetch)
+        on_host = early is None and x.device.type == "cpu"   # slots and the pack's map are both host memory: one call
+        host = host_side.step(self, layer, x, ids_h, w_h, routed[0]) if on_host and x.shape[0] == 1 else None
+        groups = Groups.of(ids_h, w_h, routed)                      # a decode step's: while its call runs
         late = [e for e in groups.experts if (layer, e) in self.arriving] if self.arriving else []
         hits = [bool(early[1][e]) if early else (layer, e) in self.slots for e in groups.experts]
         resident = hits
         if early is None and x.shape[0] > 1 and self.costs.enabled:
             resident = self._copy_cheap_misses(layer, x.shape[0], groups, hits)
-        if early is None and x.device.type == "cpu":   # slots and the pack's map are both host memory: one call
-            host = host_side.start(self, layer, x, groups)
+        if on_host:
+            host = host or host_side.start(self, layer, x, groups)
             self._account(layer, routed, w_h, groups, hits, late, guess, guessed)    # while the host computes
             return host.result()
         misses = groups.subset([not r for r in resident])
@@ -345,16 +348,7 @@ class ExpertRunner:
 
     def _pointers(self, layer: int, experts: list[int]) -> list[int]:
         """The part addresses of each expert in host memory (_on_host), flat in expert order."""
-        for key in self.panels.made_since():   # read from its rows until its panels were made
-            self._addresses.pop(key, None)
-        out = []
-        for e in experts:
-            key = (layer, e)
-            if key not in self._addresses:
-                parts, quant = self._on_host(layer, e)
-                self._addresses[key] = kernels.addresses(parts, panels=quant == "int4p")
-            out += self._addresses[key]
-        return out
+        return self.host.pointers(layer, experts)
 
     def _on_host(self, layer: int, e: int) -> tuple[dict, str]:
         """An expert's parts in host memory, for the host's kernels, and the quant they are stored

@@ -24,6 +24,7 @@ from moefit.kernels import _p, code, group_of, library
 from moefit.pack.layout import matrix_quants
 
 PARTS = ("gate_up", "gate_up.scale", "down", "down.scale")
+STEP_MOST = 64                                  # posted.h's: the most experts a step_post takes
 
 
 def addresses(parts: dict, panels: bool = False) -> list[int]:
@@ -62,9 +63,24 @@ class NativeCall:
         return self.out if self._rc == 0 else None
 
 
-def _a(values: array | None) -> int | None:
-    """An int64 array's address for a c_void_p argument (None: NULL)."""
+def _a(values: array | torch.Tensor | None) -> int | None:
+    """An array's or a tensor's address for a c_void_p argument (None: NULL)."""
+    if isinstance(values, torch.Tensor):
+        return values.data_ptr()
     return values.buffer_info()[0] if values is not None else None
+
+
+def _posting() -> ctypes.CDLL:
+    """The library, with the call posted last joined (its result kept: posting would join it unseen)."""
+    if _last is not None:
+        _last.result()
+    return library()
+
+
+def _posted(lib: ctypes.CDLL, ticket: int, out: torch.Tensor, held: tuple) -> NativeCall:
+    global _last
+    _last = NativeCall(lib, ticket, out, held)
+    return _last
 
 
 def moe_post(x: torch.Tensor, quant: str, shape: tuple[int, int], pointers: list[int], start: list[int],
@@ -82,14 +98,28 @@ def moe_post(x: torch.Tensor, quant: str, shape: tuple[int, int], pointers: list
     if act is not None:
         gate_up_bias, down_bias = array("q", act.gate_up_bias), array("q", act.down_bias)
     alpha, limit = (act.alpha, act.limit) if act is not None else (0.0, 0.0)
-    global _last
-    if _last is not None:                         # its result kept: posting would join it unseen
-        _last.result()
-    lib = library()
+    lib = _posting()
     ticket = lib.moe_layer_post(_p(x), t, e, inter, code(quant), group, n, _a(ex), _a(at), _p(rows), _p(weights),
                                 _p(out), alpha, limit, _a(gate_up_bias), _a(down_bias))
-    _last = NativeCall(lib, ticket, out, (x, rows, weights, ex, at, gate_up_bias, down_bias))
-    return _last
+    return _posted(lib, ticket, out, (x, rows, weights, ex, at, gate_up_bias, down_bias))
+
+
+def step_post(x: torch.Tensor, quant: str, shape: tuple[int, int], table: array, ids: array | torch.Tensor,
+              weights: array | torch.Tensor) -> NativeCall:
+    """A decode step's experts posted straight from its routing (posted.h moe_step_post): `ids`
+    (int64, distinct, 1 to STEP_MOST of them; a tensor contiguous, [k] or [1, k]) with their router
+    weights (fp32, alike), expert e's parts at
+    table[5e:5e + 5] (`addresses`, filled for these ids). Summed in ascending expert order, as
+    moe_post is given them by the runner's grouping: the same numbers. What it reads besides x is
+    copied at the post. The caller has checked library()."""
+    x = x.contiguous()
+    inter, group = shape
+    n = ids.numel() if isinstance(ids, torch.Tensor) else len(ids)
+    out = torch.empty(1, x.shape[1], dtype=torch.float32)            # zeroed there
+    lib = _posting()
+    ticket = lib.moe_step_post(_p(x), x.shape[1], inter, code(quant), group, n, _a(ids), _a(weights), _a(table),
+                               _p(out))
+    return _posted(lib, ticket, out, (x,))
 
 
 def post_views(x: torch.Tensor, quant: str, experts: list[dict], rows: list[torch.Tensor],

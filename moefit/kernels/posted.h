@@ -87,3 +87,39 @@ int moe_layer_wait(int64_t ticket) {
     if (ticket != posted.ticket) return -2;
     return join_posted();
 }
+
+/* ---- a decode step's call straight from its routing ------------------------------------------
+ * One token's experts ids[0..n) (distinct) with their router weights w, each one's parts read from
+ * `table` (the layer's expert_ptrs, indexed by expert): moe_layer_post's call with its experts in
+ * ascending order (the order a verify window's or a prompt's grouping gives a token: the same
+ * sums), out [1, E] zeroed first. What the runner did in Python before posting (grouping, sorting,
+ * the pointer array: ~100 us of the engine thread with its caches cold, the pool idle meanwhile)
+ * is done here. Returns the ticket, or -1 for n outside [1, STEP_MOST]. */
+enum { STEP_MOST = 64 };
+
+static struct {
+    expert_ptrs ex[STEP_MOST];
+    int64_t start[STEP_MOST + 1];
+    int32_t rows[STEP_MOST];
+    float w[STEP_MOST];
+} step;
+
+int64_t moe_step_post(const float *x, int64_t E, int64_t I, int quant, int64_t group, int64_t n, const int64_t *ids,
+                      const float *w, const expert_ptrs *table, float *out) {
+    if (n < 1 || n > STEP_MOST) return -1;
+    join_posted();                                      /* the call in flight reads `step` until done */
+    int order[STEP_MOST];
+    for (int i = 0; i < n; i++) {                       /* insertion sort by expert: k is small */
+        int j = i;
+        for (; j > 0 && ids[order[j - 1]] > ids[i]; j--) order[j] = order[j - 1];
+        order[j] = i;
+    }
+    for (int i = 0; i < n; i++) {
+        step.ex[i] = table[ids[order[i]]], step.w[i] = w[order[i]];
+        step.rows[i] = 0, step.start[i] = i;
+    }
+    step.start[n] = n;
+    memset(out, 0, sizeof(float) * E);
+    return moe_layer_post(x, 1, E, I, quant, group, n, step.ex, step.start, step.rows, step.w, out, 0.0f, 0.0f,
+                          NULL, NULL);
+}
