@@ -102,15 +102,29 @@ def test_the_runner_does_a_layers_bookkeeping_while_its_host_call_is_in_flight(p
             device=f"sim:{card(64)}", ctx=64, vram_reserve_mib=1, low_headroom_mib=0, min_expert_slots=0,
             expert_cache="4", prefetch_per_layer=2))
     e = engine()
-    seen = []
-    record = e.runner.book.record
+    seen, landed, tokens = [], [], []
+    record, arrived, run = e.runner.book.record, e.runner._arrived, e.runner.run
+
+    def in_flight() -> bool:
+        return layer_call._last is not None and layer_call._last._rc is None
 
     def record_in_flight(*args):
-        seen.append(layer_call._last is not None and layer_call._last._rc is None)
+        seen.append(in_flight())
         return record(*args)
-    e.runner.book.record = record_in_flight
+
+    def arrived_in_flight(*args):
+        if args:                                                        # a layer's (settle's are all layers')
+            landed.append((tokens[-1], in_flight()))
+        return arrived(*args)
+
+    def run_counted(layer, x, *args):
+        tokens.append(x.shape[0])
+        return run(layer, x, *args)
+    e.runner.book.record, e.runner._arrived, e.runner.run = record_in_flight, arrived_in_flight, run_counted
     posted = e.generate(prompt, params)[1].generated
     assert len(seen) == 20 and all(seen), seen                          # 10 forwards x 2 MoE layers
+    step_landings = [flying for t, flying in landed if t == 1]          # a decode step's call goes first
+    assert step_landings and all(step_landings), landed
 
     start, step = host_side.start, host_side.step
     host_side.start = lambda *a, **k: host_side.HostWork(*a[:4], [], out=start(*a, **k).result())

@@ -33,7 +33,7 @@ class HostWork:
         if self.out is None:
             out = self.call.result() if self.call is not None else torch.zeros_like(self.x)
             if out is None:                        # shapes the kernel does not take
-                out = one_by_one(self.runner, self.layer, self.x, self.groups or Groups.of(*self.routing))
+                out = one_by_one(self.runner, self.layer, self.x, self.groups or _one_token(*self.routing))
             elif any(self.busy):
                 out = gemm_experts(self.runner, self.layer, self.x, self.groups, self.busy, out)
             self.out = out
@@ -63,20 +63,30 @@ def start(runner, layer: int, x: torch.Tensor, groups: Groups, busy: list[bool] 
     return HostWork(runner, layer, x, groups, busy, call)
 
 
-def step(runner, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+def step(runner, layer: int, x: torch.Tensor, ids: torch.Tensor | array, weights: torch.Tensor | array,
          experts: list[int]) -> HostWork | None:
-    """A decode step's experts on host memory posted straight from its routing (ids [1, k] int64,
-    weights [1, k], `experts` the ids as a list), before the runner groups it: the kernel sorts
-    them and reads their addresses from the layer's row (experts/host_table.py). None where
-    `start` must do it (a family's own expert function, a library or shapes the call lacks)."""
+    """A decode step's experts on host memory posted straight from its routing, before the runner
+    groups it: the router's ids [1, k] (int64) and weights [1, k] as they are, or arrays of the
+    experts to compute (a card's misses); `experts` the ids as a list. The kernel sorts them and
+    reads their addresses from the layer's row (experts/host_table.py). None where `start` must
+    do it (a family's own expert function, a library or shapes the call lacks)."""
     quant = runner.pack.blobs[(layer, experts[0])].quant
-    if runner.expert_fn is not None or not kernels.usable(x, quant) or not 0 < len(experts) <= kernels.STEP_MOST \
-            or ids.dtype != torch.int64 or not ids.is_contiguous():
+    if runner.expert_fn is not None or not kernels.usable(x, quant) or not 0 < len(experts) <= kernels.STEP_MOST:
         return None
-    if weights.dtype != torch.float32 or not weights.is_contiguous():
-        weights = weights.float().contiguous()
+    if isinstance(ids, torch.Tensor):
+        if ids.dtype != torch.int64 or not ids.is_contiguous():
+            return None
+        if weights.dtype != torch.float32 or not weights.is_contiguous():
+            weights = weights.float().contiguous()
     call = kernels.step_post(x, quant, runner._shape(quant), runner.host.row(layer, experts), ids, weights)
-    return HostWork(runner, layer, x, None, [], call, routing=(ids, weights))
+    return HostWork(runner, layer, x, None, [], call, routing=(experts, weights))
+
+
+def _one_token(experts: list[int], weights: torch.Tensor | array) -> Groups:
+    """A step's groups from its experts and their weights (where the call was posted without them)."""
+    w = weights.reshape(-1).tolist() if isinstance(weights, torch.Tensor) else list(weights)
+    order = sorted(range(len(experts)), key=experts.__getitem__)
+    return Groups._one_token([experts[i] for i in order], [w[i] for i in order])
 
 
 def one_by_one(runner, layer: int, x: torch.Tensor, groups: Groups) -> torch.Tensor:

@@ -20,6 +20,7 @@ Legend: T tokens, E hidden, k top-k.
 from __future__ import annotations
 
 import time
+from array import array
 from functools import partial
 
 import torch
@@ -238,27 +239,46 @@ class ExpertRunner:
         early = self.fused.queue(layer, x, ids, weights, shape) if shape is not None else None  # before the wait
         xh, ids_h, w_h, *guessed = self.handoff.wait(sent)         # the layer's one synchronisation
         routed = ids_h.tolist()                                     # the bookkeeping's one conversion
-        if self.arriving:
-            self._arrived(layer, self.wait_for_prefetch)
         on_host = early is None and x.device.type == "cpu"   # slots and the pack's map are both host memory: one call
-        host = host_side.step(self, layer, x, ids_h, w_h, routed[0]) if on_host and x.shape[0] == 1 else None
-        groups = Groups.of(ids_h, w_h, routed)                      # a decode step's: while its call runs
+        posted, host = self._post_step(layer, x, xh, ids_h, w_h, routed[0], early) if x.shape[0] == 1 else (False, None)
+        if self.arriving:                                           # a decode step's: while its call runs
+            self._arrived(layer, self.wait_for_prefetch)
+        groups = Groups.of(ids_h, w_h, routed)
         late = [e for e in groups.experts if (layer, e) in self.arriving] if self.arriving else []
         hits = [bool(early[1][e]) if early else (layer, e) in self.slots for e in groups.experts]
         resident = hits
         if early is None and x.shape[0] > 1 and self.costs.enabled:
             resident = self._copy_cheap_misses(layer, x.shape[0], groups, hits)
         if on_host:
-            host = host or host_side.start(self, layer, x, groups)
+            host = host if posted else host_side.start(self, layer, x, groups)
             self._account(layer, routed, w_h, groups, hits, late, guess, guessed)    # while the host computes
             return host.result()
-        misses = groups.subset([not r for r in resident])
-        host = host_side.start(self, layer, xh.float(), misses) if misses.experts else None
+        if not posted:
+            misses = groups.subset([not r for r in resident])
+            host = host_side.start(self, layer, xh.float(), misses) if misses.experts else None
         out = early[0] if early else self._device_experts(layer, x, groups.subset(resident))  # queued on the device ...
         self._account(layer, routed, w_h, groups, hits, late, guess, guessed)   # ... while the host computes the misses
         if host is not None:
             out = out + self.handoff.to_device(host.result(), out)
         return out.to(x.dtype)
+
+    def _post_step(self, layer: int, x: torch.Tensor, xh: torch.Tensor, ids_h: torch.Tensor, w_h: torch.Tensor,
+                   experts: list[int], early) -> tuple[bool, host_side.HostWork | None]:
+        """A decode step's host experts posted as soon as its routing is here, before the arrivals
+        and the grouping (experts/host_side.py step): every expert where the card's memory is host
+        memory, else those the device's table did not hold when the resident ones were queued
+        (`early`; an expert that lands meanwhile was queued as a miss). (posted, its work; None
+        for no misses); posted False where `start` must do it after the grouping."""
+        if early is None:
+            work = host_side.step(self, layer, x, ids_h, w_h, experts) if x.device.type == "cpu" else None
+            return work is not None, work
+        miss = [i for i, e in enumerate(experts) if not early[1][e]]
+        if not miss:
+            return True, None
+        w = w_h.reshape(-1).tolist()
+        work = host_side.step(self, layer, xh.float(), array("q", [experts[i] for i in miss]),
+                              array("f", [w[i] for i in miss]), [experts[i] for i in miss])
+        return work is not None, work
 
     def _account(self, layer: int, routed: list[list[int]], w_h: torch.Tensor, groups: Groups, hits: list[bool],
                  late: list[int], guess, guessed: list) -> None:
