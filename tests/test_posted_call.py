@@ -161,3 +161,36 @@ def test_a_decode_step_on_host_memory_is_posted_before_its_routing_is_grouped(pa
     finally:
         kernels.step_post, runner.Groups.of = step_post, of
     assert calls == ["step"] * 8 and grouped == [True] * 8, (calls, grouped)   # 4 decode forwards x 2 MoE layers
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "glm4_moe"])
+def test_a_decode_steps_shared_expert_is_posted_beside_the_routed_experts(packs, family):
+    """With the dense matrices quantised, a decode step's shared expert is one native call: it is
+    posted after the router and joined by the routed experts' post; the greedy tokens and the
+    last hidden state are those of it computed at once."""
+    from moefit.config import ServeConfig
+    from moefit.models import layers
+    from moefit.runtime.engine import Engine
+    from moefit.runtime.sampler import SamplingParams
+    params, prompt = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True), [5, 17, 42, 99, 7, 3]
+    e = Engine.open(packs(family, "int8"), ServeConfig(ctx=64, dense_quant="int8"))
+    posts, post = [], kernels.swiglu_post
+
+    def counted(*a):
+        posts.append(a[0].shape[0])
+        return post(*a)
+    kernels.swiglu_post = counted
+    try:
+        posted = e.generate(prompt, params)[1].generated
+        posted_hidden = e.last_hidden.clone()
+    finally:
+        kernels.swiglu_post = post
+    assert set(posts) == {6, 1}, posts                            # the 6-token prompt (below a GEMM's) and each step
+    later = layers.swiglu_later
+    layers.swiglu_later = lambda x, gu, dn: (lambda y=layers.swiglu(x, gu, dn): y)
+    try:
+        e.kv_tokens = []
+        assert e.generate(prompt, params)[1].generated == posted
+        assert torch.equal(e.last_hidden, posted_hidden)
+    finally:
+        layers.swiglu_later = later

@@ -41,7 +41,7 @@ GROUPED = ("int4", "int4p", "q8_0")             # a scale per (row, group of inp
 # panels, kpanels.h; 5: IQ4_XS and MXFP4 in panels; 6: a prompt's Q6_K in decoded panels,
 # kdecoded.h): the choices a host measured and kept (ops/measured.py) are then measured again.
 REVISION = 6
-ABI = 5                                         # moe.c's moe_abi(): the exported functions' arguments
+ABI = 6                                         # moe.c's moe_abi(): the exported functions' arguments
 c_i64, c_ptr = ctypes.c_int64, ctypes.c_void_p
 
 
@@ -75,7 +75,9 @@ def _load() -> ctypes.CDLL | None:
     lib.moe_layer_act.argtypes = lib.moe_layer.argtypes + [ctypes.c_float, ctypes.c_float, c_ptr, c_ptr]
     lib.moe_layer_post.restype, lib.moe_layer_post.argtypes = c_i64, lib.moe_layer_act.argtypes
     lib.moe_layer_wait.argtypes = [c_i64]
-    lib.moe_step_post.restype = c_i64
+    lib.moe_step_post.restype = lib.moe_swiglu_post.restype = c_i64
+    lib.moe_swiglu_post.argtypes = [c_ptr, c_i64, c_i64, c_i64, ctypes.c_int, c_i64, c_ptr, c_ptr, ctypes.c_int, c_i64,
+                                    c_ptr, c_ptr, c_ptr]
     lib.moe_step_post.argtypes = [c_ptr, c_i64, c_i64, ctypes.c_int, c_i64, c_i64, c_ptr, c_ptr, c_ptr, c_ptr]
     lib.moe_isa.restype = ctypes.c_char_p
     lib.moe_set_threads(default_threads())
@@ -218,13 +220,18 @@ def linear_heads(x: torch.Tensor, w: BoundMatrix, heads: int) -> torch.Tensor | 
     return y if ok == 0 else None
 
 
+def swiglu_takes(x: torch.Tensor, gate_up: BoundMatrix, down: BoundMatrix) -> bool:
+    """Whether moe_swiglu (or its posted form, layer_call.swiglu_post) takes x with these matrices."""
+    return not (gate_up.fn is None or down.fn is None or library() is None or x.dtype is not torch.float32
+                or not x.is_cpu or not x.is_contiguous() or x.shape[-1] != gate_up.cols or down.cols * 2 != gate_up.rows)
+
+
 def swiglu(x: torch.Tensor, gate_up: BoundMatrix, down: BoundMatrix) -> torch.Tensor | None:
     """A SwiGLU MLP of two bound host matrices in one call (moe_swiglu): x [T, E] fp32 -> [T, E],
     or None where it does not apply (then the caller runs it op by op)."""
-    lib = library()
-    if gate_up.fn is None or down.fn is None or not hasattr(lib, "moe_swiglu") or x.dtype is not torch.float32 \
-            or not x.is_cpu or not x.is_contiguous() or x.shape[-1] != gate_up.cols or down.cols * 2 != gate_up.rows:
+    if not swiglu_takes(x, gate_up, down):
         return None
+    lib = library()
     if lib.moe_swiglu.argtypes is None:
         lib.moe_swiglu.argtypes = [c_ptr, c_i64, c_i64, c_i64, ctypes.c_int, c_i64, c_ptr, c_ptr, ctypes.c_int, c_i64,
                                    c_ptr, c_ptr, c_ptr]
@@ -344,4 +351,4 @@ def _reorder(codes: torch.Tensor, scale: torch.Tensor, to_panels: bool) -> tuple
 
 # the MoE layer's call (kernels/layer_call.py), here with the rest of the native interface
 from moefit.kernels.layer_call import (PARTS, STEP_MOST, GptOssAct, NativeCall, addresses, moe_layer, moe_post,  # noqa: E402,F401
-                                      step_post)
+                                      step_post, swiglu_post)

@@ -122,6 +122,15 @@ def step_post(x: torch.Tensor, quant: str, shape: tuple[int, int], table: array,
     return _posted(lib, ticket, out, (x,))
 
 
+def swiglu_post(x: torch.Tensor, gate_up, down) -> NativeCall:
+    """A SwiGLU MLP of two bound host matrices (kernels.BoundMatrix) posted (posted.h
+    moe_swiglu_post): the numbers of kernels.swiglu. The caller has checked kernels.swiglu_takes."""
+    out = torch.empty(x.shape[0], down.rows, dtype=torch.float32)
+    lib = _posting()
+    ticket = lib.moe_swiglu_post(_p(x), x.shape[0], gate_up.cols, down.cols, *gate_up.args[2:], *down.args[2:], _p(out))
+    return _posted(lib, ticket, out, (x, gate_up.keep, down.keep))
+
+
 def post_views(x: torch.Tensor, quant: str, experts: list[dict], rows: list[torch.Tensor],
                weights: list[torch.Tensor], panels: list[bool] | None = None) -> NativeCall:
     """moe_post from part views and per-expert token rows and weights (tests, benchmarks); `panels`:

@@ -5,16 +5,26 @@
  * and returns what run_layer returned. The pool's threads stay the pool's threads: the caller is
  * not working while it is away, and joins when it waits.
  *
+ * moe_swiglu_post posts a SwiGLU MLP the same way (a decode step's shared expert, running while
+ * the engine thread prepares the routed experts' call).
+ *
  * One call in flight: posting another, or any parallel() of the caller's meanwhile, first joins
  * it. Where no worker has taken it when the caller waits (a pool of one thread has none), the
  * caller runs it itself. */
 
 enum { IDLE, POSTED, RUNNING, DONE };
+enum { LAYER_CALL, SWIGLU_CALL };
+
+int moe_swiglu(const float *x, int64_t T, int64_t E, int64_t I, int gu_quant, int64_t gu_group, const void *gu,
+               const void *gu_scales, int down_quant, int64_t down_group, const void *down, const void *down_scales,
+               float *y);                                      /* linear.h */
 
 static struct {
     _Atomic int state;
     int64_t ticket;                    /* the last call posted; its rc stays until the next */
     int rc;
+    int kind;                          /* LAYER_CALL (run_layer's arguments below) or SWIGLU_CALL (sw) */
+    struct { int gu_quant, down_quant; int64_t gu_group, down_group; const void *gu, *gu_scales, *down, *down_scales; } sw;
     const float *x;
     int64_t T, E, I, group, n_exp;
     int quant;
@@ -28,9 +38,14 @@ static struct {
 
 static void lead_posted(void) {
     leading = 1;
-    posted.rc = run_layer(posted.x, posted.T, posted.E, posted.I, posted.quant, posted.group, posted.n_exp, posted.ex,
-                          posted.start, posted.rows, posted.weights, posted.out,
-                          posted.act.gu_bias ? &posted.act : NULL);
+    if (posted.kind == SWIGLU_CALL)
+        posted.rc = moe_swiglu(posted.x, posted.T, posted.E, posted.I, posted.sw.gu_quant, posted.sw.gu_group,
+                               posted.sw.gu, posted.sw.gu_scales, posted.sw.down_quant, posted.sw.down_group,
+                               posted.sw.down, posted.sw.down_scales, posted.out);
+    else
+        posted.rc = run_layer(posted.x, posted.T, posted.E, posted.I, posted.quant, posted.group, posted.n_exp,
+                              posted.ex, posted.start, posted.rows, posted.weights, posted.out,
+                              posted.act.gu_bias ? &posted.act : NULL);
     leading = 0;
     atomic_store(&posted.state, DONE);
 }
@@ -59,6 +74,20 @@ static int join_posted(void) {
     return posted.rc;
 }
 
+/* The call described in `posted` handed to the pool: a new generation with no tasks wakes a worker,
+ * which leads it (take_posted). */
+static int64_t post_it(void) {
+    posted.ticket++;
+    atomic_store(&posted.state, POSTED);
+    if (pool.threads > 1) {
+        const uint64_t gen = atomic_load(&pool.generation) + 1;
+        atomic_store(&pool.next, gen << 32);
+        pool.tasks = 0;
+        publish(gen);
+    }
+    return posted.ticket;
+}
+
 /* moe_layer (gu_bias NULL) or moe_layer_act, posted; returns its ticket for moe_layer_wait. The
  * arrays it is given must live until then. */
 int64_t moe_layer_post(const float *x, int64_t T, int64_t E, int64_t I, int quant, int64_t group, int64_t n_exp,
@@ -67,18 +96,26 @@ int64_t moe_layer_post(const float *x, int64_t T, int64_t E, int64_t I, int quan
                        const float *const *dn_bias) {
     join_posted();
     choose_isa();                                       /* here, not racing a worker's first call */
+    posted.kind = LAYER_CALL;
     posted.x = x, posted.T = T, posted.E = E, posted.I = I, posted.quant = quant, posted.group = group;
     posted.n_exp = n_exp, posted.ex = ex, posted.start = start, posted.rows = rows, posted.weights = weights;
     posted.out = out, posted.act = (act_params){alpha, limit, gu_bias, dn_bias};
-    posted.ticket++;
-    atomic_store(&posted.state, POSTED);
-    if (pool.threads > 1) {                             /* a new generation with no tasks wakes a worker */
-        const uint64_t gen = atomic_load(&pool.generation) + 1;
-        atomic_store(&pool.next, gen << 32);
-        pool.tasks = 0;
-        publish(gen);
-    }
-    return posted.ticket;
+    return post_it();
+}
+
+/* moe_swiglu posted (a decode step's shared expert, started before the routed experts are): its
+ * ticket for moe_layer_wait. x and y must live until then. */
+int64_t moe_swiglu_post(const float *x, int64_t T, int64_t E, int64_t I, int gu_quant, int64_t gu_group,
+                        const void *gu, const void *gu_scales, int down_quant, int64_t down_group, const void *down,
+                        const void *down_scales, float *y) {
+    join_posted();
+    choose_isa();
+    posted.kind = SWIGLU_CALL;
+    posted.x = x, posted.T = T, posted.E = E, posted.I = I, posted.out = y;
+    posted.sw.gu_quant = gu_quant, posted.sw.gu_group = gu_group, posted.sw.gu = gu, posted.sw.gu_scales = gu_scales;
+    posted.sw.down_quant = down_quant, posted.sw.down_group = down_group, posted.sw.down = down;
+    posted.sw.down_scales = down_scales;
+    return post_it();
 }
 
 /* The posted call's result (0, or -1 for shapes it does not take), once it is done; -2 for a

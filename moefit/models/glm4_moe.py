@@ -83,4 +83,5 @@ class Glm4Moe(DecoderModel):
     def mlp(self, i, layer, x, experts, routed=None) -> torch.Tensor:
         if "router" not in layer:
             return swiglu(x, layer["gate_up"], layer["down"])
-        return self.routed_experts(i, layer, x, experts, routed) + swiglu(x, layer["shared_gate_up"], layer["shared_down"])
+        moe, shared = self.routed_and_shared(i, layer, x, experts, routed)
+        return moe + shared

@@ -8,6 +8,7 @@ K key/value heads, D head dim, E hidden size.
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -224,6 +225,16 @@ class DecoderModel:
         weights, ids = routed or self.route(i, layer, x)
         return experts.run(i, x, ids, weights)
 
+    def routed_and_shared(self, i: int, layer: dict, x: torch.Tensor, experts, routed=None
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The routed experts' sum for x and the shared expert's output (layer's shared_gate_up and
+        shared_down): the router first (a pooled native call would wait for a posted one), then
+        the shared expert started (swiglu_later), then the runner, whose Python before its own
+        call runs beside it."""
+        weights, ids = routed or self.route(i, layer, x)
+        shared = swiglu_later(x, layer["shared_gate_up"], layer["shared_down"])
+        return experts.run(i, x, ids, weights), shared()
+
     def native_step(self, layer: dict, make):
         """The layer's native decode step (kernels/step.h, mla.h), made by make() on first use."""
         if self.steps is None:
@@ -283,10 +294,29 @@ def output_weights(cfg, w: "Weights") -> tuple[torch.Tensor, torch.Tensor, torch
 def swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     """Dense SwiGLU MLP with gate and up fused: gate_up [2I, E], down [E, I]; a decode step's
     through two quantised host matrices is one native call (kernels/linear.h)."""
-    if isinstance(gate_up, QWeight) and isinstance(down, QWeight) and not prompt_sized(x.shape[0]):
+    if _one_call(x, gate_up, down):
         y = kernels.swiglu(x, gate_up.step, down.step)
         if y is not None:
             return y
+    return _swiglu_ops(x, gate_up, down)
+
+
+def swiglu_later(x: torch.Tensor, gate_up, down) -> Callable[[], torch.Tensor]:
+    """swiglu(x, gate_up, down) as a function giving it: where it is one native call, that call is
+    posted to the kernel pool now (kernels.swiglu_post; a decode step's shared expert, running
+    while the runner prepares the routed experts' call), else it is computed now. The same numbers."""
+    if _one_call(x, gate_up, down) and kernels.swiglu_takes(x, gate_up.step, down.step):
+        call = kernels.swiglu_post(x, gate_up.step, down.step)
+        return lambda: y if (y := call.result()) is not None else _swiglu_ops(x, gate_up, down)
+    y = swiglu(x, gate_up, down)
+    return lambda: y
+
+
+def _one_call(x: torch.Tensor, gate_up, down) -> bool:
+    return isinstance(gate_up, QWeight) and isinstance(down, QWeight) and not prompt_sized(x.shape[0])
+
+
+def _swiglu_ops(x: torch.Tensor, gate_up, down) -> torch.Tensor:
     gate, up = linear(x, gate_up).chunk(2, dim=-1)
     return linear(F.silu(gate) * up, down)
 

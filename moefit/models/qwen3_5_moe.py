@@ -23,7 +23,7 @@ from moefit.kernels import rows as native
 from moefit.models import deltanet
 from moefit.models.attention import attend_state
 from moefit.models.layers import (DecoderModel, RopeTable, Weights, linear, made_once, normed_heads, rms_norm,
-                                  softmax_topk, swiglu)
+                                  softmax_topk)
 
 
 class Qwen3_5Moe(DecoderModel):
@@ -146,6 +146,5 @@ class Qwen3_5Moe(DecoderModel):
         return weights.to(x.dtype), ids
 
     def mlp(self, i, layer, x, experts, routed=None) -> torch.Tensor:
-        shared = torch.sigmoid(linear(x, layer["shared_gate"])) * swiglu(x, layer["shared_gate_up"],
-                                                                          layer["shared_down"])
-        return self.routed_experts(i, layer, x, experts, routed) + shared
+        moe, shared = self.routed_and_shared(i, layer, x, experts, routed)
+        return moe + torch.sigmoid(linear(x, layer["shared_gate"])) * shared
