@@ -3,7 +3,9 @@ call, posted to the kernel pool (posted.h) so that the caller can go on while a 
 `NativeCall.result()` joins it. The runner posts a layer's call, then does that layer's
 bookkeeping (the profile, the cache's counts, the next layer's prefetch) and only then waits
 (experts/host_side.py): on a GPU's engine thread that bookkeeping no longer comes before the
-host's experts on every layer.
+host's experts on every layer. A decode step's call is posted straight from the router's output
+(`step_post`: the kernel sorts the experts and reads their addresses from the layer's row,
+experts/host_table.py), and a shared expert's SwiGLU can be posted the same way (`swiglu_post`).
 
 One call is in flight at a time: posting another first joins it (here, keeping its result), and
 any other pooled native call of the engine thread first finishes it (posted.h). What it reads (the hidden rows, the routing, the
@@ -108,10 +110,9 @@ def step_post(x: torch.Tensor, quant: str, shape: tuple[int, int], table: array,
               weights: array | torch.Tensor) -> NativeCall:
     """A decode step's experts posted straight from its routing (posted.h moe_step_post): `ids`
     (int64, distinct, 1 to STEP_MOST of them; a tensor contiguous, [k] or [1, k]) with their router
-    weights (fp32, alike), expert e's parts at
-    table[5e:5e + 5] (`addresses`, filled for these ids). Summed in ascending expert order, as
-    moe_post is given them by the runner's grouping: the same numbers. What it reads besides x is
-    copied at the post. The caller has checked library()."""
+    weights (fp32, alike), expert e's parts at table[5e:5e + 5] (`addresses`, filled for these ids).
+    Summed in ascending expert order, as moe_post is given them by the runner's grouping: the same
+    numbers. What it reads besides x is copied at the post. The caller has checked library()."""
     x = x.contiguous()
     inter, group = shape
     n = ids.numel() if isinstance(ids, torch.Tensor) else len(ids)
