@@ -209,6 +209,11 @@ def test_a_one_token_routing_groups_as_the_general_path_does():
     both = Groups.of(torch.cat([ids, ids]), torch.cat([weights, weights]))   # the general path, two tokens
     assert fast.experts == both.experts == sorted(ids[0].tolist()) and fast.start == list(range(9))
     assert torch.equal(fast.weights, both.weights[0::2]) and torch.equal(fast.rows, both.rows[0::2])
+    from array import array
+    from moefit.experts.host_side import _grouped                           # a step posted from arrays, regrouped
+    for w in (weights, array("f", weights[0].tolist())):
+        again = _grouped(ids[0].tolist(), w)
+        assert again.experts == fast.experts and torch.equal(again.weights, fast.weights)
 
 
 @pytest.mark.parametrize("tokens", [1, 5])

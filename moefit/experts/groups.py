@@ -28,14 +28,20 @@ class Groups:
         """ids, weights [T, k] on the host (`routed`: ids as lists, where the caller has them)."""
         if ids.shape[0] == 1:                   # a decode step: k distinct experts, sorted in Python
             (row,), (w,) = routed or ids.tolist(), weights.tolist()
-            order = sorted(range(len(row)), key=row.__getitem__)
-            return Groups._one_token([row[i] for i in order], [w[i] for i in order])
+            return Groups.of_token(row, w)
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)
         experts, counts = torch.unique_consecutive(flat[order], return_counts=True)
         start = [0] + torch.cumsum(counts, 0).tolist()
         rows = (order // ids.shape[1]).to(torch.int32)
         return Groups(experts.tolist(), start, rows, weights.reshape(-1)[order].float())
+
+    @staticmethod
+    def of_token(experts: list[int], weights: list[float]) -> "Groups":
+        """One token's routing (k distinct experts in the router's order, their weights) grouped:
+        the experts ascending."""
+        order = sorted(range(len(experts)), key=experts.__getitem__)
+        return Groups._one_token([experts[i] for i in order], [weights[i] for i in order])
 
     @staticmethod
     def _one_token(experts: list[int], weights: list[float]) -> "Groups":

@@ -33,7 +33,7 @@ class HostWork:
         if self.out is None:
             out = self.call.result() if self.call is not None else torch.zeros_like(self.x)
             if out is None:                        # shapes the kernel does not take
-                out = one_by_one(self.runner, self.layer, self.x, self.groups or _one_token(*self.routing))
+                out = one_by_one(self.runner, self.layer, self.x, self.groups or _grouped(*self.routing))
             elif any(self.busy):
                 out = gemm_experts(self.runner, self.layer, self.x, self.groups, self.busy, out)
             self.out = out
@@ -82,11 +82,9 @@ def step(runner, layer: int, x: torch.Tensor, ids: torch.Tensor | array, weights
     return HostWork(runner, layer, x, None, [], call, routing=(experts, weights))
 
 
-def _one_token(experts: list[int], weights: torch.Tensor | array) -> Groups:
+def _grouped(experts: list[int], weights: torch.Tensor | array) -> Groups:
     """A step's groups from its experts and their weights (where the call was posted without them)."""
-    w = weights.reshape(-1).tolist() if isinstance(weights, torch.Tensor) else list(weights)
-    order = sorted(range(len(experts)), key=experts.__getitem__)
-    return Groups._one_token([experts[i] for i in order], [w[i] for i in order])
+    return Groups.of_token(experts, weights.reshape(-1).tolist() if isinstance(weights, torch.Tensor) else list(weights))
 
 
 def one_by_one(runner, layer: int, x: torch.Tensor, groups: Groups) -> torch.Tensor:

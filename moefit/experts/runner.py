@@ -240,7 +240,8 @@ class ExpertRunner:
         xh, ids_h, w_h, *guessed = self.handoff.wait(sent)         # the layer's one synchronisation
         routed = ids_h.tolist()                                     # the bookkeeping's one conversion
         on_host = early is None and x.device.type == "cpu"   # slots and the pack's map are both host memory: one call
-        posted, host = self._post_step(layer, x, xh, ids_h, w_h, routed[0], early) if x.shape[0] == 1 else (False, None)
+        posted, host = self._post_step(layer, x, xh, ids_h, w_h, routed[0], early, on_host) if x.shape[0] == 1 \
+            else (False, None)
         if self.arriving:                                           # a decode step's: while its call runs
             self._arrived(layer, self.wait_for_prefetch)
         groups = Groups.of(ids_h, w_h, routed)
@@ -263,14 +264,14 @@ class ExpertRunner:
         return out.to(x.dtype)
 
     def _post_step(self, layer: int, x: torch.Tensor, xh: torch.Tensor, ids_h: torch.Tensor, w_h: torch.Tensor,
-                   experts: list[int], early) -> tuple[bool, host_side.HostWork | None]:
+                   experts: list[int], early, on_host: bool) -> tuple[bool, host_side.HostWork | None]:
         """A decode step's host experts posted as soon as its routing is here, before the arrivals
         and the grouping (experts/host_side.py step): every expert where the card's memory is host
         memory, else those the device's table did not hold when the resident ones were queued
         (`early`; an expert that lands meanwhile was queued as a miss). (posted, its work; None
         for no misses); posted False where `start` must do it after the grouping."""
-        if early is None:
-            work = host_side.step(self, layer, x, ids_h, w_h, experts) if x.device.type == "cpu" else None
+        if early is None:                        # not on host memory: the grouped device path, after the arrivals
+            work = host_side.step(self, layer, x, ids_h, w_h, experts) if on_host else None
             return work is not None, work
         miss = [i for i, e in enumerate(experts) if not early[1][e]]
         if not miss:
