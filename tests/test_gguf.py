@@ -58,6 +58,49 @@ def test_q8_0_experts_are_dequantised_from_their_blocks(hf, tmp_path):
     assert 0 < (a - b).norm() / a.norm() < 0.02 and a.argmax() == b.argmax()
 
 
+def test_the_fast_reader_reads_what_gguf_pys_reader_reads(hf, tmp_path):
+    """moefit's GGUF reader (pack/gguf_file.py) against gguf-py's GGUFReader: every metadata value
+    (each scalar type, strings, arrays of numbers and of strings, a real 151,643-token vocabulary and
+    its merges), every tensor's name, type, dims and bytes (F32, F16, Q8_0, Q4_K and Q6_K blocks);
+    a file cut short is refused."""
+    from gguf_writer import write_gguf as write
+    from moefit.pack.gguf_file import GGUFFile
+    t = gguf.GGMLQuantizationType
+    model = write(hf, tmp_path / "q4km.gguf", "qwen3_moe", t.Q4_K, t.Q6_K)
+    w = gguf.GGUFWriter(str(tmp_path / "kinds.gguf"), "qwen3moe")
+    for i, (adder, value) in enumerate([(w.add_uint8, 7), (w.add_int8, -7), (w.add_uint16, 65535), (w.add_int16, -300),
+                                        (w.add_uint32, 1 << 31), (w.add_int32, -(1 << 30)), (w.add_float32, 0.1),
+                                        (w.add_uint64, 1 << 40), (w.add_int64, -(1 << 40)), (w.add_float64, 1e-300),
+                                        (w.add_bool, True), (w.add_string, "ça va: 模型")]):
+        adder(f"k.{i}", value)
+    w.add_array("k.ints", [1, -2, 3])
+    w.add_array("k.floats", [0.5, -1.25])
+    w.add_array("k.empty", [])
+    w.add_tensor("a.weight", np.arange(12, dtype=np.float16).reshape(3, 4))
+    w.add_tensor("b.weight", np.arange(64, dtype=np.float32).reshape(2, 32))
+    w.add_tensor("c.weight", gguf.quants.quantize(np.linspace(-1, 1, 64, dtype=np.float32).reshape(2, 32), t.Q8_0),
+                 raw_dtype=t.Q8_0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    vocab = _tokenizer_only_gguf(tiny.real_tokenizer("qwen-3", tmp_path / "qwen"), tmp_path / "tok.gguf", "qwen2")
+    for path in (model, tmp_path / "kinds.gguf", vocab):
+        ours, theirs = GGUFFile(path), gguf.GGUFReader(str(path))
+        want = {k: f.contents() for k, f in theirs.fields.items() if not k.startswith("GGUF.")}
+        assert ours.meta == want and list(ours.meta) == list(want), path
+        assert [(a.name, a.tensor_type, a.shape.tolist(), a.data.dtype, a.data.shape) for a in ours.tensors] == \
+            [(b.name, b.tensor_type, b.shape.tolist(), b.data.dtype, b.data.shape) for b in theirs.tensors], path
+        assert all(np.array_equal(a.data, b.data) for a, b in zip(ours.tensors, theirs.tensors)), path
+    assert len(GGUFFile(vocab).meta["tokenizer.ggml.tokens"]) > 150_000
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(model.read_bytes()[:-100])
+    with pytest.raises(ValueError, match="past the end"):
+        GGUFFile(cut)
+    with pytest.raises(PackError, match="not a readable GGUF file"):
+        convert(cut, tmp_path / "pack", "int8", progress=False)
+
+
 def test_an_unsupported_architecture_is_named(tmp_path):
     w = gguf.GGUFWriter(str(tmp_path / "x.gguf"), "llama4")
     w.add_tensor("token_embd.weight", np.zeros((4, 4), dtype=np.float32))

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import re
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -71,14 +72,14 @@ def split_files(path: Path) -> list[Path]:
 
 class GGUFSource:
     def __init__(self, path: Path):
-        from gguf import GGUFReader
+        from moefit.pack.gguf_file import GGUFFile
         self.path = Path(path)
         self.files = split_files(self.path)
         try:
-            readers = [GGUFReader(p) for p in self.files]
-        except (ValueError, OSError) as e:
+            readers = [GGUFFile(p) for p in self.files]
+        except (ValueError, OSError, struct.error, UnicodeDecodeError) as e:
             raise PackError(f"{self.path}: not a readable GGUF file ({e})") from None
-        self.reader = readers[0]                                      # the metadata is in the first part
+        self.metadata = readers[0].meta                               # the metadata is in the first part
         self.arch = self.meta("general.architecture")
         if self.arch not in ARCHS:
             raise PackError(f"{self.path}: GGUF architecture {self.arch!r} is not supported yet "
@@ -92,11 +93,7 @@ class GGUFSource:
 
     # -- metadata ---------------------------------------------------------------
     def meta(self, key: str, default=None):
-        field = self.reader.fields.get(key)
-        if field is None:
-            return default
-        value = field.contents()
-        return value
+        return self.metadata.get(key, default)
 
     def _m(self, key: str, default=None):
         """The architecture's key (without its "ARCH." prefix), or a tokenizer. / general. key as is."""
