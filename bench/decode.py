@@ -231,8 +231,9 @@ def main() -> None:
 def dense_bits(gguf_file: str) -> str:
     """moefit's --dense-quant nearest the file's attention matrices: int8 for 8 bits (Q8_0: a
     Q8_0 file's, and llama.cpp's MXFP4_MOE's), int4 for fewer."""
-    from gguf import GGMLQuantizationType, GGUFReader
-    kind = next(t.tensor_type for t in GGUFReader(gguf_file).tensors if t.name.endswith("attn_q.weight"))
+    from gguf import GGMLQuantizationType
+    from moefit.pack.gguf_file import GGUFFile
+    kind = next(t.tensor_type for t in GGUFFile(gguf_file).tensors if t.name.endswith("attn_q.weight"))
     return "int8" if kind in (GGMLQuantizationType.Q8_0, GGMLQuantizationType.F16, GGMLQuantizationType.BF16) else "int4"
 
 

@@ -60,8 +60,8 @@ def test_q8_0_experts_are_dequantised_from_their_blocks(hf, tmp_path):
 
 def test_the_fast_reader_reads_what_gguf_pys_reader_reads(hf, tmp_path):
     """moefit's GGUF reader (pack/gguf_file.py) against gguf-py's GGUFReader: every metadata value
-    (each scalar type, strings, arrays of numbers and of strings, a real 151,643-token vocabulary and
-    its merges), every tensor's name, type, dims and bytes (F32, F16, Q8_0, Q4_K and Q6_K blocks);
+    (each scalar type, strings, arrays of numbers and of strings, Qwen3's vocabulary of over 150,000
+    tokens and its merges), every tensor's name, type, dims and bytes (F32, F16, Q8_0, Q4_K and Q6_K blocks);
     a file cut short is refused."""
     from gguf_writer import write_gguf as write
     from moefit.pack.gguf_file import GGUFFile
