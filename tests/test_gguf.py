@@ -101,6 +101,27 @@ def test_the_fast_reader_reads_what_gguf_pys_reader_reads(hf, tmp_path):
         convert(cut, tmp_path / "pack", "int8", progress=False)
 
 
+@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "MXFP4", "Q8_0"])
+def test_a_gguf_matrix_is_dequantised_natively_as_gguf_quants_does(kind, monkeypatch):
+    """`moefit pack` turns a file's dense matrices (and experts it requantises) to floats: the block
+    types the host kernel takes through it (kernels/dequant.h, over the pool), the same numbers as
+    gguf.quants', which the others (Q8_0's raw blocks) and a host without the kernel still use."""
+    from gguf_writer import super_blocks
+    from moefit import kernels
+    from moefit.pack import gguf_source
+    qtype = getattr(gguf.GGMLQuantizationType, kind)
+    raw = super_blocks((24, 512), qtype, 3) if kind != "Q8_0" else \
+        gguf.quants.quantize(np.linspace(-2, 2, 24 * 512, dtype=np.float32).reshape(24, 512), qtype)
+    want = torch.from_numpy(gguf.quants.dequantize(raw, qtype).astype(np.float32))
+    calls = []
+    native = kernels.dequantize
+    monkeypatch.setattr(kernels, "dequantize", lambda *a, **k: calls.append(a[2]) or native(*a, **k))
+    got = gguf_source._dequantised(raw, qtype, (24, 512))
+    assert torch.equal(got, want) and calls == ([kind.lower()] if kind != "Q8_0" and kernels.library() else [])
+    monkeypatch.setattr(kernels, "dequantize", lambda *a, **k: None)               # no kernel: gguf.quants
+    assert torch.equal(gguf_source._dequantised(raw, qtype, (24, 512)), want)
+
+
 def test_an_unsupported_architecture_is_named(tmp_path):
     w = gguf.GGUFWriter(str(tmp_path / "x.gguf"), "llama4")
     w.add_tensor("token_embd.weight", np.zeros((4, 4), dtype=np.float32))

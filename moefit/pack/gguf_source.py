@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import re
 import struct
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -325,8 +326,15 @@ def _q4_0_as_int4(raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
     return (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8), scale
 
 
+# GGUF block types the host kernel dequantises (kernels/dequant.h, over its pool): bit for bit
+# gguf.quants' numbers (tests/test_quant.py), ~half of `moefit pack`'s time on a Q4_K_M file in numpy
+NATIVE_DEQUANT = {"Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k", "IQ4_XS": "iq4_xs", "MXFP4": "mxfp4"}
+
+
 def _dequantised(data: np.ndarray, qtype, shape: tuple[int, ...]) -> torch.Tensor:
     from gguf import GGMLQuantizationType, quants
+    if (native := _natively_dequantised(data, qtype, shape)) is not None:
+        return native
     if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
         arr = np.asarray(data, dtype=np.float32)
     else:
@@ -335,3 +343,17 @@ def _dequantised(data: np.ndarray, qtype, shape: tuple[int, ...]) -> torch.Tenso
         except NotImplementedError:
             raise PackError(f"GGUF type {qtype.name} cannot be dequantised by gguf.quants") from None
     return torch.from_numpy(np.array(arr, dtype=np.float32, copy=True)).reshape(shape)
+
+
+def _natively_dequantised(data: np.ndarray, qtype, shape: tuple[int, ...]) -> torch.Tensor | None:
+    """A matrix of NATIVE_DEQUANT's blocks as fp32 by the host kernel; None for other types and
+    shapes, or without the kernel (gguf.quants then)."""
+    from moefit import kernels
+    quant = NATIVE_DEQUANT.get(qtype.name)
+    if quant is None or data.ndim != 2 or len(shape) != 2:
+        return None
+    with warnings.catch_warnings():                   # the file's read-only map: the kernel only reads it
+        warnings.simplefilter("ignore", UserWarning)
+        raw = torch.from_numpy(np.ascontiguousarray(data))
+    out = kernels.dequantize({"w": raw}, "w", quant)
+    return out if out is not None and tuple(out.shape) == tuple(shape) else None
