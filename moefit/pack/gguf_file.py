@@ -43,7 +43,6 @@ class GGUFFile:
         self.path = Path(path)
         self.data = np.memmap(self.path, mode="r")
         self._buf = memoryview(self.data)
-        self._at = 0
         if bytes(self._buf[:4]) != MAGIC:
             raise ValueError("GGUF magic invalid")
         self._at = 4

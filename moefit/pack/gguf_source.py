@@ -326,9 +326,10 @@ def _q4_0_as_int4(raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
     return (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8), scale
 
 
-# GGUF block types the host kernel dequantises (kernels/dequant.h, over its pool): bit for bit
-# gguf.quants' numbers (tests/test_quant.py), ~half of `moefit pack`'s time on a Q4_K_M file in numpy
-NATIVE_DEQUANT = {"Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k", "IQ4_XS": "iq4_xs", "MXFP4": "mxfp4"}
+# GGUF block types the host kernel dequantises (kernels/dequant.h, over its pool): the ones a pack
+# keeps as the file's blocks; bit for bit gguf.quants' numbers (tests/test_quant.py), which took
+# ~half of `moefit pack`'s time on a Q4_K_M file in numpy
+NATIVE_DEQUANT = {name: quant for name, quant in KEEP.items() if quant in GGUF_BLOCKS}
 
 
 def _dequantised(data: np.ndarray, qtype, shape: tuple[int, ...]) -> torch.Tensor:
