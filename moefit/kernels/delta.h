@@ -55,16 +55,21 @@ static inline float conv_channel(float *window, const float *w, int64_t kernel, 
 
 #define DELTA_BODIES(ISA, TARGET)                                                                   \
     /* z sigmoid(z) for 16 lanes in place, times o r w where o is given; sigmoid from e = exp(-|z|) \
-     * (exp16's range) */                                                                           \
+     * (exp16's range); VT vectors of VW lanes (VTI: their int32 lanes) */                        \
     TARGET static inline void silu16_##ISA(float *out, const float *o, float r, const float *w, const float *z) { \
-        const v16 zv = LOAD16(z), zero = {0}, one = zero + 1.0f;                                    \
-        const v16i neg = zv < zero;                                                                 \
         float e[16];                                                                                \
-        STORE16(e, (v16)((v16i)zv & ~neg) * -1.0f + (v16)((v16i)zv & neg));                        \
+        for (int j = 0; j < 16; j += VW) {                                                          \
+            const VT zv = LOADV(VT, z + j), zero = {0};                                             \
+            const VTI neg = zv < zero;                                                              \
+            STOREV(VT, e + j, (VT)((VTI)zv & ~neg) * -1.0f + (VT)((VTI)zv & neg));                  \
+        }                                                                                           \
         exp16_##ISA(e);                                                                             \
-        const v16 ev = LOAD16(e);                                                                   \
-        const v16 sig = (v16)(((v16i)(one / (one + ev)) & ~neg) | ((v16i)(ev / (one + ev)) & neg)); \
-        STORE16(out, o ? LOAD16(o) * r * LOAD16(w) * zv * sig : zv * sig);                          \
+        for (int j = 0; j < 16; j += VW) {                                                          \
+            const VT zv = LOADV(VT, z + j), ev = LOADV(VT, e + j), zero = {0}, one = zero + 1.0f;   \
+            const VTI neg = zv < zero;                                                              \
+            const VT sig = (VT)(((VTI)(one / (one + ev)) & ~neg) | ((VTI)(ev / (one + ev)) & neg)); \
+            STOREV(VT, out + j, o ? LOADV(VT, o + j) * r * LOADV(VT, w + j) * zv * sig : zv * sig); \
+        }                                                                                           \
     }                                                                                               \
     /* columns c .. c + VW nv of one head's state: pred = S^T k (decayed), delta, S updated, o */  \
     TARGET static inline __attribute__((always_inline)) void delta_columns_##ISA(float *S, int64_t dk, \
@@ -113,30 +118,36 @@ static inline float conv_channel(float *window, const float *w, int64_t kernel, 
         for (int64_t j = 0; j < dv; j += 16) silu16_##ISA(A->out + h * dv + j, o + j, r, W->norm_w + j, z + j); \
     }
 
-/* The state's columns in vectors of VT (VW floats; AVX2's are its own 8-float registers: GCC
- * lowered 16-float vectors there through the stack, measured 1.15 ms a layer against 0.14 now, in cache);
- * NV: vectors a pass keeps in registers (three arrays of them) */
+/* The state's columns in vectors of VT (VW floats: the instruction set's own register, AVX512's 16,
+ * AVX2's 8, plain x86-64's 4; GCC lowered 16-float vectors on AVX2 through the stack, measured 1.15 ms
+ * a layer against 0.14 now, in cache); NV: vectors a pass keeps in registers (three arrays of them) */
 #if defined(__x86_64__)
 #define VT v16
+#define VTI v16i
 #define VW 16
 #define NV 8
 DELTA_BODIES(avx512, __attribute__((target("avx512f,fma"))))
 #undef VT
+#undef VTI
 #undef VW
 #undef NV
 #define VT v8
+#define VTI v8i
 #define VW 8
 #define NV 4
 DELTA_BODIES(avx2, __attribute__((target("avx2,fma"))))
 #undef VT
+#undef VTI
 #undef VW
 #undef NV
 #endif
-#define VT v16
-#define VW 16
-#define NV 1
+#define VT v4
+#define VTI v4i
+#define VW 4
+#define NV 4
 DELTA_BODIES(plain, PLAIN)
 #undef VT
+#undef VTI
 #undef VW
 #undef NV
 

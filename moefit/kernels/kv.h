@@ -34,9 +34,6 @@ typedef struct {
     float *part;                /* [K splits][R][Dv + 2]: a range's sums, max score and total per row */
 } stored_args;
 
-typedef int32_t v8i __attribute__((vector_size(32)));
-typedef int32_t v4i __attribute__((vector_size(16)));
-
 #define KV_BLOCK 16             /* keys decoded at a time: exp16's lanes */
 #define KV_ROWS 64              /* query rows a pass over a range (more: another pass) */
 #define KV_SPAN 512             /* keys a task: ranges fixed by S alone, so the sums do not depend on
@@ -202,19 +199,20 @@ static inline void row_scales(const kv_rows *r, int64_t h, int64_t s0, int64_t n
      * weighs the values (times their scales vs). Lanes past n are -inf and come out 0. */           \
     TARGET static inline void softmax_block_##ISA(float *p, const float *ks, const float *vs, int64_t n, \
                                                   float *m, float *keep) {                          \
-        const v16 x = LOAD16(p) * LOAD16(ks);                                                       \
-        const v8 h8 = VMAX(FOLD(x, x, 0, 1, 2, 3, 4, 5, 6, 7), FOLD(x, x, 8, 9, 10, 11, 12, 13, 14, 15), v8i); \
+        const v8 x0 = LOADV(v8, p) * LOADV(v8, ks), x1 = LOADV(v8, p + 8) * LOADV(v8, ks + 8);      \
+        const v8 h8 = VMAX(x0, x1, v8i);                                                            \
         const v4 h4 = VMAX(FOLD(h8, h8, 0, 1, 2, 3), FOLD(h8, h8, 4, 5, 6, 7), v4i);               \
         float top = h4[0] > h4[1] ? h4[0] : h4[1], top2 = h4[2] > h4[3] ? h4[2] : h4[3];            \
         top = top2 > top ? top2 : top, top = m[0] > top ? m[0] : top;                               \
-        STORE16(p, x - top);                                                                        \
+        STOREV(v8, p, x0 - top);                                                                    \
+        STOREV(v8, p + 8, x1 - top);                                                                \
         exp16_##ISA(p);                                                                             \
         for (int64_t s = n; s < KV_BLOCK; s++) p[s] = 0.0f;                                         \
-        const v16 e = LOAD16(p);                                                                    \
-        const v8 s8 = FOLD(e, e, 0, 1, 2, 3, 4, 5, 6, 7) + FOLD(e, e, 8, 9, 10, 11, 12, 13, 14, 15); \
+        const v8 e0 = LOADV(v8, p), e1 = LOADV(v8, p + 8), s8 = e0 + e1;                            \
         const v4 s4 = FOLD(s8, s8, 0, 1, 2, 3) + FOLD(s8, s8, 4, 5, 6, 7);                          \
         *keep = expf(m[0] - top), m[1] = m[1] * *keep + ((s4[0] + s4[2]) + (s4[1] + s4[3])), m[0] = top; \
-        STORE16(p, e * LOAD16(vs));                                                                 \
+        STOREV(v8, p, e0 * LOADV(v8, vs));                                                          \
+        STOREV(v8, p + 8, e1 * LOADV(v8, vs + 8));                                                  \
     }                                                                                               \
     /* MLA's block scores: the latent's (rows v, the first Dv of each query row) times its row      \
      * scales vs plus the rope key's (rows k, the rest) times theirs, ks; then ks are 1 */           \
