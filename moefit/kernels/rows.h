@@ -32,9 +32,10 @@ typedef struct {
 
 /* Each body is written once over VF, the instruction set's own float vector of VN lanes (VI: its
  * int32 lanes): AVX512's 16, AVX2's 8, plain x86-64's 4. A vector wider than the target's
- * registers is lowered by GCC through the stack: with 16-float vectors on AVX2 a router of 128
- * experts of 2,048 (Qwen3-30B-A3B's) took 184-225 us a token, a store and a reload per lane pair.
- * The helpers keep their 16-float contracts (exp16: 16 lanes; dot16, rms_row: n a multiple of 16). */
+ * registers is lowered by GCC through the stack (16-float vectors on AVX2: a store and a reload of
+ * every half, GPR moves between); one layer's decode attention, whose softmax takes exp16, was
+ * 0-15 % slower so (bench/kv_attention.py, 16,384 keys, an AVX2 EPYC). The helpers keep their
+ * 16-float contracts (exp16: 16 lanes; dot16, rms_row: n a multiple of 16). */
 #define ROWS_BODIES(ISA, TARGET, VF, VI, VN)                                                        \
     TARGET static inline float hsum_##ISA(VF v) {                                                   \
         float l[VN];                                                                                \
