@@ -37,12 +37,16 @@ def computed(monkeypatch) -> list:
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "glm4_moe"])
 @pytest.mark.parametrize("dense", ["int8", "int4"])
 def test_one_call_gives_the_op_by_op_logits(family, dense, tmp_path, monkeypatch):
+    """The one call, its output projection included (the sublayer's output comes back), gives the
+    op-by-op path's logits and cache rows bit for bit."""
     hf = tiny.build_checkpoint(family, tmp_path / "hf", head_dim=32)            # a head dim the kernel takes
     convert(hf, tmp_path / "pack", "int8", progress=False)
     engine = Engine.open(tmp_path / "pack", ServeConfig(ctx=64, dense_quant=dense))
     calls = computed(monkeypatch)
     one_call = decode(engine)
     assert len(calls) == len(FORCED) * engine.model.cfg.num_layers and all(c is not None for c in calls)
+    assert {tuple(c.shape) for c in calls} == {(1, engine.model.cfg.hidden_size)}
+    assert all(step.projects for _, step in engine.model.steps.values())               # o in the call
     k_native = engine.loaded.kv.layers[0].k["x"][:, :len(PROMPT) + len(FORCED)].clone()
     monkeypatch.setattr(DecoderModel, "attention_step", lambda *a, **k: None)
     assert torch.equal(one_call, decode(engine))
@@ -213,6 +217,7 @@ def test_gpt_oss_sinks_and_sliding_rings_take_it(chunk, kv, tmp_path, monkeypatc
     calls = computed(monkeypatch)
     one_call = run()
     assert len(calls) == len(forced) * engine.model.cfg.num_layers and all(c is not None for c in calls)
+    assert {tuple(c.shape) for c in calls} == {(1, engine.model.cfg.hidden_size)}        # o and its bias in the call
     monkeypatch.setattr(DecoderModel, "attention_step", lambda *a, **k: None)
     ops = run()
     assert float((one_call - ops).abs().max() / ops.abs().max()) < 1e-5

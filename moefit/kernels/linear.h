@@ -21,11 +21,16 @@ static void linear_task(void *ctx, int64_t task) {
     stored_rows(L->quant, L->w, L->scales, L->R, L->C, L->group, r0, r1, &A);
 }
 
+/* whether moe_linear takes a matrix of C columns stored as quant (group: int4's, Q8_0's) */
+static int linear_takes(int64_t C, int quant, int64_t group) {
+    choose_isa();
+    return !(C % QK || ((quant == 4 || quant == 5) && group % QK) || (quant == 9 && group != QK) ||
+             (quant != 4 && quant != 8 && quant != 9 && !(quant == 5 && int4_panels)));
+}
+
 int moe_linear(const float *x, int64_t T, int64_t C, int64_t R, int quant, int64_t group, const void *w,
                const void *scales, float *y) {
-    choose_isa();
-    if (C % QK || ((quant == 4 || quant == 5) && group % QK) || (quant == 9 && group != QK) ||
-        (quant != 4 && quant != 8 && quant != 9 && !(quant == 5 && int4_panels))) return -1;
+    if (!linear_takes(C, quant, group)) return -1;
     int8_t *xq = malloc(T * C);
     float *xs = malloc(sizeof(float) * T * (C / QK));
     int32_t *xsum = malloc(4 * T * (C / QK));

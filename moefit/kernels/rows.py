@@ -205,25 +205,34 @@ def sigmoid_topk(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, k: int, g
 class _StepWeights(ctypes.Structure):
     _fields_ = [("E", c_i64), ("H", c_i64), ("K", c_i64), ("D", c_i64), ("Dv", c_i64), ("quant", ctypes.c_int),
                 ("group", c_i64), ("w", c_ptr), ("scales", c_ptr), ("bias", c_ptr), ("q_norm", c_ptr),
-                ("k_norm", c_ptr), ("eps", c_f), ("scale", c_f), ("gated", ctypes.c_int), ("sinks", c_ptr)]
+                ("k_norm", c_ptr), ("eps", c_f), ("scale", c_f), ("gated", ctypes.c_int), ("sinks", c_ptr),
+                ("o_quant", ctypes.c_int), ("o_group", c_i64), ("O", c_i64), ("o_w", c_ptr), ("o_scales", c_ptr),
+                ("o_bias", c_ptr)]
 
 
 class AttentionStep:
     """One layer's attention for a decode step in one native call (step.h): the quantised qkv
     (parts "w", "w.scale" of `quant`), its bias, the QK-norm weights, the heads, made once. gated:
-    each head's query rows are followed by its output gate's (Qwen3.5 / Next); sinks [H]: gpt-oss's."""
+    each head's query rows are followed by its output gate's (Qwen3.5 / Next); sinks [H]: gpt-oss's.
+    `out`: the output projection bound (kernels.BoundMatrix) with its bias, where the call takes it:
+    the step then gives the sublayer's output (`projects`), with the numbers of its own call."""
 
     def __init__(self, parts: dict, quant: str, heads: int, kv_heads: int, head_dim: int,
                  bias: torch.Tensor | None, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
-                 gated: bool = False, sinks: torch.Tensor | None = None):
+                 gated: bool = False, sinks: torch.Tensor | None = None, out=None,
+                 out_bias: torch.Tensor | None = None):
         from moefit.kernels import Q, group_of, matrix_shape
         w, scale = parts["w"], parts["w.scale"]
-        self.keep = (w, scale, bias, q_norm, k_norm, sinks)      # the addresses below stay theirs
         cols = matrix_shape(w, quant)[1]
+        self.projects = out is not None and out.fn is not None and out.cols == heads * head_dim and \
+            _host_fp32(out_bias) and (out_bias is None or out_bias.is_contiguous())
+        o = out.args if self.projects else (0, 0, 0, 0, None, None)        # cols, rows, quant, group, w, scales
+        self.keep = (w, scale, bias, q_norm, k_norm, sinks) + ((out.keep, out_bias) if self.projects else ())
         self.weights = _StepWeights(
             cols, heads, kv_heads, head_dim, head_dim, Q[quant], group_of(quant, cols, scale),
             w.data_ptr(), scale.data_ptr(), *(_ptr(t) for t in (bias, q_norm, k_norm)), eps, head_dim ** -0.5,
-            int(gated), _ptr(sinks))
+            int(gated), _ptr(sinks), o[2], o[3], o[1], o[4], o[5], _ptr(out_bias) if self.projects else None)
+        self.width = o[1] if self.projects else heads * head_dim
         self.fn = _fn("moe_attention_step")
         self.usable = self.fn is not None and w.is_cpu and all(_host_fp32(t) for t in (bias, q_norm, k_norm, sinks))
         self.kv_pair = KvPair()
@@ -231,7 +240,7 @@ class AttentionStep:
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows) -> torch.Tensor | None:
         """x [1, E] of one position (cos, sin its RoPE rows); rows: the state's step_rows (k and v as
         StoredRows over every slot, of any codec; the slot to write, the runs of slots to attend)
-        -> [1, H*Dv], or None."""
+        -> [1, H*Dv], or [1, O] where it `projects`; or None."""
         if not self.usable or not (_host_fp32(x) and x.is_contiguous()):
             return None
         k, v, slot, runs = rows
@@ -240,7 +249,7 @@ class AttentionStep:
             return None
         kr, vr = described
         spans = (ctypes.c_int64 * (2 * len(runs)))(*(n for run in runs for n in run))
-        out = torch.empty(1, self.weights.H * self.weights.Dv, dtype=F32)
+        out = torch.empty(1, self.width, dtype=F32)
         ok = self.fn(ctypes.byref(self.weights), _p(x), _p(cos), _p(sin), cos.shape[-1], ctypes.byref(kr),
                      ctypes.byref(vr), slot, spans, len(runs), _p(out))
         return out if ok == 0 else None

@@ -10,6 +10,8 @@
  *   out *= sigmoid(lse - sink)            gpt-oss's attention sinks: a virtual key per head
  *   out *= sigmoid(gate)                  gated heads (Qwen3.5 / Next): each head's query is
  *                                         followed by its output gate in the projection
+ *   y = O out (+ bias)                    the output projection, when the layer's is quantised
+ *                                         too (moe_linear, as its own call would: the same numbers)
  *
  * Between these, torch and Python cost more than the work: each operation there runs with cold
  * caches after the matrices streamed through them (measured ~50-100 us a call where a warm loop
@@ -25,6 +27,10 @@ typedef struct {
     float eps, scale;
     int gated;                          /* q rows [H, 2D]: each head's query, then its gate */
     const float *sinks;                 /* [H] or NULL */
+    int o_quant;                        /* the output projection [O, H Dv] as moe_linear takes it, */
+    int64_t o_group, O;                 /* when o_w is given: out is then y [O] */
+    const void *o_w, *o_scales;
+    const float *o_bias;                /* [O] or NULL */
 } attention_step;
 
 /* q [H, D] against the runs of rows (offset, count) of the caches -> out [H, Dv] and lse [H] */
@@ -73,21 +79,30 @@ static int takes_caches(const attention_step *A, const kv_rows *k, const kv_rows
            k->capacity == v->capacity;
 }
 
+/* out [O] = O heads (+ bias): the layer's output projection, moe_linear's numbers */
+static int project(const attention_step *A, const float *heads, float *out) {
+    const int rc = moe_linear(heads, 1, A->H * A->Dv, A->O, A->o_quant, A->o_group, A->o_w, A->o_scales, out);
+    for (int64_t i = 0; rc == 0 && A->o_bias && i < A->O; i++) out[i] += A->o_bias[i];
+    return rc;
+}
+
 /* x [E] of one position (cos, sin its RoPE rows [rot]); the caches [K, capacity, D] and [K, capacity,
  * Dv] (rows of any codec kv.h writes; q4's query turned as its keys, its output back), row `slot`
- * written and the runs [n_runs][offset, count] attended -> out [H, Dv]. Returns -1, before writing
- * anything, for shapes it does not take. */
+ * written and the runs [n_runs][offset, count] attended -> out [H, Dv], or with the output
+ * projection out [O]. Returns -1, before writing anything, for shapes it does not take. */
 int moe_attention_step(const attention_step *A, const float *x, const float *cos, const float *sin, int64_t rot,
                        const kv_rows *k_cache, const kv_rows *v_cache, int64_t slot, const int64_t *runs,
                        int64_t n_runs, float *out) {
     const int64_t q_width = A->H * A->D * (A->gated ? 2 : 1), width = q_width + A->K * A->D + A->K * A->Dv;
     if (A->D % 16 || A->Dv % 16 || rot % 2 || rot > A->D || !takes_caches(A, k_cache, v_cache, slot) ||
-        A->H % A->K || A->H / A->K > 16 || (A->gated && A->Dv != A->D) || n_runs < 1 || n_runs > 2)
+        A->H % A->K || A->H / A->K > 16 || (A->gated && A->Dv != A->D) || n_runs < 1 || n_runs > 2 ||
+        (A->o_w && !linear_takes(A->H * A->Dv, A->o_quant, A->o_group)))
         return -1;
     for (int64_t r = 0; r < n_runs; r++)
         if (runs[2 * r] < 0 || runs[2 * r + 1] < 1 || runs[2 * r] + runs[2 * r + 1] > k_cache->capacity) return -1;
     float *qkv = malloc(sizeof(float) * width), *q = malloc(sizeof(float) * A->H * A->D),
           *k = malloc(sizeof(float) * A->K * A->D), *lse = malloc(sizeof(float) * A->H);
+    float *heads = A->o_w ? malloc(sizeof(float) * A->H * A->Dv) : out;        /* the heads' output */
     choose_rows_isa();
     int rc = moe_linear(x, 1, A->E, width, A->quant, A->group, A->w, A->scales, qkv);
     if (rc == 0) {
@@ -101,16 +116,18 @@ int moe_attention_step(const attention_step *A, const float *x, const float *cos
             kv_write_row(v_cache, h, slot, v + h * A->Dv);
         }
         if (k_cache->codec == 4) turn_rows(q, A->H, A->D, k_cache->rot, 0);
-        rc = attend_runs(A, q, k_cache, v_cache, runs, n_runs, out, lse);
-        if (rc == 0 && v_cache->codec == 4) turn_rows(out, A->H, A->Dv, v_cache->rot, 1);
+        rc = attend_runs(A, q, k_cache, v_cache, runs, n_runs, heads, lse);
+        if (rc == 0 && v_cache->codec == 4) turn_rows(heads, A->H, A->Dv, v_cache->rot, 1);
         for (int64_t h = 0; rc == 0 && A->sinks && h < A->H; h++)
-            for (int64_t c = 0; c < A->Dv; c++) out[h * A->Dv + c] *= 1.0f / (1.0f + expf(A->sinks[h] - lse[h]));
+            for (int64_t c = 0; c < A->Dv; c++) heads[h * A->Dv + c] *= 1.0f / (1.0f + expf(A->sinks[h] - lse[h]));
         for (int64_t h = 0; rc == 0 && A->gated && h < A->H; h++)
             for (int64_t c = 0; c < A->Dv; c++) {
                 const float g = qkv[h * 2 * A->D + A->D + c];
-                out[h * A->Dv + c] *= 1.0f / (1.0f + expf(-g));
+                heads[h * A->Dv + c] *= 1.0f / (1.0f + expf(-g));
             }
+        if (rc == 0 && A->o_w) rc = project(A, heads, out);
     }
+    if (A->o_w) free(heads);
     free(qkv), free(q), free(k), free(lse);
     return rc;
 }

@@ -64,7 +64,7 @@ class Glm4Moe(DecoderModel):
     def attention(self, i, layer, x, start, cos, sin, mask, kv) -> torch.Tensor:
         step = self.attention_step(i, layer, x, start, cos, sin, mask, kv, layer.get("q_norm"), layer.get("k_norm"))
         if step is not None:
-            return linear(step, layer["o"])
+            return step
         c = self.cfg
         t, hd = x.shape[0], c.head_dim
         qkv = linear(x, layer["qkv"], layer.get("qkv_bias"))

@@ -56,7 +56,7 @@ class GptOss(DecoderModel):
     def attention(self, i, layer, x, start, cos, sin, mask, kv) -> torch.Tensor:
         step = self.attention_step(i, layer, x, start, cos, sin, mask, kv, sinks=layer["sinks"])
         if step is not None:                                                             # a decode step on the host
-            return linear(step, layer["o"], layer["o_bias"])
+            return step
         c = self.cfg
         t, hd = x.shape[0], c.head_dim
         q, k, v = linear(x, layer["qkv"], layer["qkv_bias"]).split(

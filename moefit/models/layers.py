@@ -198,26 +198,28 @@ class DecoderModel:
                        mask: torch.Tensor | None, kv, q_norm: torch.Tensor | None = None,
                        k_norm: torch.Tensor | None = None, gated: bool = False,
                        sinks: torch.Tensor | None = None) -> torch.Tensor | None:
-        """A GQA layer's attention for one token in one native call (kernels/step.h): [1, H*D]
-        before the output projection, its key and value written to the cache; None where it does
-        not apply (more tokens, the model's mask, not the host, a quantised cache, a ring missing a
-        position, a qkv not quantised by --dense-quant), and the family computes it op by op.
-        gated: Qwen3.5's per-head output gate, after each head's query in the projection; sinks:
-        gpt-oss's (each applied here). A layer's own window or ring (gpt-oss's sliding layers) is
-        read as the state gives it (step_rows)."""
+        """A GQA layer's attention for one token in one native call (kernels/step.h): the
+        sublayer's output [1, E], through the output projection (layer's "o", "o_bias"), its key and
+        value written to the cache; None where it does not apply (more tokens, the model's mask, not
+        the host, a quantised cache, a ring missing a position, a qkv not quantised by
+        --dense-quant), and the family computes it op by op. The projection is in the call where
+        it is quantised too, else applied here. gated: Qwen3.5's per-head output gate, after each
+        head's query in the projection; sinks: gpt-oss's (each applied here). A layer's own window
+        or ring (gpt-oss's sliding layers) is read as the state gives it (step_rows)."""
         if x.shape[0] != 1 or mask is not None or not isinstance(layer["qkv"], QWeight):
             return None
         rows = kv.step_rows(i, start)
         if rows is None:
             return None
-        c = self.cfg
+        c, o, o_bias = self.cfg, layer["o"], layer.get("o_bias")
         step = self.native_step(layer, lambda: native.AttentionStep(
             layer["qkv"].parts, layer["qkv"].quant, c.num_heads, c.num_kv_heads, c.head_dim, layer.get("qkv_bias"),
-            q_norm, k_norm, c.rms_norm_eps, gated, sinks))
+            q_norm, k_norm, c.rms_norm_eps, gated, sinks, o.step if isinstance(o, QWeight) else None, o_bias))
         out = step(x, cos, sin, rows)
-        if out is not None:
-            kv.stepped(i, start)
-        return out
+        if out is None:
+            return None
+        kv.stepped(i, start)
+        return out if step.projects else linear(out, o, o_bias)
 
     def routed_experts(self, i: int, layer: dict, x: torch.Tensor, experts, routed=None) -> torch.Tensor:
         """The routed experts' sum for x: the family's router (`route`) or its output given

@@ -34,7 +34,7 @@ class Mixtral(DecoderModel):
     def attention(self, i, layer, x, start, cos, sin, mask, kv) -> torch.Tensor:
         step = self.attention_step(i, layer, x, start, cos, sin, mask, kv)
         if step is not None:                                                             # a decode step on the host
-            return linear(step, layer["o"])
+            return step
         c = self.cfg
         t, hd = x.shape[0], c.head_dim
         q, k, v = linear(x, layer["qkv"]).split([c.num_heads * hd, c.num_kv_heads * hd, c.num_kv_heads * hd], -1)

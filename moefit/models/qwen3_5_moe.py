@@ -76,7 +76,7 @@ class Qwen3_5Moe(DecoderModel):
             return self.delta_net(i, layer, x, start, kv)
         step = self.attention_step(i, layer, x, start, cos, sin, mask, kv, layer["q_norm"], layer["k_norm"], gated=True)
         if step is not None:                                                             # a decode step on the host
-            return linear(step, layer["o"])
+            return step
         c = self.cfg
         t, hd = x.shape[0], c.head_dim
         q_gate, k, v = linear(x, layer["qkv"]).split([2 * c.num_heads * hd, c.num_kv_heads * hd,

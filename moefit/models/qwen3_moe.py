@@ -45,7 +45,7 @@ class Qwen3Moe(DecoderModel):
     def attention(self, i, layer, x, start, cos, sin, mask, kv) -> torch.Tensor:
         step = self.attention_step(i, layer, x, start, cos, sin, mask, kv, layer["q_norm"], layer["k_norm"])
         if step is not None:                                                             # a decode step on the host
-            return linear(step, layer["o"])
+            return step
         c = self.cfg
         t, hd = x.shape[0], c.head_dim
         qkv = linear(x, layer["qkv"], layer.get("qkv_bias"))
