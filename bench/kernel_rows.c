@@ -7,7 +7,8 @@
  *
  * It also times int4 through matrix_rows, as the kernel calls it (in panels of eight rows where the
  * ISA has them, panels.h, rearranged per call), a row at a time (the row body), and stored as
- * panels (HostPanels, "int4p"), for 1, 4, 16 and 64 tokens.
+ * panels (HostPanels, "int4p"), for 1, 4, 16 and 64 tokens; and the GGUF block types through
+ * matrix_rows too (the row figures above are their portable rows), for 1 and 4 tokens.
  */
 #ifndef MOE_C
 #define MOE_C "moe.c"
@@ -70,7 +71,7 @@ static double time_rows(int quant, int64_t rows, int64_t cols, int repeats) {
 }
 
 /* ns a row and a token for `tokens` tokens through matrix_rows as the kernel chooses, a row at a
- * time, and stored as panels (0 where the ISA has none), best of `repeats` */
+ * time, and (int4) stored as panels (0 where the ISA has none or the quant is not int4), best of `repeats` */
 static void time_matrix(int quant, int64_t rows, int64_t cols, int64_t tokens, int repeats, double ns[3]) {
     const int64_t nb = cols / QK, rb = row_bytes(quant, cols);
     uint8_t *w = aligned_alloc(64, rows * rb + 64);
@@ -79,6 +80,7 @@ static void time_matrix(int quant, int64_t rows, int64_t cols, int64_t tokens, i
     int8_t *q = aligned_alloc(64, tokens * cols + 64);
     int32_t *qsum = malloc(4 * tokens * nb);
     for (int64_t i = 0; i < rows * rb; i++) w[i] = (uint8_t)rand();
+    plain_scales(quant, w, rows * rb);
     for (int64_t i = 0; i < rows * nb; i++) s[i] = 0x3c00;
     for (int64_t i = 0; i < tokens * cols; i++) x[i] = rand() / (float)RAND_MAX - 0.5f;
     for (int64_t t = 0; t < tokens; t++) quantize_row(x + t * cols, cols, q + t * cols, qs + t * nb, qsum + t * nb, int4_order(quant));
@@ -87,7 +89,7 @@ static void time_matrix(int quant, int64_t rows, int64_t cols, int64_t tokens, i
     const int reps = (int)(20000000 / (rows * rb * tokens)) + 1;
     uint8_t *pw = aligned_alloc(64, rows * rb + 64);
     uint16_t *ps = aligned_alloc(64, rows * nb * 2 + 64);
-    const int stored = moe_to_panels(w, s, rows, cols, QK, pw, ps) == 0;
+    const int stored = quant == 4 && moe_to_panels(w, s, rows, cols, QK, pw, ps) == 0;
     ns[2] = 0.0;                                                  /* none stored: no figure */
     for (int way = 0; way < (stored ? 3 : 2); way++) {
         int4_panels = way == 1 ? 0 : panels;
@@ -121,5 +123,14 @@ int main(int argc, char **argv) {
         printf("  %2lld tokens: %6.1f (a row at a time %6.1f, x%.2f; stored as panels %6.1f, x%.2f)\n",
                (long long)tokens, ns[0], ns[1], ns[1] / ns[0], ns[2], ns[2] > 0 ? ns[1] / ns[2] : 0.0);
     }
+    printf("GGUF blocks through matrix_rows (as the kernel calls them: panels of 8 rows or tiles), ns a row and a token,\n"
+           "GB/s of weights read:\n");
+    for (size_t k = 3; k < sizeof kinds / sizeof kinds[0]; k++)
+        for (int64_t tokens = 1; tokens <= 4; tokens *= 4) {
+            double ns[3];
+            time_matrix(kinds[k].code, rows, 2048, tokens, repeats, ns);
+            printf("  %-7s %2lld tokens: %6.1f (%5.1f GB/s)\n", kinds[k].name, (long long)tokens, ns[0],
+                   row_bytes(kinds[k].code, 2048) / (ns[0] * tokens));
+        }
     return 0;
 }
