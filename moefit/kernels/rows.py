@@ -30,18 +30,25 @@ SIGNATURES = {
 }
 
 
+_bound: dict = {}                        # name -> the library's function with its signature, or False
+
+
 def _fn(name: str):
-    """The library's function `name` with its signature, or None (no library, or one built before it)."""
+    """The library's function `name` with its signature, or None (no library, or one built before
+    it; host calls off on this thread). Looked up once: a decode layer makes several calls."""
     lib = library()
-    if lib is None or not hasattr(lib, name):
+    if lib is None:
         return None
-    fn = getattr(lib, name)
-    if fn.argtypes is None:
-        fn.argtypes, fn.restype = SIGNATURES[name], ctypes.c_int
-    return fn
+    fn = _bound.get(name)
+    if fn is None:
+        fn = _bound[name] = getattr(lib, name, None) or False
+        if fn and fn.argtypes is None:
+            fn.argtypes, fn.restype = SIGNATURES[name], ctypes.c_int
+    return fn or None
 
 
 F32 = torch.float32
+CONTIGUOUS = torch.contiguous_format    # empty_like(x, memory_format=CONTIGUOUS): half of torch.empty(x.shape)'s time
 
 
 def _host_fp32(t: torch.Tensor | None) -> bool:
@@ -63,7 +70,7 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tenso
         rows, stride = x.shape[0], x.stride(0)
     else:
         return None
-    out = torch.empty(x.shape, dtype=F32)
+    out = torch.empty_like(x, memory_format=CONTIGUOUS) if stride == n else torch.empty(x.shape, dtype=F32)
     return out if fn(_p(x), rows, n, stride, _ptr(w), eps, _p(out)) == 0 else None
 
 
