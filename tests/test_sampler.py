@@ -53,3 +53,32 @@ def test_sampling_follows_the_distribution():
 def test_out_of_range_values_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value}).check()
+
+
+def whole_sort_nucleus(probs, top_p):
+    """The nucleus as the sampler made it before: the whole vocabulary sorted (ties in vocabulary order)."""
+    sorted_p, order = torch.sort(probs, descending=True, stable=True)
+    keep = torch.cumsum(sorted_p, dim=-1) - sorted_p < top_p
+    return torch.zeros_like(probs).scatter(0, order, sorted_p * keep)
+
+
+@pytest.mark.parametrize("scale", [0.5, 3.0, 8.0, 30.0])
+def test_the_nucleus_read_from_the_head_is_the_whole_sorts(scale):
+    """_top_p sorts only the tokens above a floor where they hold the mass: the same tokens and
+    values as sorting a 151,936-word vocabulary, peaked (the head path) or flat (the whole sort),
+    ties across the floor included."""
+    from moefit.runtime.sampler import _top_p
+    g = torch.Generator().manual_seed(int(scale * 10))
+    logits = torch.randn(151936, generator=g) * scale
+    logits[1000:1400] = logits.max() - 4.0                        # a run of ties near the head
+    probs = torch.softmax(logits, -1)
+    for top_p in (0.3, 0.8, 0.9, 0.95, 0.999):
+        assert torch.equal(_top_p(probs, top_p), whole_sort_nucleus(probs, top_p)), top_p
+
+
+def test_a_greedy_draw_reads_the_token_probs_found():
+    """Greedy: draw gives the argmax probs() found, and of any other distribution its argmax."""
+    s = Sampler(SamplingParams(temperature=0), [], 6)
+    probs = s.probs(torch.tensor([0.1, 3.0, 2.0, -1.0, 3.5, 0.0]))
+    assert s.draw(probs) == 4 and torch.equal(probs, torch.nn.functional.one_hot(torch.tensor(4), 6).float())
+    assert s.draw(torch.tensor([0.0, 0.0, 1.0, 0.0, 0.0, 0.0])) == 2

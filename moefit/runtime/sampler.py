@@ -59,6 +59,7 @@ class Sampler:
         self.seen = torch.zeros(vocab_size, dtype=torch.bool)
         self.seen[torch.tensor(prompt_ids, dtype=torch.long)] = True
         self.counts = torch.zeros(vocab_size, dtype=torch.float32)
+        self._top, self._one_hot = -1, None          # greedy: the last probs() made and its token
 
     def accept(self, token: int) -> None:
         if self.constraint is not None:
@@ -78,7 +79,10 @@ class Sampler:
             self.seen, self.counts = self.seen.to(logits.device), self.counts.to(logits.device)
         logits = self._penalised(logits)
         if self.p.greedy:
-            return torch.nn.functional.one_hot(logits.argmax(), logits.shape[-1]).float()
+            self._top = int(logits.argmax())             # draw reads it back (an argmax of 151,936 is ~0.15 ms)
+            self._one_hot = torch.zeros(logits.shape[-1], device=logits.device)
+            self._one_hot[self._top] = 1.0
+            return self._one_hot
         logits = logits / self.p.temperature
         if self.p.top_k > 0:
             kth = torch.topk(logits, min(self.p.top_k, logits.shape[-1])).values[-1]
@@ -94,7 +98,7 @@ class Sampler:
         """The token at this output position: argmax when greedy, else inverse CDF at the
         position's uniform (a token of probability 0 is never drawn)."""
         if self.p.greedy:
-            return int(probs.argmax())
+            return self._top if probs is self._one_hot else int(probs.argmax())
         cdf = torch.cumsum(probs.double(), dim=0)
         token = int(torch.searchsorted(cdf, uniform(self.seed, self.index) * float(cdf[-1]), right=True))
         return token if token < len(probs) else int(torch.nonzero(probs)[-1])
@@ -119,7 +123,28 @@ def uniform(seed: int, index: int) -> float:
     return ((z ^ (z >> 31)) >> 11) / float(1 << 53)
 
 
+NUCLEUS_FLOORS = (1e-2, 1e-4, 1e-6)    # candidate floors for _top_p, as fractions of the largest probability
+
+
 def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    sorted_p, order = torch.sort(probs, descending=True)
+    """probs with only the nucleus kept: the most probable tokens, in order, while the mass before
+    each is under top_p (the first always). Only the tokens at or above a floor are sorted, the
+    first floor whose tokens hold more than top_p (they are then the head of the whole order, ties
+    included, and the nucleus ends inside them): the same tokens and values as sorting the whole
+    vocabulary, which took 13 ms a token at 151,936 words here (a model's peaked distribution: ~0.3)."""
+    top = float(probs.max())
+    for floor in NUCLEUS_FLOORS:
+        head = torch.nonzero(probs >= top * floor).squeeze(1)
+        if 4 * head.numel() > probs.numel():                 # a flat distribution: sort it all
+            break
+        if float(probs[head].sum()) >= top_p + 1e-4:        # a margin over the sum's rounding
+            return _nucleus(probs, head, top_p)
+    return _nucleus(probs, None, top_p)
+
+
+def _nucleus(probs: torch.Tensor, head: torch.Tensor | None, top_p: float) -> torch.Tensor:
+    """The nucleus of probs among the tokens `head` (None: all), sorted as the whole would be: tied
+    tokens in vocabulary order (`head` is ascending), so that a nucleus cut inside a tie is one set."""
+    sorted_p, order = torch.sort(probs if head is None else probs[head], descending=True, stable=True)
     keep = torch.cumsum(sorted_p, dim=-1) - sorted_p < top_p          # always keeps the first
-    return torch.zeros_like(probs).scatter(0, order, sorted_p * keep)
+    return torch.zeros_like(probs).scatter(0, order if head is None else head[order], sorted_p * keep)
