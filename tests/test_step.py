@@ -233,3 +233,19 @@ def test_the_native_turn_is_the_rotation(d):
     for back in (False, True):
         want = x @ (r.T if back else r)
         assert float((native.turn_rows(x, r, back) - want).abs().max()) < 1e-5 * float(want.abs().max()) + 1e-6
+
+
+def test_a_projection_the_call_does_not_take_is_applied_after_it(tmp_path, monkeypatch):
+    """Three heads of 16: the output projection's 48 inputs are not whole blocks of 32, which
+    moe_linear refuses. The one call, refused before writing anything, is made again without the
+    projection (from then on) and the layer projects its output op by op: the same logits."""
+    hf = tiny.build_checkpoint("mixtral", tmp_path / "hf", head_dim=16, num_attention_heads=3, num_key_value_heads=1)
+    convert(hf, tmp_path / "pack", "int8", progress=False)
+    engine = Engine.open(tmp_path / "pack", ServeConfig(ctx=64, dense_quant="int8"))
+    calls = computed(monkeypatch)
+    one_call = decode(engine)
+    assert len(calls) == len(FORCED) * engine.model.cfg.num_layers and all(c is not None for c in calls)
+    assert {tuple(c.shape) for c in calls} == {(1, 48)}
+    assert not any(step.projects for _, step in engine.model.steps.values())
+    monkeypatch.setattr(DecoderModel, "attention_step", lambda *a, **k: None)
+    assert torch.equal(one_call, decode(engine))

@@ -256,10 +256,17 @@ class AttentionStep:
             return None
         kr, vr = described
         spans = (ctypes.c_int64 * (2 * len(runs)))(*(n for run in runs for n in run))
-        out = torch.empty(1, self.width, dtype=F32)
-        ok = self.fn(ctypes.byref(self.weights), _p(x), _p(cos), _p(sin), cos.shape[-1], ctypes.byref(kr),
-                     ctypes.byref(vr), slot, spans, len(runs), _p(out))
-        return out if ok == 0 else None
+        while True:
+            out = torch.empty(1, self.width, dtype=F32)
+            ok = self.fn(ctypes.byref(self.weights), _p(x), _p(cos), _p(sin), cos.shape[-1], ctypes.byref(kr),
+                         ctypes.byref(vr), slot, spans, len(runs), _p(out))
+            if ok == 0 or not self.projects:
+                return out if ok == 0 else None
+            self._without_projection()           # refused before writing: perhaps the projection's shape
+
+    def _without_projection(self) -> None:
+        """From now on the heads' output, the caller projecting it (a projection moe_linear does not take)."""
+        self.projects, self.width, self.weights.o_w = False, self.weights.H * self.weights.Dv, None
 
 
 class _DeltaWeights(ctypes.Structure):
