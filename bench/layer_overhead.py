@@ -21,6 +21,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import torch
+
 ROOT = Path(__file__).resolve().parent.parent
 SHRUNK = {"hidden_size": 256, "moe_intermediate_size": 64, "intermediate_size": 512, "vocab_size": 2048,
           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "shared_expert_intermediate_size": 64,
@@ -35,20 +37,14 @@ def shrunk_config(config: Path, out: Path) -> Path:
     return out
 
 
-ROW = """
-import sys, torch
-sys.path.insert(0, {bench!r})
-from decode import time_moefit
-ids = torch.randint(2048, (64,), generator=torch.Generator().manual_seed(1)).tolist()
-print(time_moefit({pack!r}, ids, 64, {threads}, "int4")["decode_tok_s"])
-"""
-
-
 def decode_rate(tree: Path, pack: Path, threads: int) -> float:
-    """Tokens a second, in a process running `tree`'s moefit."""
-    code = ROW.format(bench=str(tree / "bench"), pack=str(pack), threads=threads)
-    out = subprocess.run([sys.executable, "-c", code], cwd=tree, capture_output=True, text=True, check=True)
-    return float(out.stdout.strip().splitlines()[-1])
+    """Tokens a second, in a process running `tree`'s moefit: its bench/decode.py's own row
+    (time_moefit: 64 new tokens at the routing-spread temperature after 64 random ids)."""
+    prompt = torch.randint(2048, (64,), generator=torch.Generator().manual_seed(1)).tolist()
+    row = json.dumps({"fn": "time_moefit", "args": [str(pack), prompt, 64, threads, "int4"], "threads": threads})
+    out = subprocess.run([sys.executable, str(tree / "bench/decode.py"), "--row", row], cwd=tree, capture_output=True,
+                         text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])["decode_tok_s"]
 
 
 def main() -> None:

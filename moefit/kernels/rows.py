@@ -233,13 +233,13 @@ class AttentionStep:
         cols = matrix_shape(w, quant)[1]
         self.projects = out is not None and out.fn is not None and out.cols == heads * head_dim and \
             _host_fp32(out_bias) and (out_bias is None or out_bias.is_contiguous())
-        o = out.args if self.projects else (0, 0, 0, 0, None, None)        # cols, rows, quant, group, w, scales
+        _, o_rows, o_quant, o_group, o_w, o_scales = out.args if self.projects else (0, 0, 0, 0, None, None)
         self.keep = (w, scale, bias, q_norm, k_norm, sinks) + ((out.keep, out_bias) if self.projects else ())
         self.weights = _StepWeights(
             cols, heads, kv_heads, head_dim, head_dim, Q[quant], group_of(quant, cols, scale),
             w.data_ptr(), scale.data_ptr(), *(_ptr(t) for t in (bias, q_norm, k_norm)), eps, head_dim ** -0.5,
-            int(gated), _ptr(sinks), o[2], o[3], o[1], o[4], o[5], _ptr(out_bias) if self.projects else None)
-        self.width = o[1] if self.projects else heads * head_dim
+            int(gated), _ptr(sinks), o_quant, o_group, o_rows, o_w, o_scales, _ptr(out_bias) if self.projects else None)
+        self.width = o_rows if self.projects else heads * head_dim
         self.fn = _fn("moe_attention_step")
         self.usable = self.fn is not None and w.is_cpu and all(_host_fp32(t) for t in (bias, q_norm, k_norm, sinks))
         self.kv_pair = KvPair()
