@@ -26,11 +26,19 @@ def decode(engine: Engine) -> torch.Tensor:
     return torch.stack([engine.decode_step(t, len(PROMPT) + i) for i, t in enumerate(FORCED)])
 
 
-def computed(monkeypatch) -> list:
-    """Each AttentionStep call's result (None: it declined, and the layer went op by op): a step
-    made but declining would leave a test here comparing the op-by-op path with itself."""
+def computed(monkeypatch, blocks: list | None = None) -> list:
+    """Each AttentionStep call's result (None: it declined, and the layer went op by op; a block's
+    sum, [1, E] as a projecting step's output): a step made but declining would leave a test here
+    comparing the op-by-op path with itself. `blocks` gets whether each call was one."""
     calls, real = [], native.AttentionStep.__call__
-    monkeypatch.setattr(native.AttentionStep, "__call__", lambda self, *a: calls.append(real(self, *a)) or calls[-1])
+
+    def call(self, *a, block=False):
+        out = real(self, *a, block=block)
+        calls.append(out[0] if block and out is not None else out)
+        if blocks is not None:
+            blocks.append(block)
+        return out
+    monkeypatch.setattr(native.AttentionStep, "__call__", call)
     return calls
 
 
@@ -42,11 +50,14 @@ def test_one_call_gives_the_op_by_op_logits(family, dense, tmp_path, monkeypatch
     hf = tiny.build_checkpoint(family, tmp_path / "hf", head_dim=32)            # a head dim the kernel takes
     convert(hf, tmp_path / "pack", "int8", progress=False)
     engine = Engine.open(tmp_path / "pack", ServeConfig(ctx=64, dense_quant=dense))
-    calls = computed(monkeypatch)
+    blocks = []
+    calls = computed(monkeypatch, blocks)
     one_call = decode(engine)
-    assert len(calls) == len(FORCED) * engine.model.cfg.num_layers and all(c is not None for c in calls)
+    layers = engine.model.cfg.num_layers
+    assert len(calls) == len(FORCED) * layers and all(c is not None for c in calls)
     assert {tuple(c.shape) for c in calls} == {(1, engine.model.cfg.hidden_size)}
-    assert all(step.projects for _, step in engine.model.steps.values())               # o in the call
+    assert all(step.projects and step.blocks for _, step in engine.model.steps.values())   # o and the norms in the call
+    assert blocks == [False] * layers + [True] * (len(FORCED) - 1) * layers     # once made, the norms are in it too
     k_native = engine.loaded.kv.layers[0].k["x"][:, :len(PROMPT) + len(FORCED)].clone()
     monkeypatch.setattr(DecoderModel, "attention_step", lambda *a, **k: None)
     assert torch.equal(one_call, decode(engine))

@@ -19,7 +19,7 @@ SIGNATURES = {
     "moe_softmax_topk": [c_ptr, c_i64, c_i64, c_ptr, c_ptr, c_i64, c_i64, ctypes.c_int, c_ptr, c_ptr],
     "moe_sigmoid_topk": [c_ptr, c_i64, c_i64, c_ptr, c_ptr, c_i64, c_i64, c_i64, c_i64, ctypes.c_int, c_f, c_ptr,
                          c_ptr],
-    "moe_attention_step": [c_ptr, c_ptr, c_ptr, c_ptr, c_i64, c_ptr, c_ptr, c_i64, c_ptr, c_i64, c_ptr],
+    "moe_attention_step": [c_ptr, c_ptr, c_ptr, c_ptr, c_i64, c_ptr, c_ptr, c_i64, c_ptr, c_i64, c_ptr, c_ptr],
     "moe_attend_one": [c_ptr, c_ptr, c_ptr, c_i64, c_i64, c_i64, c_i64, c_i64, c_i64, c_i64, c_f, c_ptr],
     "moe_delta_step": [c_ptr, c_ptr, c_ptr, c_ptr, c_ptr],
     "moe_attend_stored": [c_ptr, c_i64, c_i64, c_i64, c_ptr, c_ptr, c_f, c_ptr, c_ptr],
@@ -214,7 +214,7 @@ class _StepWeights(ctypes.Structure):
                 ("group", c_i64), ("w", c_ptr), ("scales", c_ptr), ("bias", c_ptr), ("q_norm", c_ptr),
                 ("k_norm", c_ptr), ("eps", c_f), ("scale", c_f), ("gated", ctypes.c_int), ("sinks", c_ptr),
                 ("o_quant", ctypes.c_int), ("o_group", c_i64), ("O", c_i64), ("o_w", c_ptr), ("o_scales", c_ptr),
-                ("o_bias", c_ptr)]
+                ("o_bias", c_ptr), ("in_norm", c_ptr), ("post_norm", c_ptr)]
 
 
 class AttentionStep:
@@ -222,33 +222,42 @@ class AttentionStep:
     (parts "w", "w.scale" of `quant`), its bias, the QK-norm weights, the heads, made once. gated:
     each head's query rows are followed by its output gate's (Qwen3.5 / Next); sinks [H]: gpt-oss's.
     `out`: the output projection bound (kernels.BoundMatrix) with its bias, where the call takes it:
-    the step then gives the sublayer's output (`projects`), with the numbers of its own call."""
+    the step then gives the sublayer's output (`projects`). `norms`: the layer's input and
+    post-attention RMSNorm weights [E] (eps the model's, as the QK-norm's), with which a projecting
+    step is also a block (`blocks`: the residual stream in, its sum with the sublayer's output and
+    that sum's norm out). Each with the numbers of the calls it replaces."""
 
     def __init__(self, parts: dict, quant: str, heads: int, kv_heads: int, head_dim: int,
                  bias: torch.Tensor | None, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
                  gated: bool = False, sinks: torch.Tensor | None = None, out=None,
-                 out_bias: torch.Tensor | None = None):
+                 out_bias: torch.Tensor | None = None, norms: tuple[torch.Tensor, torch.Tensor] | None = None):
         from moefit.kernels import Q, group_of, matrix_shape
         w, scale = parts["w"], parts["w.scale"]
         cols = matrix_shape(w, quant)[1]
         self.projects = out is not None and out.fn is not None and out.cols == heads * head_dim and \
             _host_fp32(out_bias) and (out_bias is None or out_bias.is_contiguous())
         _, o_rows, o_quant, o_group, o_w, o_scales = out.args if self.projects else (0, 0, 0, 0, None, None)
-        self.keep = (w, scale, bias, q_norm, k_norm, sinks) + ((out.keep, out_bias) if self.projects else ())
+        self.blocks = self.projects and o_rows == cols and norms is not None and \
+            all(_host_fp32(t) and t.is_contiguous() and t.shape == (cols,) for t in norms)
+        norms = norms if self.blocks else (None, None)
+        self.keep = (w, scale, bias, q_norm, k_norm, sinks, *norms) + ((out.keep, out_bias) if self.projects else ())
         self.weights = _StepWeights(
             cols, heads, kv_heads, head_dim, head_dim, Q[quant], group_of(quant, cols, scale),
             w.data_ptr(), scale.data_ptr(), *(_ptr(t) for t in (bias, q_norm, k_norm)), eps, head_dim ** -0.5,
-            int(gated), _ptr(sinks), o_quant, o_group, o_rows, o_w, o_scales, _ptr(out_bias) if self.projects else None)
+            int(gated), _ptr(sinks), o_quant, o_group, o_rows, o_w, o_scales, _ptr(out_bias) if self.projects else None,
+            *(_ptr(t) for t in norms))
         self.width = o_rows if self.projects else heads * head_dim
         self.fn = _fn("moe_attention_step")
         self.usable = self.fn is not None and w.is_cpu and all(_host_fp32(t) for t in (bias, q_norm, k_norm, sinks))
         self.kv_pair = KvPair()
 
-    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows) -> torch.Tensor | None:
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows, block: bool = False):
         """x [1, E] of one position (cos, sin its RoPE rows); rows: the state's step_rows (k and v as
         StoredRows over every slot, of any codec; the slot to write, the runs of slots to attend)
-        -> [1, H*Dv], or [1, O] where it `projects`; or None."""
-        if not self.usable or not (_host_fp32(x) and x.is_contiguous()):
+        -> [1, H*Dv], or [1, O] where it `projects`; or None. As a `block` (where it `blocks`), x is
+        the residual stream before the layer's input norm -> (x + the sublayer's output, that sum's
+        post-attention norm), each [1, E]."""
+        if not self.usable or not (_host_fp32(x) and x.is_contiguous()) or block and not self.blocks:
             return None
         k, v, slot, runs = rows
         described = self.kv_pair(k, v)
@@ -258,15 +267,22 @@ class AttentionStep:
         spans = (ctypes.c_int64 * (2 * len(runs)))(*(n for run in runs for n in run))
         while True:
             out = torch.empty(1, self.width, dtype=F32)
+            h = torch.empty(1, self.width, dtype=F32) if block else None
             ok = self.fn(ctypes.byref(self.weights), _p(x), _p(cos), _p(sin), cos.shape[-1], ctypes.byref(kr),
-                         ctypes.byref(vr), slot, spans, len(runs), _p(out))
-            if ok == 0 or not self.projects:
-                return out if ok == 0 else None
+                         ctypes.byref(vr), slot, spans, len(runs), _p(out), _ptr(h))
+            if ok == 0:
+                return (out, h) if block else out
+            if not self.projects:
+                return None
             self._without_projection()           # refused before writing: perhaps the projection's shape
+            if block:
+                return None
 
     def _without_projection(self) -> None:
-        """From now on the heads' output, the caller projecting it (a projection moe_linear does not take)."""
-        self.projects, self.width, self.weights.o_w = False, self.weights.H * self.weights.Dv, None
+        """From now on the heads' output, the caller projecting it (a projection moe_linear does not
+        take), and no block."""
+        self.projects, self.blocks, self.width = False, False, self.weights.H * self.weights.Dv
+        self.weights.o_w = None
 
 
 class _DeltaWeights(ctypes.Structure):

@@ -13,6 +13,10 @@
  *   y = O out (+ bias)                    the output projection, when the layer's is quantised
  *                                         too (moe_linear, as its own call would: the same numbers)
  *
+ * As a block (h given), x is the residual stream rather than the attention's input: it is RMS-normed
+ * by the layer's input norm first, and the call gives x + y and that sum's post-attention norm h,
+ * with rows.h's rms_row as moe_rms_norm applies it: the numbers of the three calls it replaces.
+ *
  * Between these, torch and Python cost more than the work: each operation there runs with cold
  * caches after the matrices streamed through them (measured ~50-100 us a call where a warm loop
  * takes ~10), and a layer's attention was about fifteen of them. */
@@ -31,6 +35,7 @@ typedef struct {
     int64_t o_group, O;                 /* when o_w is given: out is then y [O] */
     const void *o_w, *o_scales;
     const float *o_bias;                /* [O] or NULL */
+    const float *in_norm, *post_norm;   /* [E] the layer's two RMSNorms (the model's eps: `eps`), for a block */
 } attention_step;
 
 /* q [H, D] against the runs of rows (offset, count) of the caches -> out [H, Dv] and lse [H] */
@@ -86,25 +91,33 @@ static int project(const attention_step *A, const float *heads, float *out) {
     return rc;
 }
 
+/* whether the call can be a block: the projection in it, back to the hidden size, and both norms */
+static int takes_block(const attention_step *A) {
+    return A->o_w && A->O == A->E && A->E % 16 == 0 && A->in_norm && A->post_norm;
+}
+
 /* x [E] of one position (cos, sin its RoPE rows [rot]); the caches [K, capacity, D] and [K, capacity,
  * Dv] (rows of any codec kv.h writes; q4's query turned as its keys, its output back), row `slot`
  * written and the runs [n_runs][offset, count] attended -> out [H, Dv], or with the output
- * projection out [O]. Returns -1, before writing anything, for shapes it does not take. */
+ * projection out [O]. With h, a block: x the residual stream, out [E] = x + y, h [E] its
+ * post-attention norm. Returns -1, before writing anything, for shapes it does not take. */
 int moe_attention_step(const attention_step *A, const float *x, const float *cos, const float *sin, int64_t rot,
                        const kv_rows *k_cache, const kv_rows *v_cache, int64_t slot, const int64_t *runs,
-                       int64_t n_runs, float *out) {
+                       int64_t n_runs, float *out, float *h) {
     const int64_t q_width = A->H * A->D * (A->gated ? 2 : 1), width = q_width + A->K * A->D + A->K * A->Dv;
     if (A->D % 16 || A->Dv % 16 || rot % 2 || rot > A->D || !takes_caches(A, k_cache, v_cache, slot) ||
         A->H % A->K || A->H / A->K > 16 || (A->gated && A->Dv != A->D) || n_runs < 1 || n_runs > 2 ||
-        (A->o_w && !linear_takes(A->H * A->Dv, A->o_quant, A->o_group)))
+        (A->o_w && !linear_takes(A->H * A->Dv, A->o_quant, A->o_group)) || (h && !takes_block(A)))
         return -1;
     for (int64_t r = 0; r < n_runs; r++)
         if (runs[2 * r] < 0 || runs[2 * r + 1] < 1 || runs[2 * r] + runs[2 * r + 1] > k_cache->capacity) return -1;
     float *qkv = malloc(sizeof(float) * width), *q = malloc(sizeof(float) * A->H * A->D),
           *k = malloc(sizeof(float) * A->K * A->D), *lse = malloc(sizeof(float) * A->H);
     float *heads = A->o_w ? malloc(sizeof(float) * A->H * A->Dv) : out;        /* the heads' output */
+    float *normed = h ? malloc(sizeof(float) * A->E) : NULL;                   /* a block's input norm */
     choose_rows_isa();
-    int rc = moe_linear(x, 1, A->E, width, A->quant, A->group, A->w, A->scales, qkv);
+    if (h) rms_row(x, A->E, A->in_norm, A->eps, normed);
+    int rc = moe_linear(h ? normed : x, 1, A->E, width, A->quant, A->group, A->w, A->scales, qkv);
     if (rc == 0) {
         if (A->bias)
             for (int64_t i = 0; i < width; i++) qkv[i] += A->bias[i];
@@ -126,8 +139,13 @@ int moe_attention_step(const attention_step *A, const float *x, const float *cos
                 heads[h * A->Dv + c] *= 1.0f / (1.0f + expf(-g));
             }
         if (rc == 0 && A->o_w) rc = project(A, heads, out);
+        if (rc == 0 && h) {                                       /* the residual, and the next norm */
+            for (int64_t i = 0; i < A->E; i++) out[i] += x[i];
+            rms_row(out, A->E, A->post_norm, A->eps, h);
+        }
     }
     if (A->o_w) free(heads);
+    free(normed);
     free(qkv), free(q), free(k), free(lse);
     return rc;
 }

@@ -214,12 +214,38 @@ class DecoderModel:
         c, o, o_bias = self.cfg, layer["o"], layer.get("o_bias")
         step = self.native_step(layer, lambda: native.AttentionStep(
             layer["qkv"].parts, layer["qkv"].quant, c.num_heads, c.num_kv_heads, c.head_dim, layer.get("qkv_bias"),
-            q_norm, k_norm, c.rms_norm_eps, gated, sinks, o.step if isinstance(o, QWeight) else None, o_bias))
+            q_norm, k_norm, c.rms_norm_eps, gated, sinks, o.step if isinstance(o, QWeight) else None, o_bias,
+            (layer["input_norm"], layer["post_norm"])))
         out = step(x, cos, sin, rows)
         if out is None:
             return None
         kv.stepped(i, start)
         return out if step.projects else linear(out, o, o_bias)
+
+    def attention_block(self, i: int, layer: dict, x: torch.Tensor, start: int, cos: torch.Tensor,
+                        sin: torch.Tensor, mask: torch.Tensor | None, kv) -> tuple[torch.Tensor, torch.Tensor]:
+        """x + attention(input_norm(x)), and that sum's post-attention norm: the family's attention
+        between the two norms, or, for a decode step on the host once the family's attention has
+        made the layer's native step (attention_step) and it takes them, that one call with both
+        norms and the residual in it (kernels/step.h). The same numbers either way."""
+        out = self._block_step(i, layer, x, start, cos, sin, mask, kv)
+        if out is not None:
+            return out
+        eps = self.cfg.rms_norm_eps
+        x = x + self.attention(i, layer, rms_norm(x, layer["input_norm"], eps), start, cos, sin, mask, kv)
+        return x, rms_norm(x, layer["post_norm"], eps)
+
+    def _block_step(self, i: int, layer: dict, x: torch.Tensor, start: int, cos: torch.Tensor, sin: torch.Tensor,
+                    mask: torch.Tensor | None, kv) -> tuple[torch.Tensor, torch.Tensor] | None:
+        made = self.steps.get(id(layer)) if self.steps else None
+        step = made[1] if made is not None and made[0] is layer else None
+        if not getattr(step, "blocks", False) or x.shape[0] != 1 or mask is not None:
+            return None
+        rows = kv.step_rows(i, start)
+        out = step(x, cos, sin, rows, block=True) if rows is not None else None
+        if out is not None:
+            kv.stepped(i, start)
+        return out
 
     def routed_experts(self, i: int, layer: dict, x: torch.Tensor, experts, routed=None) -> torch.Tensor:
         """The routed experts' sum for x: the family's router (`route`) or its output given
@@ -256,18 +282,17 @@ def made_once(cache: dict, layer: dict, make):
 
 
 def decoder_stack(model, tokens: torch.Tensor, start: int, kv, experts) -> torch.Tensor:
-    """The residual stack every family shares, one line per sublayer:
-    x = x + attention(norm(x)); x = x + mlp(norm(x)). Returns final-normed hidden [T, E]."""
+    """The residual stack every family shares, one line per sublayer: x = x + attention(norm(x))
+    with h = norm(x) after it (attention_block); x = x + mlp(h). Returns final-normed hidden [T, E]."""
     cfg = model.cfg
     x = model.embed[tokens].to(device=model.norm.device, dtype=model.norm.dtype)       # [T, E]
     t = x.shape[0]
     cos, sin = model.rope.rows(start, t)
     mask = causal_mask(start, t, cfg.sliding_window, x.device)
     for i, layer in enumerate(model.layers):
-        x = x + model.attention(i, layer, rms_norm(x, layer["input_norm"], cfg.rms_norm_eps), start, cos, sin, mask, kv)
+        x, h = model.attention_block(i, layer, x, start, cos, sin, mask, kv)
         if experts.look_ahead and i + 1 < len(model.layers) and "router" in model.layers[i + 1]:
             experts.expect(i + 1, next_layer_guess(model, i + 1, x), "router" in layer)
-        h = rms_norm(x, layer["post_norm"], cfg.rms_norm_eps)
         if model.probe_fit is not None:
             model.probe_fit.see(model, i, x, h)
         x = x + model.mlp(i, layer, h, experts)
