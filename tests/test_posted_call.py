@@ -137,30 +137,69 @@ def test_the_runner_does_a_layers_bookkeeping_while_its_host_call_is_in_flight(p
 
 
 def test_a_decode_step_on_host_memory_is_posted_before_its_routing_is_grouped(packs):
-    """--device cpu: each decode layer's call is posted from the routing (step_post) before
-    Groups.of runs, and is still in flight then; the prompt's layers go through moe_post."""
+    """--device cpu: each decode layer's call is posted with its routing (route_post: Qwen3-MoE's
+    softmax router and the post in one call; step_post where an expert's parts were not yet in
+    the layer's row, and the call only routed) before Groups.of runs, and is still in flight then;
+    the prompt's layers go through moe_post."""
     from moefit.config import ServeConfig
     from moefit.experts import groups, runner
     from moefit.runtime.engine import Engine
     from moefit.runtime.sampler import SamplingParams
     e = Engine.open(packs("qwen3_moe", "int8"), ServeConfig(ctx=64))
     calls, grouped = [], []
-    step_post, of = kernels.step_post, groups.Groups.of
+    step_post, route_post, of = kernels.step_post, kernels.route_post, groups.Groups.of
 
     def step_spy(*a):
         calls.append("step")
         return step_post(*a)
 
+    def route_spy(*a):
+        routed = route_post(*a)
+        calls.append("route" if routed[0] is not None else "routed")
+        return routed
+
     def of_spy(ids, *a):
         if ids.shape[0] == 1:
             grouped.append(layer_call._last is not None and layer_call._last._rc is None)
         return of(ids, *a)
-    kernels.step_post, runner.Groups.of = step_spy, of_spy
+    kernels.step_post, kernels.route_post, runner.Groups.of = step_spy, route_spy, of_spy
     try:
         e.generate([5, 17, 42, 99, 7, 3], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
     finally:
-        kernels.step_post, runner.Groups.of = step_post, of
-    assert calls == ["step"] * 8 and grouped == [True] * 8, (calls, grouped)   # 4 decode forwards x 2 MoE layers
+        kernels.step_post, kernels.route_post, runner.Groups.of = step_post, route_post, of
+    posts = [c for c in calls if c != "routed"]
+    assert len(calls) == 8 + posts.count("step") and grouped == [True] * 8, (calls, grouped)  # 4 forwards x 2 layers
+    assert all(a == "routed" for a, b in zip(calls, calls[1:]) if b == "step")                 # step_post only then
+    assert "route" in posts
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "olmoe"])
+def test_a_softmax_routed_step_gives_the_routers_numbers(packs, family):
+    """A family whose router is a plain softmax top-k (softmax_router) routes a decode step on host
+    memory in the native call that posts its experts: the same greedy tokens and last hidden state,
+    bit for bit, as the family's own route followed by the runner's post."""
+    from moefit.config import ServeConfig
+    from moefit.models.layers import DecoderModel
+    from moefit.runtime.engine import Engine
+    from moefit.runtime.sampler import SamplingParams
+    params, prompt = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True), [5, 17, 42, 99, 7, 3]
+    e = Engine.open(packs(family, "int8"), ServeConfig(ctx=64))
+    posted, route_post = [], kernels.route_post
+    kernels.route_post = lambda *a: posted.append(route_post(*a)) or posted[-1]
+    try:
+        tokens = e.generate(prompt, params)[1].generated
+        hidden = e.last_hidden.clone()
+    finally:
+        kernels.route_post = route_post
+    assert any(r[0] is not None for r in posted)
+    own = type(e.model).softmax_router
+    type(e.model).softmax_router = DecoderModel.softmax_router                   # None: the family routes
+    try:
+        e.kv_tokens = []
+        assert e.generate(prompt, params)[1].generated == tokens
+        assert torch.equal(e.last_hidden, hidden)
+    finally:
+        type(e.model).softmax_router = own
 
 
 @pytest.mark.parametrize("family", ["qwen3_5_moe", "glm4_moe"])

@@ -9,7 +9,7 @@ import torch
 
 from moefit import kernels
 from moefit.kernels import rows
-from moefit.models.layers import RopeTable, apply_partial_rope
+from moefit.models.rope import RopeTable, apply_partial_rope
 from narrow_isa import NARROWER, check_under
 
 pytestmark = pytest.mark.skipif(kernels.library() is None, reason="the native kernel is not built")

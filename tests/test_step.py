@@ -104,6 +104,31 @@ def test_gated_heads_take_it_in_a_hybrid_stack(family, tmp_path, monkeypatch):
     assert float((one_call - ops).abs().max() / ops.abs().max()) < 1e-5
 
 
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_next"])
+@pytest.mark.parametrize("dense", ["int8", "int4"])
+def test_a_deltanet_step_is_a_block_with_the_separate_calls_numbers(family, dense, tmp_path, monkeypatch):
+    """Once a DeltaNet layer's native step is made, a decode step's whole sublayer (both norms, the
+    residual, in_proj and out_proj) is its one call (kernels/delta.h's block): every DeltaNet layer
+    takes it from the second step on, and the logits, recurrent states and conv windows equal
+    those of the step between separate calls, bit for bit."""
+    hf = tiny.build_checkpoint(family, tmp_path / "hf", head_dim=32)
+    convert(hf, tmp_path / "pack", "int8", progress=False)
+    engine = Engine.open(tmp_path / "pack", ServeConfig(ctx=64, dense_quant=dense))
+    blocks, run = [], native.DeltaStep.block_run
+    monkeypatch.setattr(native.DeltaStep, "block_run", lambda self, *a: blocks.append(run(self, *a)) or blocks[-1])
+    one_call = decode(engine)
+    deltanet = [layer for layer in engine.model.layers if "linear" in layer]
+    assert deltanet and len(blocks) == (len(FORCED) - 1) * len(deltanet) and all(b is not None for b in blocks)
+    states = lambda: [t.clone() for st in engine.loaded.kv.layers if hasattr(st, "conv") for t in (st.s, st.conv)]  # noqa: E731
+    blocked = states()
+    monkeypatch.setattr(native.DeltaStep, "_bind_block", lambda self, *a: None)       # steps that are not blocks
+    engine.model.delta_native.clear()
+    separate = decode(engine)
+    assert len(blocks) == (len(FORCED) - 1) * len(deltanet)                            # none taken this time
+    assert torch.equal(one_call, separate)
+    assert all(torch.equal(a, b) for a, b in zip(blocked, states()))
+
+
 @pytest.mark.parametrize("family,kv", [("qwen3_moe", "q4"), ("glm4_moe", "q4"), ("qwen3_moe", "k8v4"),
                                        ("qwen3_moe", "fp16"), ("glm4_moe", "bf16")])
 def test_a_q4_or_16_bit_cache_is_coded_and_read_in_the_one_call(family, kv, tmp_path, monkeypatch):

@@ -82,9 +82,30 @@ def step(runner, layer: int, x: torch.Tensor, ids: torch.Tensor | array, weights
     return HostWork(runner, layer, x, None, [], call, routing=(experts, weights))
 
 
-def _grouped(experts: list[int], weights: torch.Tensor | array) -> Groups:
+def route_step(runner, layer: int, x: torch.Tensor, router: kernels.SoftmaxRouter
+               ) -> tuple[HostWork | None, torch.Tensor, torch.Tensor] | None:
+    """A decode step on host memory (every expert is, as in `step`) routed by a softmax router and
+    its experts posted in one native call (kernels.route_post): (the HostWork, the router's ids
+    [1, k] and weights [1, k]: softmax_topk's numbers). Where an expert's parts are not in the
+    layer's row yet, the call only routes and `step` fills them and posts (its None: `start` will).
+    None where it does not apply (nothing done: the family routes and the runner posts)."""
+    quant = runner.pack.blobs[(layer, 0)].quant
+    if x.shape[0] != 1 or runner.expert_fn is not None or not kernels.usable(x, quant) or not router.takes(x) \
+            or runner.fused.shape(layer, x) is not None:
+        return None
+    routed = kernels.route_post(x, router, quant, runner._shape(quant), runner.host.current(layer))
+    if routed is None:
+        return None
+    call, ids, weights = routed
+    if call is None:
+        return step(runner, layer, x, ids, weights, ids.tolist()[0]), ids, weights
+    return HostWork(runner, layer, x, None, [], call, routing=(ids, weights)), ids, weights
+
+
+def _grouped(experts: list[int] | torch.Tensor, weights: torch.Tensor | array) -> Groups:
     """A step's groups from its experts and their weights (where the call was posted without them)."""
-    return Groups.of_token(experts, weights.reshape(-1).tolist() if isinstance(weights, torch.Tensor) else list(weights))
+    listed = lambda v: v.reshape(-1).tolist() if isinstance(v, torch.Tensor) else list(v)  # noqa: E731
+    return Groups.of_token(listed(experts), listed(weights))
 
 
 def one_by_one(runner, layer: int, x: torch.Tensor, groups: Groups) -> torch.Tensor:

@@ -30,13 +30,19 @@ class HostTable:
         if row is not None:
             row[key[1] * WIDTH] = 0
 
-    def row(self, layer: int, experts: list[int]) -> array:
-        """The layer's row, with these experts' addresses where they are now."""
+    def current(self, layer: int) -> array:
+        """The layer's row as it stands: the experts whose parts moved since forgotten, the rest
+        where they were filled (a native call fills none: it reports an unfilled expert)."""
         for key in self.runner.panels.made_since():   # read from its rows until its panels were made
             self.forget(key)
         row = self.rows.get(layer)
         if row is None:
             row = self.rows[layer] = array("q", bytes(8 * WIDTH * self.experts))
+        return row
+
+    def row(self, layer: int, experts: list[int]) -> array:
+        """The layer's row, with these experts' addresses where they are now."""
+        row = self.current(layer)
         for e in experts:
             if row[e * WIDTH] == 0:
                 parts, quant = self.runner._on_host(layer, e)

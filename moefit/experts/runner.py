@@ -224,8 +224,16 @@ class ExpertRunner:
         return freed
 
     # -- compute -----------------------------------------------------------------
-    def run(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """Sum over each token's top-k experts of weight * expert(x): [T, E]."""
+    def run_routed(self, layer: int, x: torch.Tensor, router: kernels.SoftmaxRouter) -> torch.Tensor | None:
+        """run, for a decode step on host memory routed and posted in one native call
+        (host_side.route_step); None where that does not apply (nothing done)."""
+        routed = host_side.route_step(self, layer, x, router) if x.device.type == "cpu" else None
+        return None if routed is None else self.run(layer, x, routed[1], routed[2], (routed[0] is not None, routed[0]))
+
+    def run(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+            posted: tuple | None = None) -> torch.Tensor:
+        """Sum over each token's top-k experts of weight * expert(x): [T, E]. `posted`: a decode
+        step's host work, posted with its routing (run_routed), as _post_step gives it."""
         shape = self.fused.shape(layer, x)
         if shape is not None and self.arriving:
             self._arrived(layer, self.wait_for_prefetch)           # the table's row holds them
@@ -240,8 +248,8 @@ class ExpertRunner:
         xh, ids_h, w_h, *guessed = self.handoff.wait(sent)         # the layer's one synchronisation
         routed = ids_h.tolist()                                     # the bookkeeping's one conversion
         on_host = early is None and x.device.type == "cpu"   # slots and the pack's map are both host memory: one call
-        posted, host = self._post_step(layer, x, xh, ids_h, w_h, routed[0], early, on_host) if x.shape[0] == 1 \
-            else (False, None)
+        posted, host = posted or (self._post_step(layer, x, xh, ids_h, w_h, routed[0], early, on_host)
+                                  if x.shape[0] == 1 else (False, None))
         if self.arriving:                                           # a decode step's: while its call runs
             self._arrived(layer, self.wait_for_prefetch)
         groups = Groups.of(ids_h, w_h, routed)

@@ -173,3 +173,39 @@ int moe_delta_step(const delta_weights *W, const float *proj, float *conv, float
     free(qkv);
     return 0;
 }
+
+/* ---- the sublayer as a block ------------------------------------------------------------------
+ * A decode step's whole DeltaNet sublayer in one call, as step.h's block for a GQA layer: x [E] the
+ * residual stream, RMS-normed by the layer's input norm; in_proj (moe_linear) -> proj; the step
+ * above; out_proj (moe_linear) -> y; out [E] = x + y and h [E] its post-attention norm (rows.h's
+ * rms_row, as moe_rms_norm): the numbers of the calls it replaces. */
+typedef struct {
+    int64_t E, P;                        /* hidden size; in_proj's rows, C + Hv Dv + 2 Hv */
+    int in_quant, out_quant;             /* in_proj [P, E] and out_proj [E, Hv Dv] as moe_linear takes them */
+    int64_t in_group, out_group;
+    const void *in_w, *in_scales, *out_w, *out_scales;
+    const float *in_norm, *post_norm;    /* [E] */
+    float eps;                           /* the model's */
+} delta_block;
+
+/* Returns -1, before anything is changed, for shapes it (or the step) does not take. */
+int moe_delta_block(const delta_weights *W, const delta_block *B, const float *x, float *conv, float *s, float *out,
+                    float *h) {
+    const int64_t C = 2 * W->hk * W->dk + W->hv * W->dv, V = W->hv * W->dv;
+    if (W->dk % 16 || W->dv % 16 || W->dk > DELTA_MAX_DIM || W->dv > DELTA_MAX_DIM || W->hv % W->hk ||
+        W->kernel < 2 || B->E % 16 || B->P != C + V + 2 * W->hv || !linear_takes(B->E, B->in_quant, B->in_group) ||
+        !linear_takes(V, B->out_quant, B->out_group))
+        return -1;
+    float *normed = malloc(sizeof(float) * B->E), *proj = malloc(sizeof(float) * B->P), *o = malloc(sizeof(float) * V);
+    choose_rows_isa();
+    rms_row(x, B->E, B->in_norm, B->eps, normed);
+    int rc = moe_linear(normed, 1, B->E, B->P, B->in_quant, B->in_group, B->in_w, B->in_scales, proj);
+    if (rc == 0) rc = moe_delta_step(W, proj, conv, s, o);
+    if (rc == 0) rc = moe_linear(o, 1, V, B->E, B->out_quant, B->out_group, B->out_w, B->out_scales, out);
+    if (rc == 0) {
+        for (int64_t i = 0; i < B->E; i++) out[i] += x[i];
+        rms_row(out, B->E, B->post_norm, B->eps, h);
+    }
+    free(normed), free(proj), free(o);
+    return rc;
+}

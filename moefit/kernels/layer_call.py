@@ -123,6 +123,39 @@ def step_post(x: torch.Tensor, quant: str, shape: tuple[int, int], table: array,
     return _posted(lib, ticket, out, (x,))
 
 
+@dataclass(frozen=True)
+class SoftmaxRouter:
+    """A family's softmax router as the native call takes it (models/layers.softmax_topk): the k most
+    probable of softmax(x . weight^T (+ bias)), renormalised when renorm."""
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    top_k: int
+    renorm: bool
+
+    def takes(self, x: torch.Tensor) -> bool:
+        return all(t is None or (t.dtype == x.dtype == torch.float32 and t.is_cpu and t.is_contiguous())
+                   for t in (x, self.weight, self.bias)) and self.top_k <= STEP_MOST
+
+
+def route_post(x: torch.Tensor, router: SoftmaxRouter, quant: str, shape: tuple[int, int], table: array
+               ) -> tuple[NativeCall | None, torch.Tensor, torch.Tensor] | None:
+    """A decode step routed (router.takes(x): softmax_topk's numbers) and, where `table` (step_post's)
+    holds the chosen experts' parts, its experts posted, in one call (posted.h moe_route_step_post):
+    (the call, or None where an expert's parts must be filled in first; ids [1, k] int64, weights
+    [1, k] fp32); None where the router's shapes are not taken (nothing done)."""
+    x = x.contiguous()
+    inter, group = shape
+    ids, weights = torch.empty(1, router.top_k, dtype=torch.int64), torch.empty(1, router.top_k, dtype=torch.float32)
+    out = torch.empty(1, x.shape[1], dtype=torch.float32)
+    lib = _posting()
+    ticket = lib.moe_route_step_post(_p(x), x.shape[1], _p(router.weight), _a(router.bias), router.weight.shape[0],
+                                     router.top_k, int(router.renorm), inter, code(quant), group, _a(table), _p(ids),
+                                     _p(weights), _p(out))
+    if ticket == -1:
+        return None
+    return (_posted(lib, ticket, out, (x,)) if ticket >= 0 else None), ids, weights
+
+
 def swiglu_post(x: torch.Tensor, gate_up, down) -> NativeCall:
     """A SwiGLU MLP of two bound host matrices (kernels.BoundMatrix) posted (posted.h
     moe_swiglu_post): the numbers of kernels.swiglu. The caller has checked kernels.swiglu_takes."""

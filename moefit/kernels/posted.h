@@ -160,3 +160,17 @@ int64_t moe_step_post(const float *x, int64_t E, int64_t I, int quant, int64_t g
     return moe_layer_post(x, 1, E, I, quant, group, n, step.ex, step.start, step.rows, step.w, out, 0.0f, 0.0f,
                           NULL, NULL);
 }
+
+/* ---- a decode step routed and posted in one call -----------------------------------------------
+ * One token's softmax router (moe_softmax_topk's numbers: ids [k], w [k]) and, where the layer's row
+ * holds every chosen expert's parts, its experts posted (moe_step_post): the ticket. -1 for shapes
+ * the router does not take or k over STEP_MOST (nothing written); -3 routed but not posted (an
+ * expert's parts not in the row yet: the caller fills them and posts). */
+int64_t moe_route_step_post(const float *x, int64_t E, const float *router, const float *bias, int64_t N, int64_t k,
+                            int renorm, int64_t I, int quant, int64_t group, const expert_ptrs *table, int64_t *ids,
+                            float *w, float *out) {
+    if (k > STEP_MOST || moe_softmax_topk(x, 1, E, router, bias, N, k, renorm, ids, w)) return -1;
+    for (int64_t j = 0; j < k; j++)
+        if (!table[ids[j]].gu) return -3;
+    return moe_step_post(x, E, I, quant, group, k, ids, w, table, out);
+}

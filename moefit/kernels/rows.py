@@ -22,6 +22,7 @@ SIGNATURES = {
     "moe_attention_step": [c_ptr, c_ptr, c_ptr, c_ptr, c_i64, c_ptr, c_ptr, c_i64, c_ptr, c_i64, c_ptr, c_ptr],
     "moe_attend_one": [c_ptr, c_ptr, c_ptr, c_i64, c_i64, c_i64, c_i64, c_i64, c_i64, c_i64, c_f, c_ptr],
     "moe_delta_step": [c_ptr, c_ptr, c_ptr, c_ptr, c_ptr],
+    "moe_delta_block": [c_ptr, c_ptr, c_ptr, c_ptr, c_ptr, c_ptr, c_ptr],
     "moe_attend_stored": [c_ptr, c_i64, c_i64, c_i64, c_ptr, c_ptr, c_f, c_ptr, c_ptr],
     "moe_attend_latent": [c_ptr, c_i64, c_i64, c_i64, c_ptr, c_ptr, c_f, c_ptr, c_ptr],
     "moe_mla_step": [c_ptr, c_ptr, c_i64, c_ptr, c_ptr, c_ptr, c_ptr, c_ptr],
@@ -290,18 +291,42 @@ class _DeltaWeights(ctypes.Structure):
                 ("a_log", c_ptr), ("dt_bias", c_ptr), ("norm_w", c_ptr), ("eps", c_f)]
 
 
+class _DeltaBlock(ctypes.Structure):
+    _fields_ = [("E", c_i64), ("P", c_i64), ("in_quant", ctypes.c_int), ("out_quant", ctypes.c_int),
+                ("in_group", c_i64), ("out_group", c_i64), ("in_w", c_ptr), ("in_scales", c_ptr), ("out_w", c_ptr),
+                ("out_scales", c_ptr), ("in_norm", c_ptr), ("post_norm", c_ptr), ("eps", c_f)]
+
+
 class DeltaStep:
     """One Gated DeltaNet layer's decode step in one native call (delta.h): from in_proj's output
     to out_proj's input, the conv window and the recurrent state updated in place. Made once per
-    layer from its weights (conv [C, 1, K], A_log, dt_bias [Hv], the gated norm's [Dv])."""
+    layer from its weights (conv [C, 1, K], A_log, dt_bias [Hv], the gated norm's [Dv]). With
+    `sublayer` (in_proj and out_proj bound, kernels.BoundMatrix; the layer's input and post-attention
+    norms [E]; the model's eps) where the call takes them, it is also a block (`blocks`): the
+    residual stream in, its sum with the sublayer's output and that sum's norm out."""
 
     def __init__(self, dims: tuple[int, int, int, int, int], conv: torch.Tensor, a_log: torch.Tensor,
-                 dt_bias: torch.Tensor, norm: torch.Tensor, eps: float):
+                 dt_bias: torch.Tensor, norm: torch.Tensor, eps: float, sublayer: tuple | None = None):
         hk, hv, dk, dv, kernel = dims
         self.keep = (conv, a_log, dt_bias, norm)                  # the addresses below stay theirs
         self.weights = _DeltaWeights(hk, hv, dk, dv, kernel, *(t.data_ptr() for t in self.keep), eps)
         self.fn = _fn("moe_delta_step")
         self.usable = self.fn is not None and all(_host_fp32(t) and t.is_contiguous() for t in self.keep)
+        self.blocks, self.block_fn = False, _fn("moe_delta_block")
+        if sublayer is not None and self.usable and self.block_fn is not None:
+            self._bind_block(*sublayer)
+
+    def _bind_block(self, in_proj, out, in_norm: torch.Tensor, post_norm: torch.Tensor, eps: float) -> None:
+        w = self.weights
+        width, e = 2 * w.hk * w.dk + w.hv * w.dv + w.hv * w.dv + 2 * w.hv, in_proj.cols
+        if not (in_proj.fn and out.fn and in_proj.rows == width and out.cols == w.hv * w.dv and out.rows == e
+                and all(_host_fp32(t) and t.is_contiguous() and t.shape == (e,) for t in (in_norm, post_norm))):
+            return
+        (_, _, in_quant, in_group, in_w, in_scales), (_, _, out_quant, out_group, out_w, out_scales) = in_proj.args, out.args
+        self.block = _DeltaBlock(e, width, in_quant, out_quant, in_group, out_group, in_w, in_scales, out_w, out_scales,
+                                 _p(in_norm), _p(post_norm), eps)
+        self.keep += (in_proj.keep, out.keep, in_norm, post_norm)
+        self.blocks = True
 
     def takes(self, *tensors: torch.Tensor) -> bool:
         """Whether a call on these (in_proj's output rows, the conv window, the state) computes."""
@@ -317,3 +342,15 @@ class DeltaStep:
         out = torch.empty(1, self.weights.hv * self.weights.dv, dtype=F32)
         ok = self.fn(ctypes.byref(self.weights), _p(proj), _p(conv_state), _p(s), _p(out))
         return out if ok == 0 else None
+
+    def block_run(self, x: torch.Tensor, conv_state: torch.Tensor, s: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """As a block (where it `blocks`; takes() accepted x, the window and the state): x [1, E]
+        the residual stream -> (x + the sublayer's output, that sum's post-attention norm), each
+        [1, E]; the window and the state updated. None where the call refuses (nothing changed)."""
+        out, h = torch.empty_like(x, memory_format=CONTIGUOUS), torch.empty_like(x, memory_format=CONTIGUOUS)
+        ok = self.block_fn(ctypes.byref(self.weights), ctypes.byref(self.block), _p(x), _p(conv_state), _p(s), _p(out),
+                           _p(h))
+        if ok != 0:
+            self.blocks = False
+        return (out, h) if ok == 0 else None

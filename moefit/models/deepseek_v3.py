@@ -31,8 +31,8 @@ from moefit.families.deepseek_v3 import KV_B_VALUES, dims, per_head
 from moefit.kernels.latent import LatentStep
 from moefit.models.glm4_moe import Glm4Moe
 from moefit.models.attention import attend_latent, attend_state, turn
-from moefit.models.layers import (QWeight, RopeTable, Weights, apply_rope, apply_rope_interleaved, linear, rms_norm,
-                                  yarn_mscale)
+from moefit.models.layers import QWeight, Weights, linear, rms_norm
+from moefit.models.rope import RopeTable, apply_rope, apply_rope_interleaved, yarn_mscale
 from moefit.pack.quant import dequantize
 
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 
 from moefit.models.attention import attend_state
-from moefit.models.layers import (DecoderModel, RopeTable, Weights, linear, normed_heads, output_weights,
-                                  sigmoid_router, swiglu)
+from moefit.models.layers import DecoderModel, Weights, linear, normed_heads, output_weights, sigmoid_router, swiglu
+from moefit.models.rope import RopeTable
 
 
 class Glm4Moe(DecoderModel):

@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from moefit.models.attention import attend_state
-from moefit.models.layers import DecoderModel, RopeTable, Weights, linear, normed_heads, output_weights
+from moefit.models.layers import DecoderModel, Weights, linear, normed_heads, output_weights
+from moefit.models.rope import RopeTable
 from moefit import kernels
 from moefit.experts.grouped import GroupAct
 from moefit.kernels import rows as native

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import torch
 
+from moefit.kernels import SoftmaxRouter
 from moefit.models.attention import attend_state
-from moefit.models.layers import (DecoderModel, RopeTable, Weights, linear, normed_heads, output_weights, rms_norm,
-                                  softmax_topk)
+from moefit.models.layers import DecoderModel, Weights, linear, normed_heads, output_weights, rms_norm, softmax_topk
+from moefit.models.rope import RopeTable
 
 
 class Olmoe(DecoderModel):
@@ -47,6 +48,9 @@ class Olmoe(DecoderModel):
         v = v.view(t, c.num_kv_heads, hd).transpose(0, 1)                                # [K, T, D]
         kv.write(i, start, k, v)
         return linear(attend_state(kv, i, q, start, mask), layer["o"])
+
+    def softmax_router(self, layer) -> SoftmaxRouter:
+        return SoftmaxRouter(layer["router"], None, self.cfg.top_k, self.cfg.norm_topk_prob)                 # as route's
 
     def route(self, i, layer, x) -> tuple[torch.Tensor, torch.Tensor]:
         weights, ids = softmax_topk(x, layer["router"], self.cfg.top_k, self.cfg.norm_topk_prob)  # [T, k]

@@ -22,8 +22,8 @@ from moefit.families import qwen3_next as spec
 from moefit.kernels import rows as native
 from moefit.models import deltanet
 from moefit.models.attention import attend_state
-from moefit.models.layers import (DecoderModel, RopeTable, Weights, linear, made_once, normed_heads, rms_norm,
-                                  softmax_topk)
+from moefit.models.layers import DecoderModel, QWeight, Weights, linear, made_once, normed_heads, rms_norm, softmax_topk
+from moefit.models.rope import RopeTable
 
 
 class Qwen3_5Moe(DecoderModel):
@@ -92,6 +92,28 @@ class Qwen3_5Moe(DecoderModel):
     def delta_net(self, i, layer, x, start, kv) -> torch.Tensor:
         state = kv.layers[i]
         state.begin(start, x.shape[0])
+        return self.delta_begun(layer, x, state)
+
+    def _block_step(self, i, layer, x, start, cos, sin, mask, kv):
+        """A DeltaNet layer's decode step as a block (DecoderModel.attention_block): both norms, the
+        residual, in_proj and out_proj in the step's one native call (kernels/delta.h), once
+        delta_steps has made the layer's step and it takes them; the same numbers."""
+        if "linear" not in layer:
+            return super()._block_step(i, layer, x, start, cos, sin, mask, kv)
+        made, state = self.delta_native.get(id(layer)), kv.layers[i]
+        step = made[1] if made is not None and made[0] is layer else None
+        if step is None or not step.blocks or x.shape[0] != 1 or not step.takes(x, state.conv, state.s):
+            return None
+        state.begin(start, 1)
+        out = step.block_run(x, state.conv, state.s)
+        if out is None:                        # refused, nothing changed: op by op, the state begun
+            eps = self.cfg.rms_norm_eps
+            x = x + self.delta_begun(layer, rms_norm(x, layer["input_norm"], eps), state)
+            out = x, rms_norm(x, layer["post_norm"], eps)
+        return out
+
+    def delta_begun(self, layer, x, state) -> torch.Tensor:
+        """The DeltaNet sublayer of x (normed), its state begun for these tokens."""
         proj = linear(x, layer["in_proj"])
         one_by_one = x.shape[0] == 1 or state.saved is not None          # a decode step, a verify window
         o = self.delta_steps(layer, proj, state) if one_by_one else None
@@ -122,13 +144,20 @@ class Qwen3_5Moe(DecoderModel):
         o = rms_norm(o.transpose(0, 1).to(proj.dtype), layer["gated_norm"], self.cfg.rms_norm_eps)   # [T, Hv, Dv]
         return (o * F.silu(z.view(t, hv, dv).float())).reshape(t, -1)
 
+    def _sublayer(self, layer: dict) -> tuple | None:
+        """What a DeltaNet step needs to be a block: both projections bound, both norms, eps."""
+        if not (isinstance(layer["in_proj"], QWeight) and isinstance(layer["out"], QWeight)):
+            return None
+        return layer["in_proj"].step, layer["out"].step, layer["input_norm"], layer["post_norm"], self.cfg.rms_norm_eps
+
     def delta_steps(self, layer: dict, proj: torch.Tensor, state) -> torch.Tensor | None:
         """DeltaNet from in_proj's output to out_proj's input a token at a time, each one native
         call (kernels/delta.h) that updates the layer's conv window and state: a decode step, or a
         verify window (its state kept after each position but the last, its conv inputs kept).
         None where the call does not apply (not fp32 on the host), and delta_net goes op by op."""
         step = made_once(self.delta_native, layer, lambda: native.DeltaStep(
-            self.dims, layer["conv"], layer["a_log"], layer["dt_bias"], layer["gated_norm"], self.cfg.rms_norm_eps))
+            self.dims, layer["conv"], layer["a_log"], layer["dt_bias"], layer["gated_norm"], self.cfg.rms_norm_eps,
+            self._sublayer(layer)))
         if not step.takes(proj, state.conv, state.s):
             return None
         out = []

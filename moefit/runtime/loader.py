@@ -27,7 +27,8 @@ from moefit.memory.devices import host_available_bytes, open_device
 from moefit.memory.footprint import device_dense_names, from_pack_header
 from moefit.memory.planner import Plan, plan
 from moefit.models import FAMILY
-from moefit.models.layers import RopeTable, Weights
+from moefit.models.layers import Weights
+from moefit.models.rope import RopeTable
 from moefit.pack.quant import TORCH_DTYPES
 from moefit.pack.reader import Pack
 from moefit.runtime.state import SequenceState

@@ -90,6 +90,9 @@ class _HostExperts:
     def __init__(self, runner):
         self.run = runner.run_on_host
 
+    def run_routed(self, *args) -> None:
+        return None                            # routed by the family, then run_on_host
+
 
 def load_mtp(pack, loaded, cfg, kv_dtype: str) -> list[MtpDrafter]:
     """The pack's first MTP layer on the device, and a drafter with its own KV for each session,
