@@ -173,17 +173,18 @@ def test_a_decode_step_on_host_memory_is_posted_before_its_routing_is_grouped(pa
     assert "route" in posts
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "olmoe"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "olmoe", "qwen3_5_moe"])
 def test_a_softmax_routed_step_gives_the_routers_numbers(packs, family):
     """A family whose router is a plain softmax top-k (softmax_router) routes a decode step on host
-    memory in the native call that posts its experts: the same greedy tokens and last hidden state,
-    bit for bit, as the family's own route followed by the runner's post."""
+    memory in the native call that posts its experts (Qwen3.5's shared expert posted before it,
+    with the dense matrices quantised): the same greedy tokens and last hidden state, bit for bit,
+    as the family's own route followed by the runner's post."""
     from moefit.config import ServeConfig
     from moefit.models.layers import DecoderModel
     from moefit.runtime.engine import Engine
     from moefit.runtime.sampler import SamplingParams
     params, prompt = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True), [5, 17, 42, 99, 7, 3]
-    e = Engine.open(packs(family, "int8"), ServeConfig(ctx=64))
+    e = Engine.open(packs(family, "int8"), ServeConfig(ctx=64, dense_quant="int8"))
     posted, route_post = [], kernels.route_post
     kernels.route_post = lambda *a: posted.append(route_post(*a)) or posted[-1]
     try:

@@ -179,7 +179,11 @@ class DecoderModel:
         """The routed experts' sum for x and the shared expert's output (layer's shared_gate_up and
         shared_down): the router first (a pooled native call would wait for a posted one), then
         the shared expert started (swiglu_later), then the runner, whose Python before its own
-        call runs beside it."""
+        call runs beside it. A decode step on the host whose router is in the routed experts' one
+        call (routed_experts) starts the shared expert first: that call joins it, as a post does."""
+        if routed is None and self.softmax_router is not None and x.shape[0] == 1 and x.is_cpu:
+            shared = swiglu_later(x, layer["shared_gate_up"], layer["shared_down"])
+            return self.routed_experts(i, layer, x, experts), shared()
         weights, ids = routed or self.route(i, layer, x)
         shared = swiglu_later(x, layer["shared_gate_up"], layer["shared_down"])
         return experts.run(i, x, ids, weights), shared()
