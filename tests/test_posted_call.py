@@ -173,12 +173,13 @@ def test_a_decode_step_on_host_memory_is_posted_before_its_routing_is_grouped(pa
     assert "route" in posts
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "olmoe", "qwen3_5_moe"])
-def test_a_softmax_routed_step_gives_the_routers_numbers(packs, family):
-    """A family whose router is a plain softmax top-k (softmax_router) routes a decode step on host
-    memory in the native call that posts its experts (Qwen3.5's shared expert posted before it,
-    with the dense matrices quantised): the same greedy tokens and last hidden state, bit for bit,
-    as the family's own route followed by the runner's post."""
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "olmoe", "qwen3_5_moe", "glm4_moe", "deepseek_v3"])
+def test_a_natively_routed_step_gives_the_routers_numbers(packs, family):
+    """A family whose router is one of the native ones (native_router: a softmax top-k; GLM's and
+    DeepSeek's grouped sigmoid) routes a decode step on host memory in the native call that posts
+    its experts (a shared expert posted before it, with the dense matrices quantised): the same
+    greedy tokens and last hidden state, bit for bit, as the family's own route followed by the
+    runner's post."""
     from moefit.config import ServeConfig
     from moefit.models.layers import DecoderModel
     from moefit.runtime.engine import Engine
@@ -193,14 +194,14 @@ def test_a_softmax_routed_step_gives_the_routers_numbers(packs, family):
     finally:
         kernels.route_post = route_post
     assert any(r[0] is not None for r in posted)
-    own = type(e.model).softmax_router
-    type(e.model).softmax_router = DecoderModel.softmax_router                   # None: the family routes
+    own = type(e.model).native_router
+    type(e.model).native_router = DecoderModel.native_router                   # None: the family routes
     try:
         e.kv_tokens = []
         assert e.generate(prompt, params)[1].generated == tokens
         assert torch.equal(e.last_hidden, hidden)
     finally:
-        type(e.model).softmax_router = own
+        type(e.model).native_router = own
 
 
 @pytest.mark.parametrize("family", ["qwen3_5_moe", "glm4_moe"])

@@ -82,11 +82,11 @@ def step(runner, layer: int, x: torch.Tensor, ids: torch.Tensor | array, weights
     return HostWork(runner, layer, x, None, [], call, routing=(experts, weights))
 
 
-def route_step(runner, layer: int, x: torch.Tensor, router: kernels.SoftmaxRouter
+def route_step(runner, layer: int, x: torch.Tensor, router: kernels.Router
                ) -> tuple[HostWork | None, torch.Tensor, torch.Tensor] | None:
-    """A decode step on host memory (every expert is, as in `step`) routed by a softmax router and
-    its experts posted in one native call (kernels.route_post): (the HostWork, the router's ids
-    [1, k] and weights [1, k]: softmax_topk's numbers). Where an expert's parts are not in the
+    """A decode step on host memory (every expert is, as in `step`) routed by the family's router
+    (kernels.Router) and its experts posted in one native call (kernels.route_post): (the HostWork,
+    the router's ids [1, k] and weights [1, k]: its numbers). Where an expert's parts are not in the
     layer's row yet, the call only routes and `step` fills them and posts (its None: `start` will).
     None where it does not apply (nothing done: the family routes and the runner posts)."""
     quant = runner.pack.blobs[(layer, 0)].quant

@@ -224,7 +224,7 @@ class ExpertRunner:
         return freed
 
     # -- compute -----------------------------------------------------------------
-    def run_routed(self, layer: int, x: torch.Tensor, router: kernels.SoftmaxRouter) -> torch.Tensor | None:
+    def run_routed(self, layer: int, x: torch.Tensor, router: kernels.Router) -> torch.Tensor | None:
         """run, for a decode step on host memory routed and posted in one native call
         (host_side.route_step); None where that does not apply (nothing done)."""
         routed = host_side.route_step(self, layer, x, router) if x.device.type == "cpu" else None

@@ -80,8 +80,7 @@ def _load() -> ctypes.CDLL | None:
                                     c_ptr, c_ptr, c_ptr]
     lib.moe_step_post.argtypes = [c_ptr, c_i64, c_i64, ctypes.c_int, c_i64, c_i64, c_ptr, c_ptr, c_ptr, c_ptr]
     lib.moe_route_step_post.restype = c_i64
-    lib.moe_route_step_post.argtypes = [c_ptr, c_i64, c_ptr, c_ptr, c_i64, c_i64, ctypes.c_int, c_i64, ctypes.c_int,
-                                        c_i64, c_ptr, c_ptr, c_ptr, c_ptr]
+    lib.moe_route_step_post.argtypes = [c_ptr, c_i64, c_ptr, c_i64, ctypes.c_int, c_i64, c_ptr, c_ptr, c_ptr, c_ptr]
     lib.moe_isa.restype = ctypes.c_char_p
     lib.moe_set_threads(default_threads())
     return lib
@@ -353,5 +352,5 @@ def _reorder(codes: torch.Tensor, scale: torch.Tensor, to_panels: bool) -> tuple
 
 
 # the MoE layer's call (kernels/layer_call.py), here with the rest of the native interface
-from moefit.kernels.layer_call import (PARTS, STEP_MOST, GptOssAct, NativeCall, SoftmaxRouter, addresses,  # noqa: E402,F401
+from moefit.kernels.layer_call import (PARTS, STEP_MOST, GptOssAct, NativeCall, Router, addresses,  # noqa: E402,F401
                                       moe_layer, moe_post, route_post, step_post, swiglu_post)

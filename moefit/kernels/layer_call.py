@@ -123,34 +123,43 @@ def step_post(x: torch.Tensor, quant: str, shape: tuple[int, int], table: array,
     return _posted(lib, ticket, out, (x,))
 
 
-@dataclass(frozen=True)
-class SoftmaxRouter:
-    """A family's softmax router as the native call takes it (models/layers.softmax_topk): the k most
-    probable of softmax(x . weight^T (+ bias)), renormalised when renorm."""
-    weight: torch.Tensor
-    bias: torch.Tensor | None
-    top_k: int
-    renorm: bool
+class _RouterSpec(ctypes.Structure):
+    _fields_ = [("w", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("N", ctypes.c_int64), ("k", ctypes.c_int64),
+                ("sigmoid", ctypes.c_int), ("renorm", ctypes.c_int), ("groups", ctypes.c_int64),
+                ("top_groups", ctypes.c_int64), ("scale", ctypes.c_float)]
+
+
+class Router:
+    """A family's router as the native call takes it (models/layers.py's): the k most probable of
+    softmax(x . weight^T (+ bias)), renormalised when renorm (softmax_topk); or, `sigmoid`, DeepSeek's
+    grouped choice by sigmoid score + bias, weighed by the scores, normalised when renorm, times
+    scale (sigmoid_router)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, top_k: int, renorm: bool,
+                 sigmoid: bool = False, groups: int = 1, top_groups: int = 1, scale: float = 1.0):
+        self.weight, self.bias, self.top_k = weight, bias, top_k
+        self.spec = _RouterSpec(weight.data_ptr(), _a(bias), weight.shape[0], top_k, int(sigmoid), int(renorm),
+                                groups, top_groups, scale)
+        host_fp32 = lambda t: t.dtype == torch.float32 and t.is_cpu and t.is_contiguous()  # noqa: E731
+        self._usable = top_k <= STEP_MOST and host_fp32(weight) and (bias is None or host_fp32(bias))
 
     def takes(self, x: torch.Tensor) -> bool:
-        return all(t is None or (t.dtype == x.dtype == torch.float32 and t.is_cpu and t.is_contiguous())
-                   for t in (x, self.weight, self.bias)) and self.top_k <= STEP_MOST
+        return self._usable and x.dtype == torch.float32 and x.is_cpu
 
 
-def route_post(x: torch.Tensor, router: SoftmaxRouter, quant: str, shape: tuple[int, int], table: array
+def route_post(x: torch.Tensor, router: Router, quant: str, shape: tuple[int, int], table: array
                ) -> tuple[NativeCall | None, torch.Tensor, torch.Tensor] | None:
-    """A decode step routed (router.takes(x): softmax_topk's numbers) and, where `table` (step_post's)
-    holds the chosen experts' parts, its experts posted, in one call (posted.h moe_route_step_post):
-    (the call, or None where an expert's parts must be filled in first; ids [1, k] int64, weights
-    [1, k] fp32); None where the router's shapes are not taken (nothing done)."""
+    """A decode step routed (router.takes(x): the router's numbers, rows.h's) and, where `table`
+    (step_post's) holds the chosen experts' parts, its experts posted, in one call (posted.h
+    moe_route_step_post): (the call, or None where an expert's parts must be filled in first; ids
+    [1, k] int64, weights [1, k] fp32); None where the router's shapes are not taken (nothing done)."""
     x = x.contiguous()
     inter, group = shape
     ids, weights = torch.empty(1, router.top_k, dtype=torch.int64), torch.empty(1, router.top_k, dtype=torch.float32)
     out = torch.empty(1, x.shape[1], dtype=torch.float32)
     lib = _posting()
-    ticket = lib.moe_route_step_post(_p(x), x.shape[1], _p(router.weight), _a(router.bias), router.weight.shape[0],
-                                     router.top_k, int(router.renorm), inter, code(quant), group, _a(table), _p(ids),
-                                     _p(weights), _p(out))
+    ticket = lib.moe_route_step_post(_p(x), x.shape[1], ctypes.byref(router.spec), inter, code(quant), group, _a(table),
+                                     _p(ids), _p(weights), _p(out))
     if ticket == -1:
         return None
     return (_posted(lib, ticket, out, (x,)) if ticket >= 0 else None), ids, weights

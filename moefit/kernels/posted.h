@@ -162,15 +162,27 @@ int64_t moe_step_post(const float *x, int64_t E, int64_t I, int quant, int64_t g
 }
 
 /* ---- a decode step routed and posted in one call -----------------------------------------------
- * One token's softmax router (moe_softmax_topk's numbers: ids [k], w [k]) and, where the layer's row
- * holds every chosen expert's parts, its experts posted (moe_step_post): the ticket. -1 for shapes
- * the router does not take or k over STEP_MOST (nothing written); -3 routed but not posted (an
- * expert's parts not in the row yet: the caller fills them and posts). */
-int64_t moe_route_step_post(const float *x, int64_t E, const float *router, const float *bias, int64_t N, int64_t k,
-                            int renorm, int64_t I, int quant, int64_t group, const expert_ptrs *table, int64_t *ids,
-                            float *w, float *out) {
-    if (k > STEP_MOST || moe_softmax_topk(x, 1, E, router, bias, N, k, renorm, ids, w)) return -1;
-    for (int64_t j = 0; j < k; j++)
+ * One token's router (rows.h's: moe_softmax_topk's numbers, or moe_sigmoid_topk's where `sigmoid`:
+ * ids [k], w [k]) and, where the layer's row holds every chosen expert's parts, its experts posted
+ * (moe_step_post): the ticket. -1 for shapes the router does not take or k over STEP_MOST (nothing
+ * written); -3 routed but not posted (an expert's parts not in the row yet: the caller fills them
+ * and posts). */
+typedef struct {
+    const float *w, *bias;               /* [N, E]; [N] or NULL (the sigmoid router's: its choice's bias) */
+    int64_t N, k;
+    int sigmoid, renorm;                 /* renorm: the sigmoid router's `normalise` */
+    int64_t groups, top_groups;          /* the sigmoid router's */
+    float scale;
+} router_spec;
+
+int64_t moe_route_step_post(const float *x, int64_t E, const router_spec *R, int64_t I, int quant, int64_t group,
+                            const expert_ptrs *table, int64_t *ids, float *w, float *out) {
+    if (R->k > STEP_MOST) return -1;
+    const int rc = R->sigmoid ? moe_sigmoid_topk(x, 1, E, R->w, R->bias, R->N, R->k, R->groups, R->top_groups,
+                                                 R->renorm, R->scale, ids, w)
+                              : moe_softmax_topk(x, 1, E, R->w, R->bias, R->N, R->k, R->renorm, ids, w);
+    if (rc) return -1;
+    for (int64_t j = 0; j < R->k; j++)
         if (!table[ids[j]].gu) return -3;
-    return moe_step_post(x, E, I, quant, group, k, ids, w, table, out);
+    return moe_step_post(x, E, I, quant, group, R->k, ids, w, table, out);
 }

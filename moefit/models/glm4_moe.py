@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from moefit.kernels import Router
 from moefit.models.attention import attend_state
 from moefit.models.layers import DecoderModel, Weights, linear, normed_heads, output_weights, sigmoid_router, swiglu
 from moefit.models.rope import RopeTable
@@ -74,6 +75,10 @@ class Glm4Moe(DecoderModel):
         v = v.view(t, c.num_kv_heads, hd).transpose(0, 1)
         kv.write(i, start, k, v)
         return linear(attend_state(kv, i, q, start, mask), layer["o"])
+
+    def native_router(self, layer) -> Router:
+        return Router(layer["router"], layer["bias"], self.cfg.top_k, self.cfg.norm_topk_prob, sigmoid=True,
+                      groups=self.groups, top_groups=self.top_groups, scale=self.scale)          # as route's
 
     def route(self, i, layer, x) -> tuple[torch.Tensor, torch.Tensor]:
         weights, ids = sigmoid_router(x, layer["router"], layer["bias"], self.cfg.top_k, self.groups,

@@ -97,8 +97,8 @@ class DecoderModel:
     probe_fit = None
     steps: dict | None = None               # id(layer dict) -> (it, its native decode-step attention)
     graph_step = False                      # attention recordable for a bucket (runtime/decode_graphs.py)
-    softmax_router = None                   # a family's layer -> kernels.SoftmaxRouter, where `route` is just that
-    routers: dict | None = None             # id(layer dict) -> (it, its SoftmaxRouter)
+    native_router = None                    # a family's layer -> kernels.Router, where `route` is just that
+    routers: dict | None = None             # id(layer dict) -> (it, its kernels.Router)
 
     def forward(self, tokens: torch.Tensor, start: int, kv, experts) -> torch.Tensor:
         """Final hidden states [T, E] for tokens at positions start..start+T."""
@@ -163,12 +163,13 @@ class DecoderModel:
     def routed_experts(self, i: int, layer: dict, x: torch.Tensor, experts, routed=None) -> torch.Tensor:
         """The routed experts' sum for x: the family's router (`route`) or its output given
         (a recorded piece's: runtime/decode_graphs.py), then the runner; where the family's router
-        is a plain softmax top-k (`softmax_router`), a decode step on host memory routed and its
-        experts posted in one native call (the runner's run_routed; softmax_topk's numbers)."""
-        if routed is None and self.softmax_router is not None:
+        is one of the native ones (`native_router`: softmax_topk's, sigmoid_router's), a decode step
+        on host memory routed and its experts posted in one native call (the runner's run_routed;
+        the router's numbers)."""
+        if routed is None and self.native_router is not None:
             if self.routers is None:
                 self.routers = {}
-            out = experts.run_routed(i, x, made_once(self.routers, layer, lambda: self.softmax_router(layer)))
+            out = experts.run_routed(i, x, made_once(self.routers, layer, lambda: self.native_router(layer)))
             if out is not None:
                 return out
         weights, ids = routed or self.route(i, layer, x)
@@ -181,7 +182,7 @@ class DecoderModel:
         the shared expert started (swiglu_later), then the runner, whose Python before its own
         call runs beside it. A decode step on the host whose router is in the routed experts' one
         call (routed_experts) starts the shared expert first: that call joins it, as a post does."""
-        if routed is None and self.softmax_router is not None and x.shape[0] == 1 and x.is_cpu:
+        if routed is None and self.native_router is not None and x.shape[0] == 1 and x.is_cpu:
             shared = swiglu_later(x, layer["shared_gate_up"], layer["shared_down"])
             return self.routed_experts(i, layer, x, experts), shared()
         weights, ids = routed or self.route(i, layer, x)

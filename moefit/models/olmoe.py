@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from moefit.kernels import SoftmaxRouter
+from moefit.kernels import Router
 from moefit.models.attention import attend_state
 from moefit.models.layers import DecoderModel, Weights, linear, normed_heads, output_weights, rms_norm, softmax_topk
 from moefit.models.rope import RopeTable
@@ -49,8 +49,8 @@ class Olmoe(DecoderModel):
         kv.write(i, start, k, v)
         return linear(attend_state(kv, i, q, start, mask), layer["o"])
 
-    def softmax_router(self, layer) -> SoftmaxRouter:
-        return SoftmaxRouter(layer["router"], None, self.cfg.top_k, self.cfg.norm_topk_prob)                 # as route's
+    def native_router(self, layer) -> Router:
+        return Router(layer["router"], None, self.cfg.top_k, self.cfg.norm_topk_prob)  # as route's
 
     def route(self, i, layer, x) -> tuple[torch.Tensor, torch.Tensor]:
         weights, ids = softmax_topk(x, layer["router"], self.cfg.top_k, self.cfg.norm_topk_prob)  # [T, k]

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from moefit.families import qwen3_next as spec
-from moefit.kernels import SoftmaxRouter, rows as native
+from moefit.kernels import Router, rows as native
 from moefit.models import deltanet
 from moefit.models.attention import attend_state
 from moefit.models.layers import DecoderModel, QWeight, Weights, linear, made_once, normed_heads, rms_norm, softmax_topk
@@ -170,8 +170,8 @@ class Qwen3_5Moe(DecoderModel):
             state.conv_inputs = proj[:, :2 * hk * dk + hv * dv]
         return torch.cat(out)
 
-    def softmax_router(self, layer) -> SoftmaxRouter:
-        return SoftmaxRouter(layer["router"], None, self.cfg.top_k, True)                    # as route's
+    def native_router(self, layer) -> Router:
+        return Router(layer["router"], None, self.cfg.top_k, True)  # as route's
 
     def route(self, i, layer, x) -> tuple[torch.Tensor, torch.Tensor]:
         weights, ids = softmax_topk(x, layer["router"], self.cfg.top_k, renorm=True)        # [T, k]
