@@ -94,17 +94,21 @@ def test_what_it_does_not_take_runs_op_by_op(config, tmp_path):
 
 @pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe", "glm4_moe_lite"])
 def test_the_sigmoid_router_runs_natively_with_torchs_choices(family, tmp_path, monkeypatch):
-    """DeepSeek-V3's router (groups), GLM's (one group): every MoE layer of a decode step routes
-    in one native call (kernels/rows.h), and the logits equal those of torch's router."""
+    """DeepSeek-V3's router (groups), GLM's (one group): every MoE layer routes in one native call
+    (kernels/rows.h), a decode step's in the call that posts its experts too (posted.h), and the
+    logits equal those of torch's router."""
+    from moefit import kernels
     from moefit.kernels import rows
     from moefit.models import layers
     engine = open_pack(tmp_path, family)(dense_quant="int8")
-    calls, real = [], rows.sigmoid_topk
+    calls, real, steps, route_post = [], rows.sigmoid_topk, [], kernels.route_post
     monkeypatch.setattr(layers.native, "sigmoid_topk", lambda *a: calls.append(real(*a)) or calls[-1])
+    monkeypatch.setattr(kernels, "route_post", lambda *a: steps.append(route_post(*a)) or steps[-1])
     native = decode(engine)
     moe_layers = sum("router" in layer for layer in engine.model.layers)
-    assert moe_layers and len(calls) == moe_layers * (len(FORCED) + 1)           # the prompt, then each step
-    assert all(c is not None for c in calls)                                     # each routed natively
+    assert moe_layers and len(calls) == moe_layers and len(steps) == moe_layers * len(FORCED)  # the prompt; each step
+    assert all(c is not None for c in calls + steps)                             # each routed natively
     monkeypatch.setattr(layers.native, "sigmoid_topk", lambda *a: None)
+    monkeypatch.setattr(type(engine.model), "native_router", None)              # the family's route: torch's
     ops = decode(engine)
     assert float((native - ops).abs().max() / ops.abs().max()) < 1e-5

@@ -228,7 +228,10 @@ class ExpertRunner:
         """run, for a decode step on host memory routed and posted in one native call
         (host_side.route_step); None where that does not apply (nothing done)."""
         routed = host_side.route_step(self, layer, x, router) if x.device.type == "cpu" else None
-        return None if routed is None else self.run(layer, x, routed[1], routed[2], (routed[0] is not None, routed[0]))
+        if routed is None:
+            return None
+        work, ids, weights = routed
+        return self.run(layer, x, ids, weights, (work is not None, work))
 
     def run(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
             posted: tuple | None = None) -> torch.Tensor:

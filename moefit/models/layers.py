@@ -150,6 +150,9 @@ class DecoderModel:
 
     def _block_step(self, i: int, layer: dict, x: torch.Tensor, start: int, cos: torch.Tensor, sin: torch.Tensor,
                     mask: torch.Tensor | None, kv) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """attention_block's one call, or None (the layer's step not made yet, or not a block: an
+        MLA layer's LatentStep never is; a family whose other layers have a block of their own
+        answers for them here: Qwen3.5's DeltaNet)."""
         made = self.steps.get(id(layer)) if self.steps else None
         step = made[1] if made is not None and made[0] is layer else None
         if not getattr(step, "blocks", False) or x.shape[0] != 1 or mask is not None:
