@@ -285,3 +285,22 @@ def test_a_projection_the_call_does_not_take_is_applied_after_it(tmp_path, monke
     assert not any(step.projects for _, step in engine.model.steps.values())
     monkeypatch.setattr(DecoderModel, "attention_step", lambda *a, **k: None)
     assert torch.equal(one_call, decode(engine))
+
+
+def test_no_step_is_a_block_while_host_calls_are_off(tmp_path, monkeypatch):
+    """With host calls off on the thread (a recorded piece's forward: runtime/recorders.py), the
+    steps made before are not called as blocks: torch's path runs (its dense products in fp32, not
+    the kernel's int8 activations: other numbers, so only the path is checked)."""
+    hf = tiny.build_checkpoint("qwen3_moe", tmp_path / "hf", head_dim=32)
+    convert(hf, tmp_path / "pack", "int8", progress=False)
+    engine = Engine.open(tmp_path / "pack", ServeConfig(ctx=64, dense_quant="int8"))
+    blocks = []
+    computed(monkeypatch, blocks)
+    decode(engine)
+    assert any(blocks) and engine.model.steps
+    blocks.clear()
+    engine.kv_tokens = []
+    engine.prefill(PROMPT)
+    with kernels.host_calls_off():
+        off = torch.stack([engine.decode_step(t, len(PROMPT) + i) for i, t in enumerate(FORCED)])
+    assert not any(blocks) and off.shape == (len(FORCED), engine.model.cfg.vocab_size) and off.isfinite().all()

@@ -153,8 +153,7 @@ class DecoderModel:
         """attention_block's one call, or None (the layer's step not made yet, or not a block: an
         MLA layer's LatentStep never is; a family whose other layers have a block of their own
         answers for them here: Qwen3.5's DeltaNet)."""
-        made = self.steps.get(id(layer)) if self.steps else None
-        step = made[1] if made is not None and made[0] is layer else None
+        step = made_before(self.steps, layer)
         if not getattr(step, "blocks", False) or x.shape[0] != 1 or mask is not None:
             return None
         rows = kv.step_rows(i, start)
@@ -208,6 +207,15 @@ def made_once(cache: dict, layer: dict, make):
     if made is None or made[0] is not layer:
         made = cache[id(layer)] = (layer, make())
     return made[1]
+
+
+def made_before(cache: dict | None, layer: dict):
+    """What made_once built for the layer's weights, or None: not made yet, or host calls are off
+    on this thread (a recorded piece: what made_once makes then is not kept either)."""
+    if not cache or kernels.host_calls_are_off():
+        return None
+    made = cache.get(id(layer))
+    return made[1] if made is not None and made[0] is layer else None
 
 
 def decoder_stack(model, tokens: torch.Tensor, start: int, kv, experts) -> torch.Tensor:

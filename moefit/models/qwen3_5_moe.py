@@ -22,7 +22,8 @@ from moefit.families import qwen3_next as spec
 from moefit.kernels import Router, rows as native
 from moefit.models import deltanet
 from moefit.models.attention import attend_state
-from moefit.models.layers import DecoderModel, QWeight, Weights, linear, made_once, normed_heads, rms_norm, softmax_topk
+from moefit.models.layers import (DecoderModel, QWeight, Weights, linear, made_before, made_once, normed_heads,
+                                  rms_norm, softmax_topk)
 from moefit.models.rope import RopeTable
 
 
@@ -100,8 +101,7 @@ class Qwen3_5Moe(DecoderModel):
         delta_steps has made the layer's step and it takes them; the same numbers."""
         if "linear" not in layer:
             return super()._block_step(i, layer, x, start, cos, sin, mask, kv)
-        made, state = self.delta_native.get(id(layer)), kv.layers[i]
-        step = made[1] if made is not None and made[0] is layer else None
+        step, state = made_before(self.delta_native, layer), kv.layers[i]
         if step is None or not step.blocks or x.shape[0] != 1 or not step.takes(x, state.conv, state.s):
             return None
         state.begin(start, 1)
