@@ -28,11 +28,19 @@ def decode(engine: Engine) -> torch.Tensor:
     return torch.stack([engine.decode_step(t, len(PROMPT) + i) for i, t in enumerate(FORCED)])
 
 
-def computed(monkeypatch) -> list[bool]:
-    """Whether each LatentStep call computed (a step made but declining would leave every test
-    here comparing the op-by-op path with itself)."""
+def computed(monkeypatch, blocks: list | None = None) -> list:
+    """Each LatentStep call's result, a block's sum for a block (a step made but declining would
+    leave every test here comparing the op-by-op path with itself); `blocks` gets whether each
+    call was one."""
     calls, real = [], LatentStep.__call__
-    monkeypatch.setattr(LatentStep, "__call__", lambda self, *a: calls.append(real(self, *a)) or calls[-1])
+
+    def call(self, *a, block=False):
+        out = real(self, *a, block=block)
+        calls.append(out[0] if block and out is not None else out)
+        if blocks is not None:
+            blocks.append(block)
+        return out
+    monkeypatch.setattr(LatentStep, "__call__", call)
     return calls
 
 
@@ -70,6 +78,26 @@ def test_one_call_gives_the_op_by_op_logits_and_rows(family, dense, kv_dtype, tm
             assert int((got.int() - want.int()).abs().max()) <= 1 and float((got != want).float().mean()) < 0.01
         else:
             assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe_lite"])
+@pytest.mark.parametrize("dense", ["int8", "int4"])
+def test_an_mla_step_is_a_block_with_the_separate_calls_numbers(family, dense, tmp_path, monkeypatch):
+    """Once an MLA layer's native step is made, a decode step's whole sublayer (both norms, o_proj
+    and the residual) is its one call (mla.h's block): every layer takes it from the second step
+    on, and the logits and stored rows equal those of the step between separate calls, bit for bit."""
+    engine = open_pack(tmp_path, family)(dense_quant=dense)
+    blocks = []
+    calls = computed(monkeypatch, blocks)
+    one_call = decode(engine)
+    layers = engine.model.cfg.num_layers
+    assert blocks == [False] * layers + [True] * (len(FORCED) - 1) * layers and all(c is not None for c in calls)
+    rows = stored(engine, 1)
+    monkeypatch.setattr(LatentStep, "_block_parts", lambda self, *a: (None, (None, None)))   # steps, not blocks
+    engine.model.steps.clear()
+    blocks.clear()
+    assert torch.equal(one_call, decode(engine)) and not any(blocks)
+    assert all(torch.equal(a, b) for a, b in zip(rows, stored(engine, 1)))
 
 
 def test_without_a_query_rank(tmp_path, monkeypatch):

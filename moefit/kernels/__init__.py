@@ -41,7 +41,7 @@ GROUPED = ("int4", "int4p", "q8_0")             # a scale per (row, group of inp
 # panels, kpanels.h; 5: IQ4_XS and MXFP4 in panels; 6: a prompt's Q6_K in decoded panels,
 # kdecoded.h): the choices a host measured and kept (ops/measured.py) are then measured again.
 REVISION = 6
-ABI = 7                                         # moe.c's moe_abi(): the exported functions' arguments
+ABI = 8                                         # moe.c's moe_abi(): the exported functions' arguments
 c_i64, c_ptr = ctypes.c_int64, ctypes.c_void_p
 
 

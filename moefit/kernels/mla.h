@@ -27,7 +27,14 @@ typedef struct {
     const float *q_norm, *kv_norm;
     float eps, scale;
     int interleaved;                        /* DeepSeek's rope_interleave */
+    mla_matrix o;                           /* o_proj [E, H dv], for a block (w NULL: none) */
+    const float *in_norm, *post_norm;       /* [E] the layer's two RMSNorms, for a block */
 } mla_step;
+
+/* whether the call can be a block (as step.h's): o_proj, and both norms */
+static int mla_takes_block(const mla_step *A) {
+    return A->o.w && A->in_norm && A->post_norm && A->E % 16 == 0 && linear_takes(A->H * A->dv, A->o.quant, A->o.group);
+}
 
 /* x [n] rotated in place by cos, sin [n] (the position's row of the table) */
 static void mla_rope(float *x, int64_t n, const float *cos, const float *sin, int interleaved) {
@@ -74,17 +81,22 @@ static int mla_query(const mla_step *A, const float *x, const float *cos, const 
 }
 
 /* x [E] at position pos; cos, sin [dr]; k, v: the layer's rope keys [C, dr] and latents [C, r]
- * (one head, any codec kv.h writes), row pos written -> out [H, dv]. Returns -1 for shapes or codecs it
- * does not take, before writing anything. */
+ * (one head, any codec kv.h writes), row pos written -> out [H, dv]. With h, a block (step.h's): x the
+ * residual stream, normed by in_norm first; out [E] = x + o_proj(heads) and h [E] its post-attention
+ * norm. Returns -1 for shapes or codecs it does not take, before writing anything. */
 int moe_mla_step(const mla_step *A, const float *x, int64_t pos, const float *cos, const float *sin,
-                 const kv_rows *k, const kv_rows *v, float *out) {
+                 const kv_rows *k, const kv_rows *v, float *out, float *h) {
     for (const kv_rows *s = k; s; s = s == k ? v : NULL)
         if (!kv_writes(s) || pos >= s->capacity) return -1;
-    if (k->n != A->dr || v->n != A->r || A->r % QK || A->dn % QK || A->dr % 16 || A->q_rank % 16 || A->dv % 16)
+    if (k->n != A->dr || v->n != A->r || A->r % QK || A->dn % QK || A->dr % 16 || A->q_rank % 16 || A->dv % 16 ||
+        (h && !mla_takes_block(A)))
         return -1;
     choose_rows_isa();
     float *q = malloc(sizeof(float) * A->H * (A->r + A->dr)), *kv = malloc(sizeof(float) * (A->r + A->dr)),
           *latent = malloc(sizeof(float) * A->r), *att = malloc(sizeof(float) * A->H * A->r);
+    float *normed = h ? malloc(sizeof(float) * A->E) : NULL, *heads = h ? malloc(sizeof(float) * A->H * A->dv) : out;
+    const float *residual = x;
+    if (h) rms_row(x, A->E, A->in_norm, A->eps, normed), x = normed;
     int rc = mla_query(A, x, cos, sin, q);
     if (rc == 0) rc = mla_linear(&A->kv_a, x, A->E, A->r + A->dr, kv);
     if (rc == 0) {
@@ -102,7 +114,13 @@ int moe_mla_step(const mla_step *A, const float *x, int64_t pos, const float *co
         free(lse);
         if (rc == 0 && v->codec == 4) turn_rows(att, A->H, A->r, v->rot, 1);
     }
-    if (rc == 0) rc = mla_heads(&A->uv, att, A->H, A->r, A->dv, out);
+    if (rc == 0) rc = mla_heads(&A->uv, att, A->H, A->r, A->dv, heads);
+    if (rc == 0 && h) {                                          /* o_proj, the residual, the next norm */
+        rc = mla_linear(&A->o, heads, A->H * A->dv, A->E, out);
+        for (int64_t i = 0; rc == 0 && i < A->E; i++) out[i] += residual[i];
+        if (rc == 0) rms_row(out, A->E, A->post_norm, A->eps, h);
+    }
+    if (h) free(normed), free(heads);
     free(q), free(kv), free(latent), free(att);
     return rc;
 }

@@ -25,7 +25,7 @@ SIGNATURES = {
     "moe_delta_block": [c_ptr, c_ptr, c_ptr, c_ptr, c_ptr, c_ptr, c_ptr],
     "moe_attend_stored": [c_ptr, c_i64, c_i64, c_i64, c_ptr, c_ptr, c_f, c_ptr, c_ptr],
     "moe_attend_latent": [c_ptr, c_i64, c_i64, c_i64, c_ptr, c_ptr, c_f, c_ptr, c_ptr],
-    "moe_mla_step": [c_ptr, c_ptr, c_i64, c_ptr, c_ptr, c_ptr, c_ptr, c_ptr],
+    "moe_mla_step": [c_ptr, c_ptr, c_i64, c_ptr, c_ptr, c_ptr, c_ptr, c_ptr, c_ptr],
     "moe_kv_put": [c_ptr, c_i64, c_i64, c_ptr, c_ptr],
     "moe_turn_rows": [c_ptr, c_i64, c_i64, c_ptr, ctypes.c_int],
 }

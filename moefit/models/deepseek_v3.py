@@ -31,7 +31,7 @@ from moefit.families.deepseek_v3 import KV_B_VALUES, dims, per_head
 from moefit.kernels.latent import LatentStep
 from moefit.models.glm4_moe import Glm4Moe
 from moefit.models.attention import attend_latent, attend_state, turn
-from moefit.models.layers import QWeight, Weights, linear, rms_norm
+from moefit.models.layers import QWeight, Weights, linear, made_before, rms_norm
 from moefit.models.rope import RopeTable, apply_rope, apply_rope_interleaved, yarn_mscale
 from moefit.pack.quant import dequantize
 
@@ -102,8 +102,19 @@ class DeepseekV3(Glm4Moe):
         step = self.native_step(layer, lambda: LatentStep(
             layer.get("q_a"), layer["q"], layer["kv_a"], layer["w_uk"], layer["w_uv"], layer.get("q_norm"),
             layer["kv_norm"], self.cfg.num_heads, (self.rank, self.dr, self.dn, self.dv), self.cfg.rms_norm_eps,
-            self.softmax_scale, self.rotate is apply_rope_interleaved))
+            self.softmax_scale, self.rotate is apply_rope_interleaved,
+            (layer["o"], layer["input_norm"], layer["post_norm"]) if isinstance(layer["o"], QWeight) else None))
         return step(x, start, cos, sin, *rows)
+
+    def _block_step(self, i, layer, x, start, cos, sin, mask, kv):
+        """An MLA layer's decode step as a block (DecoderModel.attention_block): both norms, o_proj
+        and the residual in the step's one native call (kernels/mla.h), once latent_step has made
+        the layer's step and it takes them; the same numbers."""
+        step = made_before(self.steps, layer)
+        if not getattr(step, "blocks", False) or x.shape[0] != 1 or mask is not None:
+            return None
+        rows = kv.writable_rows(i)
+        return step(x, start, cos, sin, *rows, block=True) if rows is not None else None
 
 
 def _dequantized(w: QWeight) -> torch.Tensor:

@@ -150,11 +150,10 @@ class DecoderModel:
 
     def _block_step(self, i: int, layer: dict, x: torch.Tensor, start: int, cos: torch.Tensor, sin: torch.Tensor,
                     mask: torch.Tensor | None, kv) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """attention_block's one call, or None (the layer's step not made yet, or not a block: an
-        MLA layer's LatentStep never is; a family whose other layers have a block of their own
-        answers for them here: Qwen3.5's DeltaNet)."""
+        """attention_block's one call, or None (the layer's GQA step not made yet, or not a block).
+        A family whose layers have another step answers for them here (Qwen3.5's DeltaNet, MLA)."""
         step = made_before(self.steps, layer)
-        if not getattr(step, "blocks", False) or x.shape[0] != 1 or mask is not None:
+        if not (isinstance(step, native.AttentionStep) and step.blocks) or x.shape[0] != 1 or mask is not None:
             return None
         rows = kv.step_rows(i, start)
         out = step(x, cos, sin, rows, block=True) if rows is not None else None
