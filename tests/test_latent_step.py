@@ -15,6 +15,7 @@ from moefit.pack.convert import convert
 from moefit.runtime.engine import Engine
 
 import tiny
+from step_calls import step_calls
 
 pytestmark = pytest.mark.skipif(kernels.library() is None, reason="the native kernel is not built")
 PROMPT = [5, 9, 13, 2, 7, 11, 3, 8, 21, 4]
@@ -29,19 +30,7 @@ def decode(engine: Engine) -> torch.Tensor:
 
 
 def computed(monkeypatch, blocks: list | None = None) -> list:
-    """Each LatentStep call's result, a block's sum for a block (a step made but declining would
-    leave every test here comparing the op-by-op path with itself); `blocks` gets whether each
-    call was one."""
-    calls, real = [], LatentStep.__call__
-
-    def call(self, *a, block=False):
-        out = real(self, *a, block=block)
-        calls.append(out[0] if block and out is not None else out)
-        if blocks is not None:
-            blocks.append(block)
-        return out
-    monkeypatch.setattr(LatentStep, "__call__", call)
-    return calls
+    return step_calls(monkeypatch, LatentStep, blocks)
 
 
 def stored(engine: Engine, layer: int) -> list[torch.Tensor]:

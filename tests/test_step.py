@@ -14,6 +14,7 @@ from moefit.pack.convert import convert
 from moefit.runtime.engine import Engine
 
 import tiny
+from step_calls import step_calls
 
 pytestmark = pytest.mark.skipif(kernels.library() is None, reason="the native kernel is not built")
 PROMPT = [5, 9, 13, 2, 7, 11, 3, 8, 21, 4]
@@ -27,19 +28,7 @@ def decode(engine: Engine) -> torch.Tensor:
 
 
 def computed(monkeypatch, blocks: list | None = None) -> list:
-    """Each AttentionStep call's result (None: it declined, and the layer went op by op; a block's
-    sum, [1, E] as a projecting step's output): a step made but declining would leave a test here
-    comparing the op-by-op path with itself. `blocks` gets whether each call was one."""
-    calls, real = [], native.AttentionStep.__call__
-
-    def call(self, *a, block=False):
-        out = real(self, *a, block=block)
-        calls.append(out[0] if block and out is not None else out)
-        if blocks is not None:
-            blocks.append(block)
-        return out
-    monkeypatch.setattr(native.AttentionStep, "__call__", call)
-    return calls
+    return step_calls(monkeypatch, native.AttentionStep, blocks)
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "glm4_moe"])
