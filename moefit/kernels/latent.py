@@ -9,7 +9,7 @@ import ctypes
 import torch
 
 from moefit.kernels import Q, group_of, matrix_shape
-from moefit.kernels.rows import F32, KvPair, _fn, _host_fp32, _p, _ptr
+from moefit.kernels.rows import F32, KvPair, _block_norms, _fn, _host_fp32, _p, _ptr
 
 c_i64, c_ptr, c_f, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
 
@@ -66,7 +66,7 @@ class LatentStep:
         """o_proj as mla.h takes it and the two norms, where the step can be a block; else (None, (None, None))."""
         matrix = _matrix(block[0]) if block is not None else None
         if matrix is None or matrix[1] != width or matrix_shape(block[0].parts["w"], block[0].quant)[0] != e or \
-                not all(_host_fp32(t) and t.is_contiguous() and t.shape == (e,) for t in block[1:]):
+                not _block_norms(block[1:], e):
             return None, (None, None)
         self.keep += block
         return matrix[0], block[1:]

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from moefit.kernels import _p, code, group_of, library
+from moefit.kernels.rows import _host_rows
 from moefit.pack.layout import matrix_quants
 
 PARTS = ("gate_up", "gate_up.scale", "down", "down.scale")
@@ -140,8 +141,7 @@ class Router:
         self.weight, self.bias, self.top_k = weight, bias, top_k
         self.spec = _RouterSpec(weight.data_ptr(), _a(bias), weight.shape[0], top_k, int(sigmoid), int(renorm),
                                 groups, top_groups, scale)
-        host_fp32 = lambda t: t.dtype == torch.float32 and t.is_cpu and t.is_contiguous()  # noqa: E731
-        self._usable = top_k <= STEP_MOST and host_fp32(weight) and (bias is None or host_fp32(bias))
+        self._usable = top_k <= STEP_MOST and _host_rows(weight) and _host_rows(bias)
 
     def takes(self, x: torch.Tensor) -> bool:
         return self._usable and x.dtype == torch.float32 and x.is_cpu

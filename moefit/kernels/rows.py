@@ -56,6 +56,16 @@ def _host_fp32(t: torch.Tensor | None) -> bool:
     return t is None or (t.dtype is F32 and t.is_cpu)
 
 
+def _host_rows(t: torch.Tensor | None) -> bool:
+    """None, or fp32 host memory in one contiguous run: what a bound native call reads."""
+    return t is None or (_host_fp32(t) and t.is_contiguous())
+
+
+def _block_norms(norms: tuple | None, n: int) -> bool:
+    """Whether a block's two norm weights (the layer's input and post-attention) are [n] rows it reads."""
+    return norms is not None and all(t is not None and _host_rows(t) and t.shape == (n,) for t in norms)
+
+
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else _p(t)
 
@@ -238,8 +248,7 @@ class AttentionStep:
         self.projects = out is not None and out.fn is not None and out.cols == heads * head_dim and \
             _host_fp32(out_bias) and (out_bias is None or out_bias.is_contiguous())
         _, o_rows, o_quant, o_group, o_w, o_scales = out.args if self.projects else (0, 0, 0, 0, None, None)
-        self.blocks = self.projects and o_rows == cols and norms is not None and \
-            all(_host_fp32(t) and t.is_contiguous() and t.shape == (cols,) for t in norms)
+        self.blocks = self.projects and o_rows == cols and _block_norms(norms, cols)
         norms = norms if self.blocks else (None, None)
         self.keep = (w, scale, bias, q_norm, k_norm, sinks, *norms) + ((out.keep, out_bias) if self.projects else ())
         self.weights = _StepWeights(
@@ -320,7 +329,7 @@ class DeltaStep:
         w = self.weights
         width, e = 2 * w.hk * w.dk + w.hv * w.dv + w.hv * w.dv + 2 * w.hv, in_proj.cols
         if not (in_proj.fn and out.fn and in_proj.rows == width and out.cols == w.hv * w.dv and out.rows == e
-                and all(_host_fp32(t) and t.is_contiguous() and t.shape == (e,) for t in (in_norm, post_norm))):
+                and _block_norms((in_norm, post_norm), e)):
             return
         (_, _, in_quant, in_group, in_w, in_scales), (_, _, out_quant, out_group, out_w, out_scales) = in_proj.args, out.args
         self.block = _DeltaBlock(e, width, in_quant, out_quant, in_group, out_group, in_w, in_scales, out_w, out_scales,

@@ -168,9 +168,7 @@ class DecoderModel:
         on host memory routed and its experts posted in one native call (the runner's run_routed;
         the router's numbers)."""
         if routed is None and self.native_router is not None:
-            if self.routers is None:
-                self.routers = {}
-            out = experts.run_routed(i, x, made_once(self.routers, layer, lambda: self.native_router(layer)))
+            out = experts.run_routed(i, x, self._kept("routers", layer, lambda: self.native_router(layer)))
             if out is not None:
                 return out
         weights, ids = routed or self.route(i, layer, x)
@@ -192,9 +190,13 @@ class DecoderModel:
 
     def native_step(self, layer: dict, make):
         """The layer's native decode step (kernels/step.h, mla.h), made by make() on first use."""
-        if self.steps is None:
-            self.steps = {}
-        return made_once(self.steps, layer, make)
+        return self._kept("steps", layer, make)
+
+    def _kept(self, cache: str, layer: dict, make):
+        """made_once in this model's dict `cache` (steps, routers), made at its first use."""
+        if getattr(self, cache) is None:
+            setattr(self, cache, {})
+        return made_once(getattr(self, cache), layer, make)
 
 
 def made_once(cache: dict, layer: dict, make):
