@@ -79,6 +79,29 @@ def test_a_step_posted_from_its_routing_gives_the_bits_of_the_grouped_call(quant
         kernels.set_threads(kernels.default_threads())
 
 
+@pytest.mark.parametrize("quant", ["int4", "mxfp4"])
+def test_a_step_with_gpt_oss_activation_gives_the_bits_of_the_grouped_call(quant):
+    """moe_step_post with a layer's step_act (gpt-oss's clamped gate and its bias tables): each
+    chosen expert's bias rows read from the tables as its parts are from the row; the same bits
+    as moe_post given them grouped with their bias addresses (GptOssAct), which the torch path checks."""
+    x, experts, _, _ = make(quant, 512, 256, 12, 1, seed=7)
+    x = 3 * x                                                             # large enough to reach the clamps
+    g = torch.Generator().manual_seed(8)
+    act = kernels.StepAct(1.702, 7.0, torch.randn(12, 512, generator=g), torch.randn(12, 512, generator=g))
+    ids, weights = [9, 2, 11, 0], [0.4, 0.1, 0.3, 0.2]
+    table = array("q", [a for p in experts for a in kernels.addresses(p)])
+    shape = (256, kernels.group_of(quant, 512, experts[0].get("gate_up.scale")))
+    got = layer_call.step_post(x, quant, shape, table, array("q", ids), array("f", weights), act).result()
+    order = sorted(range(len(ids)), key=ids.__getitem__)
+    chosen = [ids[i] for i in order]
+    want = layer_call.moe_post(x, quant, shape, [a for e in chosen for a in kernels.addresses(experts[e])],
+                               list(range(len(ids) + 1)), torch.zeros(len(ids), dtype=torch.int32),
+                               torch.tensor([weights[i] for i in order]), act.of(chosen)).result()
+    assert torch.equal(got, want)
+    plain = layer_call.step_post(x, quant, shape, table, array("q", ids), array("f", weights)).result()
+    assert not torch.equal(got, plain)                                    # the activation is the call's
+
+
 def test_a_step_of_more_experts_than_it_holds_is_refused():
     x, experts, _, _ = make("int8", 64, 64, 1, 1, seed=6)
     table = array("q", kernels.addresses(experts[0]))
@@ -173,7 +196,7 @@ def test_a_decode_step_on_host_memory_is_posted_before_its_routing_is_grouped(pa
     assert "route" in posts
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "olmoe", "qwen3_5_moe", "glm4_moe", "deepseek_v3"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "olmoe", "qwen3_5_moe", "glm4_moe", "deepseek_v3", "gpt_oss"])
 def test_a_natively_routed_step_gives_the_routers_numbers(packs, family):
     """A family whose router is one of the native ones (native_router: a softmax top-k; GLM's and
     DeepSeek's grouped sigmoid) routes a decode step on host memory in the native call that posts

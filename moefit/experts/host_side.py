@@ -45,22 +45,30 @@ def start(runner, layer: int, x: torch.Tensor, groups: Groups, busy: list[bool] 
     started: one native call, summed in expert order; torch per expert where it cannot. A prompt
     chunk's busy experts run as GEMMs (`busy`: each expert's choice, given or decided)."""
     quant = runner.pack.blobs[(layer, groups.experts[0])].quant
-    native = runner.expert_fn is None or runner.native_act is not None
-    if not (kernels.usable(x, quant) and native):
+    if not (kernels.usable(x, quant) and _native(runner)):
         return HostWork(runner, layer, x, groups, [], out=one_by_one(runner, layer, x, groups))
     busy = runner.rates.busy(layer, quant, groups, x.shape[0]) if busy is None else busy
     dots = groups.subset([not b for b in busy]) if any(busy) else groups
     if not dots.experts:
         return HostWork(runner, layer, x, groups, busy)
-    if x.shape[0] == 1 and runner.native_act is None and dots.token_weights is not None \
-            and len(dots.experts) <= kernels.STEP_MOST:
+    act = _act(runner, layer)
+    if x.shape[0] == 1 and dots.token_weights is not None and len(dots.experts) <= kernels.STEP_MOST:
         call = kernels.step_post(x, quant, runner._shape(quant), runner.host.row(layer, dots.experts),
-                                 array("q", dots.experts), array("f", dots.token_weights))
+                                 array("q", dots.experts), array("f", dots.token_weights), act)
         return HostWork(runner, layer, x, groups, busy, call)
-    act = runner.native_act(layer, dots.experts) if runner.native_act is not None else None
     call = kernels.moe_post(x, quant, runner._shape(quant), runner._pointers(layer, dots.experts), dots.start,
-                            dots.rows, dots.weights, act)
+                            dots.rows, dots.weights, act.of(dots.experts) if act is not None else None)
     return HostWork(runner, layer, x, groups, busy, call)
+
+
+def _native(runner) -> bool:
+    """Whether the native call runs this runner's experts: SwiGLU, or a family's activation it has."""
+    return runner.expert_fn is None or runner.native_act is not None
+
+
+def _act(runner, layer: int) -> kernels.StepAct | None:
+    """The layer's activation for the native call: the family's (gpt-oss), None for SwiGLU."""
+    return runner.native_act(layer) if runner.native_act is not None else None
 
 
 def step(runner, layer: int, x: torch.Tensor, ids: torch.Tensor | array, weights: torch.Tensor | array,
@@ -69,16 +77,17 @@ def step(runner, layer: int, x: torch.Tensor, ids: torch.Tensor | array, weights
     groups it: the router's ids [1, k] (int64) and weights [1, k] as they are, or arrays of the
     experts to compute (a card's misses); `experts` the ids as a list. The kernel sorts them and
     reads their addresses from the layer's row (experts/host_table.py). None where `start` must
-    do it (a family's own expert function, a library or shapes the call lacks)."""
+    do it (a family's expert function the call lacks, a library or shapes it lacks)."""
     quant = runner.pack.blobs[(layer, experts[0])].quant
-    if runner.expert_fn is not None or not kernels.usable(x, quant) or not 0 < len(experts) <= kernels.STEP_MOST:
+    if not _native(runner) or not kernels.usable(x, quant) or not 0 < len(experts) <= kernels.STEP_MOST:
         return None
     if isinstance(ids, torch.Tensor):
         if ids.dtype != torch.int64 or not ids.is_contiguous():
             return None
         if weights.dtype != torch.float32 or not weights.is_contiguous():
             weights = weights.float().contiguous()
-    call = kernels.step_post(x, quant, runner._shape(quant), runner.host.row(layer, experts), ids, weights)
+    call = kernels.step_post(x, quant, runner._shape(quant), runner.host.row(layer, experts), ids, weights,
+                             _act(runner, layer))
     return HostWork(runner, layer, x, None, [], call, routing=(experts, weights))
 
 
@@ -90,10 +99,11 @@ def route_step(runner, layer: int, x: torch.Tensor, router: kernels.Router
     layer's row yet, the call only routes and `step` fills them and posts (its None: `start` will).
     None where it does not apply (nothing done: the family routes and the runner posts)."""
     quant = runner.pack.blobs[(layer, 0)].quant
-    if x.shape[0] != 1 or runner.expert_fn is not None or not kernels.usable(x, quant) or not router.takes(x) \
+    if x.shape[0] != 1 or not _native(runner) or not kernels.usable(x, quant) or not router.takes(x) \
             or runner.fused.shape(layer, x) is not None:
         return None
-    routed = kernels.route_post(x, router, quant, runner._shape(quant), runner.host.current(layer))
+    routed = kernels.route_post(x, router, quant, runner._shape(quant), runner.host.current(layer),
+                                _act(runner, layer))
     if routed is None:
         return None
     call, ids, weights = routed

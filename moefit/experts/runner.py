@@ -72,8 +72,8 @@ class ExpertRunner:
         self.group = 1                         # resident experts multiplied at once (the plan's resident_group) ...
         self.slice_weights = 1 << 62           # ... in row slices of at most this many weights (its expert_slice)
         # a family whose experts are not plain SwiGLU (gpt-oss: biases, a clamped gate) gives its own
-        # expert(layer, e, x, parts, quant) (the host's torch path), native_act(layer, experts) (the
-        # native call) and group_act(layer, expert_ids) (the device's grouped path)
+        # expert(layer, e, x, parts, quant) (the host's torch path), native_act(layer) (the native
+        # calls', kernels.StepAct) and group_act(layer, expert_ids) (the device's grouped path)
         self.expert_fn = None
         self.native_act = None                 # ... and, where the native call can run it, its activation,
         self.group_act = None                  # ... and for a group on the device (experts/grouped.py GroupAct)

@@ -41,7 +41,7 @@ GROUPED = ("int4", "int4p", "q8_0")             # a scale per (row, group of inp
 # panels, kpanels.h; 5: IQ4_XS and MXFP4 in panels; 6: a prompt's Q6_K in decoded panels,
 # kdecoded.h): the choices a host measured and kept (ops/measured.py) are then measured again.
 REVISION = 6
-ABI = 8                                         # moe.c's moe_abi(): the exported functions' arguments
+ABI = 9                                         # moe.c's moe_abi(): the exported functions' arguments
 c_i64, c_ptr = ctypes.c_int64, ctypes.c_void_p
 
 
@@ -78,9 +78,10 @@ def _load() -> ctypes.CDLL | None:
     lib.moe_step_post.restype = lib.moe_swiglu_post.restype = c_i64
     lib.moe_swiglu_post.argtypes = [c_ptr, c_i64, c_i64, c_i64, ctypes.c_int, c_i64, c_ptr, c_ptr, ctypes.c_int, c_i64,
                                     c_ptr, c_ptr, c_ptr]
-    lib.moe_step_post.argtypes = [c_ptr, c_i64, c_i64, ctypes.c_int, c_i64, c_i64, c_ptr, c_ptr, c_ptr, c_ptr]
+    lib.moe_step_post.argtypes = [c_ptr, c_i64, c_i64, ctypes.c_int, c_i64, c_i64, c_ptr, c_ptr, c_ptr, c_ptr, c_ptr]
     lib.moe_route_step_post.restype = c_i64
-    lib.moe_route_step_post.argtypes = [c_ptr, c_i64, c_ptr, c_i64, ctypes.c_int, c_i64, c_ptr, c_ptr, c_ptr, c_ptr]
+    lib.moe_route_step_post.argtypes = [c_ptr, c_i64, c_ptr, c_i64, ctypes.c_int, c_i64, c_ptr, c_ptr, c_ptr, c_ptr,
+                                        c_ptr]
     lib.moe_isa.restype = ctypes.c_char_p
     lib.moe_set_threads(default_threads())
     return lib
@@ -352,5 +353,5 @@ def _reorder(codes: torch.Tensor, scale: torch.Tensor, to_panels: bool) -> tuple
 
 
 # the MoE layer's call (kernels/layer_call.py), here with the rest of the native interface
-from moefit.kernels.layer_call import (PARTS, STEP_MOST, GptOssAct, NativeCall, Router, addresses,  # noqa: E402,F401
+from moefit.kernels.layer_call import (PARTS, STEP_MOST, GptOssAct, NativeCall, Router, StepAct, addresses,  # noqa: E402,F401
                                       moe_layer, moe_post, route_post, step_post, swiglu_post)

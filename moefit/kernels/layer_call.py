@@ -48,6 +48,33 @@ class GptOssAct:
     down_bias: list[int]
 
 
+class _StepActSpec(ctypes.Structure):
+    _fields_ = [("alpha", ctypes.c_float), ("limit", ctypes.c_float), ("gu_bias", ctypes.c_void_p),
+                ("dn_bias", ctypes.c_void_p), ("gu_stride", ctypes.c_int64), ("dn_stride", ctypes.c_int64)]
+
+
+class StepAct:
+    """gpt-oss's expert activation for a layer's step calls (step_post, route_post: posted.h's
+    step_act): the clamped gate, and the layer's bias tables, fp32 host rows gate_up [N, 2I] (gate
+    then up) and down [N, E], from which the kernel reads each chosen expert's rows as it reads its
+    parts from the layer's row of addresses. `of(experts)` gives moe_post's GptOssAct."""
+
+    def __init__(self, alpha: float, limit: float, gate_up_bias: torch.Tensor, down_bias: torch.Tensor):
+        assert gate_up_bias.dtype == down_bias.dtype == torch.float32 and gate_up_bias.is_contiguous() \
+            and down_bias.is_contiguous()
+        self.alpha, self.limit, self._held = alpha, limit, (gate_up_bias, down_bias)
+        self.spec = _StepActSpec(alpha, limit, gate_up_bias.data_ptr(), down_bias.data_ptr(), gate_up_bias.stride(0),
+                                 down_bias.stride(0))
+
+    def of(self, experts: list[int]) -> GptOssAct:
+        gu, dn, row_gu, row_dn = self.spec.gu_bias, self.spec.dn_bias, self.spec.gu_stride * 4, self.spec.dn_stride * 4
+        return GptOssAct(self.alpha, self.limit, [gu + e * row_gu for e in experts], [dn + e * row_dn for e in experts])
+
+
+def _act(act: StepAct | None):
+    return ctypes.byref(act.spec) if act is not None else None
+
+
 _last: NativeCall | None = None                # the call posted last: joined before the next is posted
 
 
@@ -108,19 +135,20 @@ def moe_post(x: torch.Tensor, quant: str, shape: tuple[int, int], pointers: list
 
 
 def step_post(x: torch.Tensor, quant: str, shape: tuple[int, int], table: array, ids: array | torch.Tensor,
-              weights: array | torch.Tensor) -> NativeCall:
+              weights: array | torch.Tensor, act: StepAct | None = None) -> NativeCall:
     """A decode step's experts posted straight from its routing (posted.h moe_step_post): `ids`
     (int64, distinct, 1 to STEP_MOST of them; a tensor contiguous, [k] or [1, k]) with their router
-    weights (fp32, alike), expert e's parts at table[5e:5e + 5] (`addresses`, filled for these ids).
-    Summed in ascending expert order, as moe_post is given them by the runner's grouping: the same
-    numbers. What it reads besides x is copied at the post. The caller has checked library()."""
+    weights (fp32, alike), expert e's parts at table[5e:5e + 5] (`addresses`, filled for these ids);
+    `act` gpt-oss's (None: SwiGLU). Summed in ascending expert order, as moe_post is given them by
+    the runner's grouping: the same numbers. What it reads besides x (and act's tables, which the
+    family keeps) is copied at the post. The caller has checked library()."""
     x = x.contiguous()
     inter, group = shape
     n = ids.numel() if isinstance(ids, torch.Tensor) else len(ids)
     out = torch.empty(1, x.shape[1], dtype=torch.float32)            # zeroed there
     lib = _posting()
     ticket = lib.moe_step_post(_p(x), x.shape[1], inter, code(quant), group, n, _a(ids), _a(weights), _a(table),
-                               _p(out))
+                               _act(act), _p(out))
     return _posted(lib, ticket, out, (x,))
 
 
@@ -147,10 +175,10 @@ class Router:
         return self._usable and x.dtype == torch.float32 and x.is_cpu
 
 
-def route_post(x: torch.Tensor, router: Router, quant: str, shape: tuple[int, int], table: array
-               ) -> tuple[NativeCall | None, torch.Tensor, torch.Tensor] | None:
+def route_post(x: torch.Tensor, router: Router, quant: str, shape: tuple[int, int], table: array,
+               act: StepAct | None = None) -> tuple[NativeCall | None, torch.Tensor, torch.Tensor] | None:
     """A decode step routed (router.takes(x): the router's numbers, rows.h's) and, where `table`
-    (step_post's) holds the chosen experts' parts, its experts posted, in one call (posted.h
+    (step_post's, as `act`) holds the chosen experts' parts, its experts posted, in one call (posted.h
     moe_route_step_post): (the call, or None where an expert's parts must be filled in first; ids
     [1, k] int64, weights [1, k] fp32); None where the router's shapes are not taken (nothing done)."""
     x = x.contiguous()
@@ -159,7 +187,7 @@ def route_post(x: torch.Tensor, router: Router, quant: str, shape: tuple[int, in
     out = torch.empty(1, x.shape[1], dtype=torch.float32)
     lib = _posting()
     ticket = lib.moe_route_step_post(_p(x), x.shape[1], ctypes.byref(router.spec), inter, code(quant), group, _a(table),
-                                     _p(ids), _p(weights), _p(out))
+                                     _act(act), _p(ids), _p(weights), _p(out))
     if ticket == -1:
         return None
     return (_posted(lib, ticket, out, (x,)) if ticket >= 0 else None), ids, weights

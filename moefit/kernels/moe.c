@@ -155,7 +155,7 @@ int moe_int4_panels(void) {
 
 /* Raised whenever an exported function's arguments change: kernels/__init__.py refuses a library
  * built from other sources (an install not rebuilt after an update) rather than call it wrongly. */
-int moe_abi(void) { return 8; }
+int moe_abi(void) { return 9; }
 
 const char *moe_isa(void) {
     choose_isa();

@@ -131,18 +131,27 @@ int moe_layer_wait(int64_t ticket) {
  * ascending order (the order a verify window's or a prompt's grouping gives a token: the same
  * sums), out [1, E] zeroed first. What the runner did in Python before posting (grouping, sorting,
  * the pointer array: ~100 us of the engine thread with its caches cold, the pool idle meanwhile)
- * is done here. Returns the ticket, or -1 for n outside [1, STEP_MOST]. */
+ * is done here. `act`: NULL for SwiGLU, else gpt-oss's clamped gate with each expert's biases read
+ * from the layer's bias tables as its parts are from `table`. Returns the ticket, or -1 for n
+ * outside [1, STEP_MOST]. */
 enum { STEP_MOST = 64 };
+
+typedef struct {
+    float alpha, limit;
+    const float *gu_bias, *dn_bias;      /* [N, 2I] (gate then up) and [N, E], fp32 */
+    int64_t gu_stride, dn_stride;        /* floats from one expert's row to the next */
+} step_act;
 
 static struct {
     expert_ptrs ex[STEP_MOST];
     int64_t start[STEP_MOST + 1];
     int32_t rows[STEP_MOST];
     float w[STEP_MOST];
+    const float *gu_bias[STEP_MOST], *dn_bias[STEP_MOST];
 } step;
 
 int64_t moe_step_post(const float *x, int64_t E, int64_t I, int quant, int64_t group, int64_t n, const int64_t *ids,
-                      const float *w, const expert_ptrs *table, float *out) {
+                      const float *w, const expert_ptrs *table, const step_act *act, float *out) {
     if (n < 1 || n > STEP_MOST) return -1;
     join_posted();                                      /* the call in flight reads `step` until done */
     int order[STEP_MOST];
@@ -152,23 +161,27 @@ int64_t moe_step_post(const float *x, int64_t E, int64_t I, int quant, int64_t g
         order[j] = i;
     }
     for (int i = 0; i < n; i++) {
-        step.ex[i] = table[ids[order[i]]], step.w[i] = w[order[i]];
+        const int64_t e = ids[order[i]];
+        step.ex[i] = table[e], step.w[i] = w[order[i]];
         step.rows[i] = 0, step.start[i] = i;
+        if (act) step.gu_bias[i] = act->gu_bias + e * act->gu_stride, step.dn_bias[i] = act->dn_bias + e * act->dn_stride;
     }
     step.start[n] = n;
     memset(out, 0, sizeof(float) * E);
-    return moe_layer_post(x, 1, E, I, quant, group, n, step.ex, step.start, step.rows, step.w, out, 0.0f, 0.0f,
-                          NULL, NULL);
+    return moe_layer_post(x, 1, E, I, quant, group, n, step.ex, step.start, step.rows, step.w, out,
+                          act ? act->alpha : 0.0f, act ? act->limit : 0.0f, act ? step.gu_bias : NULL,
+                          act ? step.dn_bias : NULL);
 }
 
 /* ---- a decode step routed and posted in one call -----------------------------------------------
  * One token's router (rows.h's: moe_softmax_topk's numbers, or moe_sigmoid_topk's where `sigmoid`:
  * ids [k], w [k]) and, where the layer's row holds every chosen expert's parts, its experts posted
- * (moe_step_post): the ticket. -1 for shapes the router does not take or k over STEP_MOST (nothing
- * written); -3 routed but not posted (an expert's parts not in the row yet: the caller fills them
- * and posts). */
+ * (moe_step_post, `act` as it takes it): the ticket. -1 for shapes the router does not take or k
+ * over STEP_MOST (nothing written); -3 routed but not posted (an expert's parts not in the row
+ * yet: the caller fills them and posts). */
 typedef struct {
-    const float *w, *bias;               /* [N, E]; [N] or NULL (the sigmoid router's: its choice's bias) */
+    const float *w, *bias;               /* [N, E]; [N] or NULL (softmax: added to the logits, gpt-oss's;
+                                            sigmoid: to the scores its choice ranks) */
     int64_t N, k;
     int sigmoid, renorm;                 /* renorm: the sigmoid router's `normalise` */
     int64_t groups, top_groups;          /* the sigmoid router's */
@@ -176,7 +189,7 @@ typedef struct {
 } router_spec;
 
 int64_t moe_route_step_post(const float *x, int64_t E, const router_spec *R, int64_t I, int quant, int64_t group,
-                            const expert_ptrs *table, int64_t *ids, float *w, float *out) {
+                            const expert_ptrs *table, const step_act *act, int64_t *ids, float *w, float *out) {
     if (R->k > STEP_MOST) return -1;
     const int rc = R->sigmoid ? moe_sigmoid_topk(x, 1, E, R->w, R->bias, R->N, R->k, R->groups, R->top_groups,
                                                  R->renorm, R->scale, ids, w)
@@ -184,5 +197,5 @@ int64_t moe_route_step_post(const float *x, int64_t E, const router_spec *R, int
     if (rc) return -1;
     for (int64_t j = 0; j < R->k; j++)
         if (!table[ids[j]].gu) return -3;
-    return moe_step_post(x, E, I, quant, group, R->k, ids, w, table, out);
+    return moe_step_post(x, E, I, quant, group, R->k, ids, w, table, act, out);
 }

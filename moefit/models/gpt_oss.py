@@ -8,7 +8,7 @@ biased router whose top-k logits are softmaxed, and experts with biases and a cl
     y = h W_d + b_d
 
 The experts' biases live with the dense weights ([N, 2I] and [N, E] per layer, a few MiB);
-the host's native call takes them with the clamped gate (native_act), the device's slot-table
+the host's native calls take them with the clamped gate (native_act), the device's slot-table
 kernels as fused_act, its grouped path as group_act, the torch fallback expert by expert (expert).
 Legend: T tokens, E hidden, H heads, K kv heads, D head dim, N experts, I expert size.
 """
@@ -34,7 +34,7 @@ class GptOss(DecoderModel):
     def __init__(self, cfg, w: Weights, rope: RopeTable):
         self.cfg, self.rope = cfg, rope
         self.alpha, self.limit = float(cfg.raw.get("swiglu_alpha", 1.702)), float(cfg.raw.get("swiglu_limit", 7.0))
-        self.host_bias: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}    # for the native call, fp32 host
+        self.host_act: dict[int, kernels.StepAct] = {}       # the native calls', with their fp32 host biases
         self.layers = [self._layer(w, i) for i in range(cfg.num_layers)]
         self.embed, self.norm, self.lm_head = output_weights(cfg, w)
 
@@ -42,7 +42,8 @@ class GptOss(DecoderModel):
         p, a, e = f"model.layers.{i}.", f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp.experts."
         gate_up_bias = w.host(e + "gate_up_proj_bias")                                  # [N, 2I] interleaved
         gate_up_bias = torch.cat([gate_up_bias[:, 0::2], gate_up_bias[:, 1::2]], dim=1).contiguous()
-        self.host_bias[i] = (gate_up_bias.float().contiguous(), w.host(e + "down_proj_bias").float().contiguous())
+        self.host_act[i] = kernels.StepAct(self.alpha, self.limit, gate_up_bias.float().contiguous(),
+                                           w.host(e + "down_proj_bias").float().contiguous())
         return {
             "input_norm": w.get(p + "input_layernorm.weight"),
             "post_norm": w.get(p + "post_attention_layernorm.weight"),
@@ -80,11 +81,13 @@ class GptOss(DecoderModel):
     def mlp(self, i, layer, x, experts, routed=None) -> torch.Tensor:
         return self.routed_experts(i, layer, x, experts, routed)
 
-    def native_act(self, layer: int, experts: list[int]) -> kernels.GptOssAct:
-        """The native call's activation for these experts of a layer (experts/runner.py)."""
-        (gate_up, step_gu), (down, step_dn) = ((t.data_ptr(), t.stride(0) * 4) for t in self.host_bias[layer])
-        return kernels.GptOssAct(self.alpha, self.limit, [gate_up + e * step_gu for e in experts],
-                                 [down + e * step_dn for e in experts])
+    def native_act(self, layer: int) -> kernels.StepAct:
+        """The native calls' activation for a layer's experts (experts/host_side.py)."""
+        return self.host_act[layer]
+
+    def native_router(self, layer: dict) -> kernels.Router:
+        """`route` as the native call takes it (a decode step routed with its experts' post)."""
+        return kernels.Router(layer["router"], layer["router_bias"], self.cfg.top_k, renorm=True)
 
     def expert(self, layer: int, e: int, x: torch.Tensor, parts: dict, quant: str, linear=qlinear) -> torch.Tensor:
         """One expert on x [T, E] from its blob parts, with its biases and the clamped gate (linear:
