@@ -196,7 +196,8 @@ def test_a_decode_step_on_host_memory_is_posted_before_its_routing_is_grouped(pa
     assert "route" in posts
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "olmoe", "qwen3_5_moe", "glm4_moe", "deepseek_v3", "gpt_oss"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "olmoe", "qwen3_5_moe", "glm4_moe", "deepseek_v3",
+                                    "gpt_oss"])
 def test_a_natively_routed_step_gives_the_routers_numbers(packs, family):
     """A family whose router is one of the native ones (native_router: a softmax top-k; GLM's and
     DeepSeek's grouped sigmoid) routes a decode step on host memory in the native call that posts

@@ -164,7 +164,10 @@ int64_t moe_step_post(const float *x, int64_t E, int64_t I, int quant, int64_t g
         const int64_t e = ids[order[i]];
         step.ex[i] = table[e], step.w[i] = w[order[i]];
         step.rows[i] = 0, step.start[i] = i;
-        if (act) step.gu_bias[i] = act->gu_bias + e * act->gu_stride, step.dn_bias[i] = act->dn_bias + e * act->dn_stride;
+        if (act) {
+            step.gu_bias[i] = act->gu_bias + e * act->gu_stride;
+            step.dn_bias[i] = act->dn_bias + e * act->dn_stride;
+        }
     }
     step.start[n] = n;
     memset(out, 0, sizeof(float) * E);
