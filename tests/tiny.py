@@ -74,8 +74,8 @@ def hf_config(family: str, vocab_size: int = 320, **overrides):
 
 
 def build_checkpoint(family: str, out: Path, seed: int = 0, tokenizer_dir: Path | None = None,
-                     **overrides) -> Path:
-    """Save a random model of `family` with a tokenizer to out/; returns out."""
+                     dtype: torch.dtype = torch.float32, **overrides) -> Path:
+    """Save a random model of `family` with a tokenizer to out/ (its weights in `dtype`); returns out."""
     from transformers import AutoModelForCausalLM
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -84,7 +84,7 @@ def build_checkpoint(family: str, out: Path, seed: int = 0, tokenizer_dir: Path 
     config = hf_config(family, vocab_size=vocab, **overrides)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _sharpen(model)
-    model.save_pretrained(out, max_shard_size="200KB")
+    model.to(dtype).save_pretrained(out, max_shard_size="200KB")
     return out
 
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from moefit.kernels import _p, code, group_of, library
-from moefit.kernels.rows import _host_rows
+from moefit.kernels.rows import _host_rows, router_rows
 from moefit.pack.layout import matrix_quants
 
 PARTS = ("gate_up", "gate_up.scale", "down", "down.scale")
@@ -155,7 +155,7 @@ def step_post(x: torch.Tensor, quant: str, shape: tuple[int, int], table: array,
 class _RouterSpec(ctypes.Structure):
     _fields_ = [("w", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("N", ctypes.c_int64), ("k", ctypes.c_int64),
                 ("sigmoid", ctypes.c_int), ("renorm", ctypes.c_int), ("groups", ctypes.c_int64),
-                ("top_groups", ctypes.c_int64), ("scale", ctypes.c_float)]
+                ("top_groups", ctypes.c_int64), ("scale", ctypes.c_float), ("w_bf16", ctypes.c_int)]
 
 
 class Router:
@@ -168,8 +168,8 @@ class Router:
                  sigmoid: bool = False, groups: int = 1, top_groups: int = 1, scale: float = 1.0):
         self.weight, self.bias, self.top_k = weight, bias, top_k
         self.spec = _RouterSpec(weight.data_ptr(), _a(bias), weight.shape[0], top_k, int(sigmoid), int(renorm),
-                                groups, top_groups, scale)
-        self._usable = top_k <= STEP_MOST and _host_rows(weight) and _host_rows(bias)
+                                groups, top_groups, scale, int(weight.dtype is torch.bfloat16))
+        self._usable = top_k <= STEP_MOST and router_rows(weight) and _host_rows(bias)
 
     def takes(self, x: torch.Tensor) -> bool:
         return self._usable and x.dtype == torch.float32 and x.is_cpu

@@ -183,20 +183,22 @@ int64_t moe_step_post(const float *x, int64_t E, int64_t I, int quant, int64_t g
  * over STEP_MOST (nothing written); -3 routed but not posted (an expert's parts not in the row
  * yet: the caller fills them and posts). */
 typedef struct {
-    const float *w, *bias;               /* [N, E]; [N] or NULL (softmax: added to the logits, gpt-oss's;
-                                            sigmoid: to the scores its choice ranks) */
+    const void *w;                       /* [N, E], fp32 or (w_bf16) bf16 */
+    const float *bias;                   /* [N] or NULL (softmax: added to the logits, gpt-oss's; sigmoid:
+                                            to the scores its choice ranks) */
     int64_t N, k;
     int sigmoid, renorm;                 /* renorm: the sigmoid router's `normalise` */
     int64_t groups, top_groups;          /* the sigmoid router's */
     float scale;
+    int w_bf16;
 } router_spec;
 
 int64_t moe_route_step_post(const float *x, int64_t E, const router_spec *R, int64_t I, int quant, int64_t group,
                             const expert_ptrs *table, const step_act *act, int64_t *ids, float *w, float *out) {
     if (R->k > STEP_MOST) return -1;
-    const int rc = R->sigmoid ? moe_sigmoid_topk(x, 1, E, R->w, R->bias, R->N, R->k, R->groups, R->top_groups,
-                                                 R->renorm, R->scale, ids, w)
-                              : moe_softmax_topk(x, 1, E, R->w, R->bias, R->N, R->k, R->renorm, ids, w);
+    const int rc = R->sigmoid ? moe_sigmoid_topk(x, 1, E, R->w, R->w_bf16, R->bias, R->N, R->k, R->groups,
+                                                 R->top_groups, R->renorm, R->scale, ids, w)
+                              : moe_softmax_topk(x, 1, E, R->w, R->w_bf16, R->bias, R->N, R->k, R->renorm, ids, w);
     if (rc) return -1;
     for (int64_t j = 0; j < R->k; j++)
         if (!table[ids[j]].gu) return -3;

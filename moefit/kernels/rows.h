@@ -4,6 +4,8 @@
  *   moe_head_rows   a projection's heads [T, H, D] -> [H, T, D], each optionally RMS-normed
  *                   (QK-norm) and rotated (RoPE, rotate-half, on its first `rot` channels)
  *   moe_softmax_topk  a softmax router: the router's matrix over the pool, then softmax and top-k
+ *                   (and moe_sigmoid_topk, DeepSeek's); the matrix fp32, or bf16 widened as it is
+ *                   read (a router whose values are bf16's: half the bytes, the same logits)
  *
  * torch dispatches each of these as several operations, and at one token its overhead is the
  * cost: measured on the bench shape (bench/decode.py, 2 threads), a decode token spent ~20 ms of
@@ -18,6 +20,12 @@ typedef float v4 __attribute__((vector_size(16)));
 typedef int32_t v16i __attribute__((vector_size(64)));
 typedef int32_t v8i __attribute__((vector_size(32)));
 typedef int32_t v4i __attribute__((vector_size(16)));
+typedef uint16_t v16h __attribute__((vector_size(32)));      /* bf16 values, VN at a time */
+typedef uint16_t v8h __attribute__((vector_size(16)));
+typedef uint16_t v4h __attribute__((vector_size(8)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef uint32_t v8u __attribute__((vector_size(32)));
+typedef uint32_t v4u __attribute__((vector_size(16)));
 
 #define LOADV(T, p) ({ T v_; memcpy(&v_, (p), sizeof(T)); v_; })
 #define STOREV(T, p, v) do { T w_ = (v); memcpy((p), &w_, sizeof(T)); } while (0)
@@ -25,7 +33,9 @@ typedef int32_t v4i __attribute__((vector_size(16)));
 #define FOLD(a, b, ...) (__builtin_shufflevector(a, b, __VA_ARGS__))
 
 typedef struct {
-    const float *x, *w;
+    const float *x;
+    const void *w;                      /* [N, E] fp32, or bf16 where w_bf16 (widened as it is read) */
+    int w_bf16;
     int64_t T, E, N;
     float *logits;
 } router_args;
@@ -36,7 +46,7 @@ typedef struct {
  * every half, GPR moves between); one layer's decode attention, whose softmax takes exp16, was
  * 0-15 % slower so (bench/kv_attention.py, 16,384 keys, an AVX2 EPYC). The helpers keep their
  * 16-float contracts (exp16: 16 lanes; dot16, rms_row: n a multiple of 16). */
-#define ROWS_BODIES(ISA, TARGET, VF, VI, VN)                                                        \
+#define ROWS_BODIES(ISA, TARGET, VF, VI, VN, VH, VU)                                                \
     TARGET static inline float hsum_##ISA(VF v) {                                                   \
         float l[VN];                                                                                \
         memcpy(l, &v, sizeof l);                                                                    \
@@ -44,18 +54,14 @@ typedef struct {
             for (int i = 0; i < w; i++) l[i] += l[i + w];                                           \
         return l[0];                                                                                \
     }                                                                                               \
-    /* four chains of FMAs (an FMA's latency is four): n a multiple of 16 */                        \
-    TARGET static inline float dot16_##ISA(const float *a, const float *b, int64_t n) {               \
-        VF s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};                                                  \
-        int64_t i = 0;                                                                              \
-        for (; i + 4 * VN <= n; i += 4 * VN) {                                                      \
-            s0 += LOADV(VF, a + i) * LOADV(VF, b + i), s1 += LOADV(VF, a + i + VN) * LOADV(VF, b + i + VN); \
-            s2 += LOADV(VF, a + i + 2 * VN) * LOADV(VF, b + i + 2 * VN);                            \
-            s3 += LOADV(VF, a + i + 3 * VN) * LOADV(VF, b + i + 3 * VN);                            \
-        }                                                                                           \
-        for (; i < n; i += VN) s0 += LOADV(VF, a + i) * LOADV(VF, b + i);                           \
-        return hsum_##ISA((s0 + s1) + (s2 + s3));                                                   \
+    TARGET static inline VF f32_##ISA(const float *p) { return LOADV(VF, p); }                     \
+    /* VN bf16 values widened: each the high half of its fp32 (exact) */                            \
+    TARGET static inline VF bf16_##ISA(const uint16_t *p) {                                         \
+        return (VF)(__builtin_convertvector(LOADV(VH, p), VU) << 16);                               \
     }                                                                                               \
+    /* four chains of FMAs (an FMA's latency is four): n a multiple of 16; b's values read by LOAD */ \
+    DOT16(dot16_##ISA, TARGET, float, f32_##ISA, VF, VN, hsum_##ISA)                                \
+    DOT16(dot16w_##ISA, TARGET, uint16_t, bf16_##ISA, VF, VN, hsum_##ISA)                           \
     /* exp of each of 16 lanes for x <= 0 (Cephes' expf: 2^n times a degree-6 polynomial, ~1 ulp) */ \
     TARGET static inline void exp16_##ISA(float *x) {                                               \
         for (int j = 0; j < 16; j += VN) {                                                          \
@@ -86,15 +92,32 @@ typedef struct {
         const router_args *R = ctx;                                                                 \
         for (int64_t n = 16 * b; n < 16 * b + 16 && n < R->N; n++)                                  \
             for (int64_t t = 0; t < R->T; t++)                                                      \
-                R->logits[t * R->N + n] = dot16_##ISA(R->x + t * R->E, R->w + n * R->E, R->E);      \
+                R->logits[t * R->N + n] = R->w_bf16                                                 \
+                    ? dot16w_##ISA(R->x + t * R->E, (const uint16_t *)R->w + n * R->E, R->E)        \
+                    : dot16_##ISA(R->x + t * R->E, (const float *)R->w + n * R->E, R->E);           \
+    }
+
+/* sum a_i b_i, n a multiple of 16, b of type BT read VN at a time by LOAD (fp32, or bf16 widened:
+ * the same values give the same sums, the operations and their order being one) */
+#define DOT16(NAME, TARGET, BT, LOAD, VF, VN, HSUM)                                                 \
+    TARGET static inline float NAME(const float *a, const BT *b, int64_t n) {                       \
+        VF s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};                                                  \
+        int64_t i = 0;                                                                              \
+        for (; i + 4 * VN <= n; i += 4 * VN) {                                                      \
+            s0 += LOADV(VF, a + i) * LOAD(b + i), s1 += LOADV(VF, a + i + VN) * LOAD(b + i + VN);   \
+            s2 += LOADV(VF, a + i + 2 * VN) * LOAD(b + i + 2 * VN);                                 \
+            s3 += LOADV(VF, a + i + 3 * VN) * LOAD(b + i + 3 * VN);                                 \
+        }                                                                                           \
+        for (; i < n; i += VN) s0 += LOADV(VF, a + i) * LOAD(b + i);                                \
+        return HSUM((s0 + s1) + (s2 + s3));                                                         \
     }
 
 #define PLAIN
 #if defined(__x86_64__)
-ROWS_BODIES(avx512, __attribute__((target("avx512f,fma"))), v16, v16i, 16)
-ROWS_BODIES(avx2, __attribute__((target("avx2,fma"))), v8, v8i, 8)
+ROWS_BODIES(avx512, __attribute__((target("avx512f,fma"))), v16, v16i, 16, v16h, v16u)
+ROWS_BODIES(avx2, __attribute__((target("avx2,fma"))), v8, v8i, 8, v8h, v8u)
 #endif
-ROWS_BODIES(plain, PLAIN, v4, v4i, 4)
+ROWS_BODIES(plain, PLAIN, v4, v4i, 4, v4h, v4u)
 
 typedef void (*rms_fn)(const float *, int64_t, const float *, float, float *);
 static rms_fn rms_row = rms_row_plain;
@@ -155,12 +178,12 @@ int moe_head_rows(const float *x, int64_t T, int64_t H, int64_t D, int64_t token
  * per token, its k largest (largest first, the lower expert first on a tie) -> ids [T, k], weights
  * [T, k], divided by their sum when renorm (gpt-oss's softmax of its top-k logits is that). The
  * logits' rows are split over the pool. Returns -1 for E not a multiple of 16 or k not in 1..N. */
-int moe_softmax_topk(const float *x, int64_t T, int64_t E, const float *w, const float *bias, int64_t N, int64_t k,
-                     int renorm, int64_t *ids, float *weights) {
+int moe_softmax_topk(const float *x, int64_t T, int64_t E, const void *w, int w_bf16, const float *bias, int64_t N,
+                     int64_t k, int renorm, int64_t *ids, float *weights) {
     if (E % 16 || k < 1 || k > N) return -1;
     choose_rows_isa();
     float *logits = malloc(sizeof(float) * T * N);
-    router_args R = {x, w, T, E, N, logits};
+    router_args R = {x, w, w_bf16, T, E, N, logits};
     parallel(router_task, &R, (N + 15) / 16);
     for (int64_t t = 0; t < T; t++) {
         float *l = logits + t * N, top = -INFINITY, sum = 0.0f, kept = 0.0f;
@@ -197,14 +220,15 @@ static void pick_largest(const float *v, int64_t N, int64_t k, uint8_t *out, int
  * `groups` groups whose two best biased scores sum highest -> ids [T, k] (as pick_largest), weights
  * [T, k] their unbiased scores, divided by their sum (+ 1e-20) when normalise, times scale.
  * Returns -1 for E not a multiple of 16, k not in 1..N or N not a multiple of groups. */
-int moe_sigmoid_topk(const float *x, int64_t T, int64_t E, const float *w, const float *bias, int64_t N, int64_t k,
-                     int64_t groups, int64_t top_groups, int normalise, float scale, int64_t *ids, float *weights) {
+int moe_sigmoid_topk(const float *x, int64_t T, int64_t E, const void *w, int w_bf16, const float *bias, int64_t N,
+                     int64_t k, int64_t groups, int64_t top_groups, int normalise, float scale, int64_t *ids,
+                     float *weights) {
     if (E % 16 || k < 1 || k > N || groups < 1 || N % groups) return -1;
     choose_rows_isa();
     const int64_t per = N / groups;
     float *scores = malloc(sizeof(float) * T * N), *choice = malloc(sizeof(float) * (N + groups));
     uint8_t *out = malloc(N + groups);
-    router_args R = {x, w, T, E, N, scores};
+    router_args R = {x, w, w_bf16, T, E, N, scores};
     parallel(router_task, &R, (N + 15) / 16);
     for (int64_t t = 0; t < T; t++) {
         float *s = scores + t * N, *best = choice + N, kept = 0.0f;

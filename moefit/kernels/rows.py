@@ -16,9 +16,9 @@ c_i64, c_ptr, c_f = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 SIGNATURES = {
     "moe_rms_norm": [c_ptr, c_i64, c_i64, c_i64, c_ptr, c_f, c_ptr],
     "moe_head_rows": [c_ptr, c_i64, c_i64, c_i64, c_i64, c_i64, c_ptr, c_f, c_ptr, c_ptr, c_i64, c_ptr],
-    "moe_softmax_topk": [c_ptr, c_i64, c_i64, c_ptr, c_ptr, c_i64, c_i64, ctypes.c_int, c_ptr, c_ptr],
-    "moe_sigmoid_topk": [c_ptr, c_i64, c_i64, c_ptr, c_ptr, c_i64, c_i64, c_i64, c_i64, ctypes.c_int, c_f, c_ptr,
-                         c_ptr],
+    "moe_softmax_topk": [c_ptr, c_i64, c_i64, c_ptr, ctypes.c_int, c_ptr, c_i64, c_i64, ctypes.c_int, c_ptr, c_ptr],
+    "moe_sigmoid_topk": [c_ptr, c_i64, c_i64, c_ptr, ctypes.c_int, c_ptr, c_i64, c_i64, c_i64, c_i64, ctypes.c_int,
+                         c_f, c_ptr, c_ptr],
     "moe_attention_step": [c_ptr, c_ptr, c_ptr, c_ptr, c_i64, c_ptr, c_ptr, c_i64, c_ptr, c_i64, c_ptr, c_ptr],
     "moe_attend_one": [c_ptr, c_ptr, c_ptr, c_i64, c_i64, c_i64, c_i64, c_i64, c_i64, c_i64, c_f, c_ptr],
     "moe_delta_step": [c_ptr, c_ptr, c_ptr, c_ptr, c_ptr],
@@ -59,6 +59,11 @@ def _host_fp32(t: torch.Tensor | None) -> bool:
 def _host_rows(t: torch.Tensor | None) -> bool:
     """None, or fp32 host memory in one contiguous run: what a bound native call reads."""
     return t is None or (_host_fp32(t) and t.is_contiguous())
+
+
+def router_rows(w: torch.Tensor) -> bool:
+    """A router's matrix as the native routers read it: fp32 or bf16 (widened as read) host rows."""
+    return w.dtype in (F32, torch.bfloat16) and w.is_cpu and w.is_contiguous()
 
 
 def _block_norms(norms: tuple | None, n: int) -> bool:
@@ -198,11 +203,12 @@ def softmax_topk(x: torch.Tensor, w: torch.Tensor, k: int, renorm: bool,
     """A softmax router: (weights [T, k] fp32, ids [T, k] int64), the k most probable experts of
     softmax(x [T, E] . w [N, E] + bias) largest first, divided by their sum when renorm."""
     fn = _fn("moe_softmax_topk")
-    if fn is None or not all(_host_fp32(t) and (t is None or t.is_contiguous()) for t in (x, w, bias)):
+    if fn is None or not (router_rows(w) and all(_host_rows(t) for t in (x, bias))):
         return None
     t, n = x.shape[0], w.shape[0]
     ids, weights = torch.empty(t, k, dtype=torch.int64), torch.empty(t, k, dtype=F32)
-    ok = fn(_p(x), t, x.shape[1], _p(w), _ptr(bias), n, k, int(renorm), _p(ids), _p(weights))
+    ok = fn(_p(x), t, x.shape[1], _p(w), int(w.dtype is torch.bfloat16), _ptr(bias), n, k, int(renorm), _p(ids),
+            _p(weights))
     return (weights, ids) if ok == 0 else None
 
 
@@ -211,12 +217,12 @@ def sigmoid_topk(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, k: int, g
     """DeepSeek-V3's router (models/layers.sigmoid_group_topk) from x [T, E] and w [N, E]:
     (weights [T, k] fp32, ids [T, k] int64)."""
     fn = _fn("moe_sigmoid_topk")
-    if fn is None or not all(_host_fp32(t) and t.is_contiguous() for t in (x, w, bias)):
+    if fn is None or not (router_rows(w) and all(_host_fp32(t) and t.is_contiguous() for t in (x, bias))):
         return None
     t, n = x.shape[0], w.shape[0]
     ids, weights = torch.empty(t, k, dtype=torch.int64), torch.empty(t, k, dtype=F32)
-    ok = fn(_p(x), t, x.shape[1], _p(w), _p(bias), n, k, groups, top_groups, int(normalise), scale, _p(ids),
-            _p(weights))
+    ok = fn(_p(x), t, x.shape[1], _p(w), int(w.dtype is torch.bfloat16), _p(bias), n, k, groups, top_groups,
+            int(normalise), scale, _p(ids), _p(weights))
     return (weights, ids) if ok == 0 else None
 
 

@@ -58,7 +58,7 @@ class Glm4Moe(DecoderModel):
             return {"gate_up": w.fused([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
                     "down": w.get(p + "mlp.down_proj.weight")}
         s = p + "mlp.shared_experts."
-        return {"router": w.get(p + "mlp.gate.weight"), "bias": w.get(p + "mlp.gate.e_score_correction_bias"),
+        return {"router": w.router(p + "mlp.gate.weight"), "bias": w.get(p + "mlp.gate.e_score_correction_bias"),
                 "shared_gate_up": w.fused([s + "gate_proj.weight", s + "up_proj.weight"]),
                 "shared_down": w.get(s + "down_proj.weight")}
 

@@ -50,7 +50,7 @@ class GptOss(DecoderModel):
             "qkv": w.fused([a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"]),
             "qkv_bias": w.fused([a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"]),
             "o": w.get(a + "o_proj.weight"), "o_bias": w.get(a + "o_proj.bias"), "sinks": w.get(a + "sinks"),
-            "router": w.get(p + "mlp.router.weight"), "router_bias": w.get(p + "mlp.router.bias"),
+            "router": w.router(p + "mlp.router.weight"), "router_bias": w.get(p + "mlp.router.bias"),
             "gate_up_bias": w.place(e + "gate_up_proj_bias", gate_up_bias),
             "down_bias": w.get(e + "down_proj_bias"),
         }
@@ -73,7 +73,7 @@ class GptOss(DecoderModel):
     def route(self, i, layer, x) -> tuple[torch.Tensor, torch.Tensor]:
         routed = native.softmax_topk(x, layer["router"], self.cfg.top_k, True, layer["router_bias"])
         if routed is None:                           # the softmax of the top-k logits: softmax_topk renormalised
-            top, ids = torch.topk(linear(x, layer["router"], layer["router_bias"]), self.cfg.top_k, dim=-1)
+            top, ids = torch.topk(linear(x, layer["router"].to(x.dtype), layer["router_bias"]), self.cfg.top_k, dim=-1)
             routed = F.softmax(top.float(), dim=-1), ids
         weights, ids = routed
         return weights.to(x.dtype), ids

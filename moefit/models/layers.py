@@ -47,7 +47,7 @@ def softmax_topk(x: torch.Tensor, router: torch.Tensor, top_k: int, renorm: bool
     routed = native.softmax_topk(x, router, top_k, renorm)
     if routed is not None:
         return routed
-    weights, ids = torch.topk(F.softmax(F.linear(x, router).float(), dim=-1), top_k, dim=-1)
+    weights, ids = torch.topk(F.softmax(F.linear(x, router.to(x.dtype)).float(), dim=-1), top_k, dim=-1)
     return (weights / weights.sum(dim=-1, keepdim=True) if renorm else weights), ids
 
 
@@ -246,7 +246,7 @@ def next_layer_guess(model, j: int, h: torch.Tensor) -> torch.Tensor:
     has one. Softmax is monotonic, so the logits' ranking is every family's."""
     nxt = model.layers[j]
     read = model.probes.get(j, nxt["router"])
-    logits = F.linear(rms_norm(h, nxt["post_norm"], model.cfg.rms_norm_eps), read)                # [T, N]
+    logits = F.linear(rms_norm(h, nxt["post_norm"], model.cfg.rms_norm_eps), read.to(h.dtype))   # [T, N]
     return torch.topk(logits, min(GUESS_RANKS * model.cfg.top_k, logits.shape[-1]), dim=-1).indices
 
 
@@ -316,9 +316,9 @@ class Weights:
     """Named dense tensors placed on the device. `place(name, tensor)` copies a host
     tensor (a view of the pack) to the device and charges the ledger's dense line."""
 
-    def __init__(self, names: list[str], load, place, dense_quant: str = "off"):
+    def __init__(self, names: list[str], load, place, dense_quant: str = "off", narrow_routers: bool = False):
         self._load, self._place, self._names = load, place, set(names)
-        self.dense_quant = dense_quant
+        self.dense_quant, self.narrow_routers = dense_quant, narrow_routers
 
     def has(self, name: str) -> bool:
         return name in self._names
@@ -334,6 +334,19 @@ class Weights:
 
     def get(self, name: str):
         return self._placed(name, self._load(name))
+
+    def router(self, name: str):
+        """A router's matrix, placed as get() places it; where narrow_routers (the host computing in
+        fp32) and every value is a bf16 (a bf16 checkpoint's, also once a GGUF file widened it to
+        fp32), held in bf16: half the bytes a decode step reads for it (Qwen3.6's 256 x 2048 is 2 MiB
+        a layer in fp32, ~12 % of what its MoE reads), the same logits (the native routers widen
+        each value as they read it; torch's paths widen the matrix)."""
+        t = self._load(name)
+        if self.narrow_routers and t.is_floating_point():
+            narrow = t.to(torch.bfloat16)
+            if torch.equal(narrow.to(t.dtype), t):
+                return self._place(name, narrow, keep=True)
+        return self._placed(name, t)
 
     def derived(self, name: str, t: torch.Tensor):
         """A matrix computed from the checkpoint's (MLA's absorbed projections), placed as get()

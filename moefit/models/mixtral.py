@@ -30,7 +30,7 @@ class Mixtral(DecoderModel):
             "post_norm": w.get(p + "post_attention_layernorm.weight"),
             "qkv": w.fused([a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"]),
             "o": w.get(a + "o_proj.weight"),
-            "router": w.get(p + "mlp.gate.weight"),
+            "router": w.router(p + "mlp.gate.weight"),
         }
 
     def attention(self, i, layer, x, start, cos, sin, mask, kv) -> torch.Tensor:

@@ -33,7 +33,7 @@ class Olmoe(DecoderModel):
             "o": w.get(a + "o_proj.weight"),
             "q_norm": w.get(a + "q_norm.weight"),
             "k_norm": w.get(a + "k_norm.weight"),
-            "router": w.get(p + "mlp.gate.weight"),
+            "router": w.router(p + "mlp.gate.weight"),
         }
 
     def attention(self, i, layer, x, start, cos, sin, mask, kv) -> torch.Tensor:

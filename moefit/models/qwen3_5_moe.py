@@ -54,7 +54,7 @@ class Qwen3_5Moe(DecoderModel):
                          conv=w.get(a + "conv1d.weight"), dt_bias=w.get(a + "dt_bias"), a_log=w.get(a + "A_log"),
                          gated_norm=w.get(a + "norm.weight"), out=w.get(a + "out_proj.weight"))
         s = p + "mlp.shared_expert."
-        layer.update(router=w.get(p + "mlp.gate.weight"), shared_gate=w.get(p + "mlp.shared_expert_gate.weight"),
+        layer.update(router=w.router(p + "mlp.gate.weight"), shared_gate=w.get(p + "mlp.shared_expert_gate.weight"),
                      shared_gate_up=w.fused([s + "gate_proj.weight", s + "up_proj.weight"]),
                      shared_down=w.get(s + "down_proj.weight"))
         return layer

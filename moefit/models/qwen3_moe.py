@@ -37,7 +37,7 @@ class Qwen3Moe(DecoderModel):
         if w.has(a + "q_proj.bias"):
             layer["qkv_bias"] = w.fused([a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"])
         if i in self.cfg.moe_layers:
-            layer["router"] = w.get(p + "mlp.gate.weight")
+            layer["router"] = w.router(p + "mlp.gate.weight")
         else:
             layer["gate_up"] = w.fused([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"])
             layer["down"] = w.get(p + "mlp.down_proj.weight")

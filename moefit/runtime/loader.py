@@ -97,7 +97,8 @@ def _place(pack: Pack, cfg: ServeConfig, mem: DeviceMemory, cdt: str, the_plan: 
     dtype = TORCH_DTYPES[cdt]
     place = lambda name, t, keep=False: mem.copy_in(  # noqa: E731  (int4 scales stay fp16: the kernel reads them)
         L.DENSE, t, dtype if t.is_floating_point() and not keep else None)
-    weights = Weights(device_dense_names(m, pack.dense_names), pack.dense, place, cfg.dense_quant)
+    weights = Weights(device_dense_names(m, pack.dense_names), pack.dense, place, cfg.dense_quant,
+                      narrow_routers=the_plan is None and dtype is torch.float32)    # the cpu device: no ledger plan
     rope = _rope(m, cfg.ctx, mem, dtype)
     model = FAMILY[m.family](m, weights, rope)
     kv_dtype = the_plan.kv_dtype if the_plan else (cdt if cfg.kv_dtype == "auto" else cfg.kv_dtype)
