@@ -29,11 +29,24 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 # The OpenMP wait policy the user gave (importing moefit sets PASSIVE where none is): llama.cpp's
-# and transformers' rows run with it, moefit's with moefit's own.
+# and transformers' rows run with it, moefit's with moefit's own. A moefit row run straight from
+# the command line (--row, as the A/B scripts do) sets it here, before torch loads OpenMP: set once
+# torch is imported it did not apply, and such a row's prompts ran 8-13 % slower than a user's
+# (bench/results/decode-hybrid-q4km-round37-avx2-alternated.txt).
 USER_OMP_POLICY = os.environ.get("OMP_WAIT_POLICY")
+
+
+def _moefit_row() -> bool:
+    """Whether this process runs one moefit row (--row '{"fn": "time_moefit", ...}')."""
+    at = sys.argv.index("--row") + 1 if "--row" in sys.argv else len(sys.argv)
+    return at < len(sys.argv) and json.loads(sys.argv[at]).get("fn") == "time_moefit"
+
+
+if _moefit_row():
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 

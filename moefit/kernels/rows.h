@@ -95,13 +95,23 @@ __attribute__((target("avx512f,fma"))) static inline v16 bf16_avx512(const uint1
         }                                                                                           \
     }                                                                                               \
     /* a router's logits for experts 16b .. 16b+15: logits [T, N] = x [T, E] . w [N, E] */        \
+    /* a bf16 row over several tokens is widened once (a prompt chunk's: the widening's work is     \
+     * then a row's, not a row's a token), one token's as it is read */                            \
     TARGET static void router_task_##ISA(void *ctx, int64_t b) {                                    \
         const router_args *R = ctx;                                                                 \
-        for (int64_t n = 16 * b; n < 16 * b + 16 && n < R->N; n++)                                  \
+        float *wide = R->w_bf16 && R->T > 1 ? malloc(sizeof(float) * R->E) : NULL;                  \
+        for (int64_t n = 16 * b; n < 16 * b + 16 && n < R->N; n++) {                                \
+            const uint16_t *narrow = (const uint16_t *)R->w + n * R->E;                             \
+            const float *row = (const float *)R->w + n * R->E;                                      \
+            if (wide) {                                                                             \
+                for (int64_t i = 0; i < R->E; i += VN) STOREV(VF, wide + i, bf16_##ISA(narrow + i)); \
+                row = wide;                                                                         \
+            }                                                                                       \
             for (int64_t t = 0; t < R->T; t++)                                                      \
-                R->logits[t * R->N + n] = R->w_bf16                                                 \
-                    ? dot16w_##ISA(R->x + t * R->E, (const uint16_t *)R->w + n * R->E, R->E)        \
-                    : dot16_##ISA(R->x + t * R->E, (const float *)R->w + n * R->E, R->E);           \
+                R->logits[t * R->N + n] = R->w_bf16 && !wide ? dot16w_##ISA(R->x + t * R->E, narrow, R->E) \
+                                                             : dot16_##ISA(R->x + t * R->E, row, R->E);     \
+        }                                                                                           \
+        free(wide);                                                                                 \
     }
 
 /* sum a_i b_i, n a multiple of 16, b of type BT read VN at a time by LOAD (fp32, or bf16 widened:
