@@ -47,7 +47,7 @@
 #define MX_DECODE(NAME, TARGET, OFFSET)                                                             \
     __attribute__((target(TARGET))) static void NAME(const uint8_t *w, int64_t row_bytes, int64_t n, \
                                                      __m256i *vals, __m256 *scales) {               \
-        const __m256i table = _mm256_xor_si256(TABLE(MXFP4X2), _mm256_set1_epi8(OFFSET ? (char)0x80 : 0)); \
+        const __m256i table = _mm256_add_epi8(TABLE(MXFP4X2), _mm256_set1_epi8((char)(OFFSET)));     \
         for (int64_t b = 0; b < n / QK; b++) {                                                      \
             const uint8_t *blk = w + b * 17;                                                        \
             if (b % 8 == 0) panel_prefetch(w, row_bytes, b / 8, 136);                               \
@@ -229,7 +229,7 @@ typedef struct {
 } kdecoded_set;
 #define KD_SET(DECODE, TILE) {DECODE, {NULL, TILE##1, TILE##2, TILE##3, TILE##4}}
 /* per instruction set: [0] Q4_K's decoded panels, [1] Q5_K's, [2] Q6_K's, [3] IQ4_XS's, [4] MXFP4's */
-#define KD_TILES(ISA, TARGET, ADD, FINISH, IQ4_ADD, OFFSET)                                         \
+#define KD_TILES(ISA, TARGET, ADD, FINISH, IQ4_ADD, OFFSET, MX_ADD, MX_OFFSET)                     \
     Q45K_DECODE(q4k_decode_##ISA, TARGET, 0) Q45K_DECODE(q5k_decode_##ISA, TARGET, 1)               \
     Q6K_DECODE(q6k_decode_##ISA, TARGET, ADD, FINISH)                                               \
     Q6K_DECODED_PANEL(q6k_decoded_##ISA##1, TARGET, ADD, FINISH, 1)                                 \
@@ -241,24 +241,25 @@ typedef struct {
     Q45K_DECODED_PANEL(q45k_decoded_##ISA##2, TARGET, ADD, FINISH, 2)                               \
     Q45K_DECODED_PANEL(q45k_decoded_##ISA##3, TARGET, ADD, FINISH, 3)                               \
     Q45K_DECODED_PANEL(q45k_decoded_##ISA##4, TARGET, ADD, FINISH, 4)                               \
-    MX_DECODE(mx_decode_##ISA, TARGET, OFFSET)                                                      \
+    MX_DECODE(mx_decode_##ISA, TARGET, MX_OFFSET)                                                   \
     TABLE_DECODED_PANEL(iq4_decoded_##ISA##1, TARGET, IQ4_ADD, OFFSET, IQ4_SCALE, 1)                \
     TABLE_DECODED_PANEL(iq4_decoded_##ISA##2, TARGET, IQ4_ADD, OFFSET, IQ4_SCALE, 2)                \
     TABLE_DECODED_PANEL(iq4_decoded_##ISA##3, TARGET, IQ4_ADD, OFFSET, IQ4_SCALE, 3)                \
     TABLE_DECODED_PANEL(iq4_decoded_##ISA##4, TARGET, IQ4_ADD, OFFSET, IQ4_SCALE, 4)                \
-    TABLE_DECODED_PANEL(mx_decoded_##ISA##1, TARGET, IQ4_ADD, OFFSET, MX_SCALE, 1)                  \
-    TABLE_DECODED_PANEL(mx_decoded_##ISA##2, TARGET, IQ4_ADD, OFFSET, MX_SCALE, 2)                  \
-    TABLE_DECODED_PANEL(mx_decoded_##ISA##3, TARGET, IQ4_ADD, OFFSET, MX_SCALE, 3)                  \
-    TABLE_DECODED_PANEL(mx_decoded_##ISA##4, TARGET, IQ4_ADD, OFFSET, MX_SCALE, 4)                  \
+    TABLE_DECODED_PANEL(mx_decoded_##ISA##1, TARGET, MX_ADD, MX_OFFSET, MX_SCALE, 1)                \
+    TABLE_DECODED_PANEL(mx_decoded_##ISA##2, TARGET, MX_ADD, MX_OFFSET, MX_SCALE, 2)                \
+    TABLE_DECODED_PANEL(mx_decoded_##ISA##3, TARGET, MX_ADD, MX_OFFSET, MX_SCALE, 3)                \
+    TABLE_DECODED_PANEL(mx_decoded_##ISA##4, TARGET, MX_ADD, MX_OFFSET, MX_SCALE, 4)                \
     static const kdecoded_set kdecoded_##ISA[5] = {KD_SET(q4k_decode_##ISA, q45k_decoded_##ISA),   \
                                                    KD_SET(q5k_decode_##ISA, q45k_decoded_##ISA),   \
                                                    KD_SET(q6k_decode_##ISA, q6k_decoded_##ISA),    \
                                                    KD_SET(iq4_decode_##ISA, iq4_decoded_##ISA),    \
                                                    KD_SET(mx_decode_##ISA, mx_decoded_##ISA)};
-KD_TILES(avx2, "avx2,fma,f16c", KP_ADD_AVX2, KP_FINISH_AVX2, IQ4_ADD_AVX2, 0)
-KD_TILES(vnni256, AVX512, KP_ADD_VNNI256, KP_FINISH_VNNI, IQ4_ADD_VNNI256, 128)
+KD_TILES(avx2, "avx2,fma,f16c", KP_ADD_AVX2, KP_FINISH_AVX2, IQ4_ADD_AVX2, 0, MX_ADD_AVX2, MX_OFFSET_AVX2)
+KD_TILES(vnni256, AVX512, KP_ADD_VNNI256, KP_FINISH_VNNI, IQ4_ADD_VNNI256, 128, IQ4_ADD_VNNI256, 128)
 #ifdef HAVE_AVXVNNI
-KD_TILES(avxvnni, "avx2,fma,f16c,avxvnni", KP_ADD_AVXVNNI, KP_FINISH_VNNI, IQ4_ADD_AVXVNNI, 128)
+KD_TILES(avxvnni, "avx2,fma,f16c,avxvnni", KP_ADD_AVXVNNI, KP_FINISH_VNNI, IQ4_ADD_AVXVNNI, 128, IQ4_ADD_AVXVNNI,
+         128)
 #endif
 static const kdecoded_set *kdecoded;                 /* choose_isa's, with ktiles */
 
