@@ -86,6 +86,18 @@ static inline void prefetch_next_panel(const uint8_t *w0, int64_t row_bytes, int
     _mm_prefetch(next, _MM_HINT_T0), _mm_prefetch(next + 64, _MM_HINT_T0);
 }
 
+/* A stored panel's block (two lines of codes) asked for PANEL_LEAD bytes ahead of its use, and its
+ * scales' line an eighth of that (the panel's scales are an eighth of its codes), in the panels
+ * after it where the call reads on: the hardware prefetcher alone kept one thread's read of a
+ * stored matrix at 8 GB/s of 13.6 and two threads' at 15.5 of 24.9 (the lm_head, 151936 x 2048
+ * int4, Sapphire Rapids: read 4 KiB ahead 12.6 and 22-24 GB/s; 1 and 2 KiB less, 8 and 16 KiB
+ * less again; bench/results/prefetch-panels-round38-avx512.txt). */
+#define PANEL_LEAD 4096
+static inline void prefetch_panel_lead(const uint8_t *block) {
+    _mm_prefetch((const char *)block + PANEL_LEAD, _MM_HINT_T0);
+    _mm_prefetch((const char *)block + PANEL_LEAD + 64, _MM_HINT_T0);
+}
+
 /* Eight rows of codes (row_bytes apart) -> [nb][4][8 rows][4 bytes] */
 __attribute__((target("avx2"))) static void pack_codes(const uint8_t *w, int64_t row_bytes, int64_t nb,
                                                        uint8_t *out) {
@@ -142,6 +154,7 @@ typedef struct { __m256i lo, hi; } vnni_sums;
  * registers from eight rows (codes the first row, row_bytes apart), where a panel would be read
  * by one tile only (at most PANEL_TOKENS tokens) and so is not worth storing. */
 #define QUADS_PACKED(v, codes, b, row_bytes, nb) \
+    prefetch_panel_lead(codes + 128 * b); \
     for (int k = 0; k < 4; k++) v[k] = _mm256_loadu_si256((const __m256i *)(codes + 128 * b + 32 * k))
 #define QUADS_ROWS(v, codes, b, row_bytes, nb) \
     (prefetch_next_panel(codes, row_bytes, b, nb), block_quads(codes + 16 * b, row_bytes, v))
@@ -167,6 +180,7 @@ typedef struct { __m256i lo, hi; } vnni_sums;
                     ADD(sum[t], lo, hi, BROADCAST4(q), BROADCAST4(q + 16));                         \
                 }                                                                                   \
             }                                                                                       \
+            if (!(b & 3)) _mm_prefetch((const char *)d + PANEL_LEAD / 8, _MM_HINT_T0);            \
             const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)d));                \
             for (int t = 0; t < NT; t++) {                                                          \
                 const __m256i dot = _mm256_add_epi32(FINISH(sum[t]), _mm256_set1_epi32(-8 * a[t].sum[b])); \
