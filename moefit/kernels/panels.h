@@ -86,16 +86,19 @@ static inline void prefetch_next_panel(const uint8_t *w0, int64_t row_bytes, int
     _mm_prefetch(next, _MM_HINT_T0), _mm_prefetch(next + 64, _MM_HINT_T0);
 }
 
-/* A stored panel's block (two lines of codes) asked for PANEL_LEAD bytes ahead of its use, and its
- * scales' line an eighth of that (the panel's scales are an eighth of its codes), in the panels
- * after it where the call reads on: the hardware prefetcher alone kept one thread's read of a
- * stored matrix at 8 GB/s of 13.6 and two threads' at 15.5 of 24.9 (the lm_head, 151936 x 2048
- * int4, Sapphire Rapids: read 4 KiB ahead 12.6 and 22-24 GB/s; 1 and 2 KiB less, 8 and 16 KiB
- * less again; bench/results/prefetch-panels-round38-avx512.txt). */
+/* Where one tile reads a stored panel (a decode step's few tokens: the matrix streams from memory
+ * once), the codes PANEL_LEAD bytes ahead of a block (two lines: in the panels after it) are asked
+ * for, and the scales' line an eighth of that ahead (a panel's scales are an eighth of its codes).
+ * The hardware prefetcher alone kept one thread's read of a stored matrix at 8 GB/s of 13.6 and
+ * two threads' at 15.5 of 24.9 (the lm_head, 151936 x 2048 int4, Sapphire Rapids: 4 KiB ahead
+ * 12.6 and 22-24 GB/s; 1 and 2 KiB less, 8 and 16 KiB less again;
+ * bench/results/prefetch-panels-round38-avx512.txt). A prompt's tiles read a panel from the cache
+ * after the first, and go without. */
 #define PANEL_LEAD 4096
-static inline void prefetch_panel_lead(const uint8_t *block) {
+static inline void prefetch_panel_lead(const uint8_t *block, const uint16_t *scales, int64_t b) {
     _mm_prefetch((const char *)block + PANEL_LEAD, _MM_HINT_T0);
     _mm_prefetch((const char *)block + PANEL_LEAD + 64, _MM_HINT_T0);
+    if (!(b & 3)) _mm_prefetch((const char *)scales + PANEL_LEAD / 8, _MM_HINT_T0);
 }
 
 /* Eight rows of codes (row_bytes apart) -> [nb][4][8 rows][4 bytes] */
@@ -153,11 +156,14 @@ typedef struct { __m256i lo, hi; } vnni_sums;
 /* A block's four quad vectors: from a packed panel (codes [nb][4][8][4]), or transposed in
  * registers from eight rows (codes the first row, row_bytes apart), where a panel would be read
  * by one tile only (at most PANEL_TOKENS tokens) and so is not worth storing. */
-#define QUADS_PACKED(v, codes, b, row_bytes, nb) \
-    prefetch_panel_lead(codes + 128 * b); \
+#define QUADS_PACKED(v, codes, d, b, row_bytes, nb) \
     for (int k = 0; k < 4; k++) v[k] = _mm256_loadu_si256((const __m256i *)(codes + 128 * b + 32 * k))
-#define QUADS_ROWS(v, codes, b, row_bytes, nb) \
+#define QUADS_ROWS(v, codes, d, b, row_bytes, nb) \
     (prefetch_next_panel(codes, row_bytes, b, nb), block_quads(codes + 16 * b, row_bytes, v))
+/* a stored panel that one tile reads (a decode step's): QUADS_PACKED, the panels after it asked for */
+#define QUADS_STREAMED(v, codes, d, b, row_bytes, nb) \
+    prefetch_panel_lead(codes + 128 * b, d, b); \
+    QUADS_PACKED(v, codes, d, b, row_bytes, nb)
 
 /* NT tokens against one panel: out[t][0..8) = the eight rows' dots with token t. */
 #define PANEL_TILE(ISA, TARGET, SUMS, ZERO, ADD, FINISH, QUADS, NAME, NT)                          \
@@ -170,7 +176,7 @@ typedef struct { __m256i lo, hi; } vnni_sums;
         for (int64_t b = 0, left = per_group; b < nb; b++) {                                        \
             SUMS sum[NT];                                                                           \
             __m256i quad[4];                                                                        \
-            QUADS(quad, codes, b, row_bytes, nb);                                                   \
+            QUADS(quad, codes, d, b, row_bytes, nb);                                                \
             for (int t = 0; t < NT; t++) sum[t] = ZERO;                                             \
             for (int k = 0; k < 4; k++) {                                                           \
                 const __m256i w = quad[k];                                                          \
@@ -180,7 +186,6 @@ typedef struct { __m256i lo, hi; } vnni_sums;
                     ADD(sum[t], lo, hi, BROADCAST4(q), BROADCAST4(q + 16));                         \
                 }                                                                                   \
             }                                                                                       \
-            if (!(b & 3)) _mm_prefetch((const char *)d + PANEL_LEAD / 8, _MM_HINT_T0);            \
             const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)d));                \
             for (int t = 0; t < NT; t++) {                                                          \
                 const __m256i dot = _mm256_add_epi32(FINISH(sum[t]), _mm256_set1_epi32(-8 * a[t].sum[b])); \
@@ -196,13 +201,15 @@ typedef void (*tile_fn)(const uint8_t *, int64_t, const uint16_t *, int64_t, int
     PANEL_TILE(ISA, TARGET, SUMS, ZERO, ADD, FINISH, QUADS, NAME, 2)                                \
     PANEL_TILE(ISA, TARGET, SUMS, ZERO, ADD, FINISH, QUADS, NAME, 3)                                \
     PANEL_TILE(ISA, TARGET, SUMS, ZERO, ADD, FINISH, QUADS, NAME, 4)
-/* [0]: tiles of packed panels, [1]: of rows (QUADS_ROWS), by token count */
+/* [0]: tiles of packed panels, [1]: of rows (QUADS_ROWS), [2]: of streamed ones, by token count */
 #define PANEL_TILES(ISA, TARGET, SUMS, ZERO, ADD, FINISH)                                           \
     TILES_OF(ISA, TARGET, SUMS, ZERO, ADD, FINISH, QUADS_PACKED, panel_tile)                        \
     TILES_OF(ISA, TARGET, SUMS, ZERO, ADD, FINISH, QUADS_ROWS, rows_tile)                           \
-    static const tile_fn panel_tiles_##ISA[2][PANEL_TOKENS + 1] = {                                \
+    TILES_OF(ISA, TARGET, SUMS, ZERO, ADD, FINISH, QUADS_STREAMED, streamed_tile)                   \
+    static const tile_fn panel_tiles_##ISA[3][PANEL_TOKENS + 1] = {                                \
         {NULL, panel_tile1_##ISA, panel_tile2_##ISA, panel_tile3_##ISA, panel_tile4_##ISA},         \
-        {NULL, rows_tile1_##ISA, rows_tile2_##ISA, rows_tile3_##ISA, rows_tile4_##ISA}};
+        {NULL, rows_tile1_##ISA, rows_tile2_##ISA, rows_tile3_##ISA, rows_tile4_##ISA},             \
+        {NULL, streamed_tile1_##ISA, streamed_tile2_##ISA, streamed_tile3_##ISA, streamed_tile4_##ISA}};
 PANEL_TILES(avx2, "avx2,fma,f16c", SUMS_AVX2, ZERO_AVX2, ADD_AVX2, FINISH_AVX2)
 PANEL_TILES(vnni256, AVX512, SUMS_VNNI, ZERO_VNNI, ADD_VNNI256, FINISH_VNNI)
 #ifdef HAVE_AVXVNNI
@@ -228,14 +235,15 @@ static uint8_t *thread_buffer(int which, int64_t bytes) {
 static uint8_t *panel_buffer(int64_t bytes) { return thread_buffer(0, bytes); }
 
 /* One panel (codes [nb][4][8][4], or eight rows of codes row_bytes apart when row_bytes > 0;
- * scales [groups][8]) against every activation row of A, the outputs at column r0,
- * PANEL_TOKENS tokens a tile. */
-static void panel_tokens(const uint8_t *codes, int64_t row_bytes, const uint16_t *scales, int64_t cols,
-                         int64_t group, int64_t r0, const act_rows *A) {
+ * scales [groups][8]; stored: the matrix's own, not a call's buffer) against every activation row
+ * of A, the outputs at column r0, PANEL_TOKENS tokens a tile. */
+static void panel_tokens(const uint8_t *codes, int64_t row_bytes, int stored, const uint16_t *scales,
+                         int64_t cols, int64_t group, int64_t r0, const act_rows *A) {
     for (int64_t i = 0; i < A->n; i += PANEL_TOKENS) {
         tile_row a[PANEL_TOKENS];
         const int nt = tile_of(A, i, PANEL_TOKENS, cols, r0, a);
-        panel_tiles[row_bytes > 0][nt](codes, row_bytes, scales, cols / QK, group / QK, a);
+        panel_tiles[row_bytes > 0 ? 1 : A->n <= PANEL_TOKENS && stored ? 2 : 0][nt](codes, row_bytes, scales,
+                                                                                 cols / QK, group / QK, a);
     }
 }
 
@@ -253,11 +261,11 @@ static int64_t int4_panel_rows(const uint8_t *w, const uint16_t *s, int64_t cols
     for (; r0 + PANEL <= r1; r0 += PANEL) {
         pack_scales(s + r0 * groups, groups, scales);
         if (one_tile) {
-            panel_tokens(w + r0 * (cols / 2), cols / 2, scales, cols, group, r0, A);
+            panel_tokens(w + r0 * (cols / 2), cols / 2, 0, scales, cols, group, r0, A);
             continue;
         }
         pack_codes(w + r0 * (cols / 2), cols / 2, cols / QK, codes);
-        panel_tokens(codes, 0, scales, cols, group, r0, A);
+        panel_tokens(codes, 0, 0, scales, cols, group, r0, A);
     }
     return r0;
 }
@@ -267,7 +275,7 @@ static int64_t int4_panel_rows(const uint8_t *w, const uint16_t *s, int64_t cols
 static void int4_stored_panel_rows(const uint8_t *w, const uint16_t *s, int64_t cols, int64_t group, int64_t r0,
                                    int64_t r1, const act_rows *A) {
     for (; r0 + PANEL <= r1; r0 += PANEL)
-        panel_tokens(w + r0 * (cols / 2), 0, s + r0 * (cols / group), cols, group, r0, A);
+        panel_tokens(w + r0 * (cols / 2), 0, 1, s + r0 * (cols / group), cols, group, r0, A);
 }
 #endif
 
