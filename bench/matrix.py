@@ -2,9 +2,9 @@
 the loader gives --dense-quant int4): the lm_head and the layers' dense matrices, a third to a half
 of a host decode token. Not a test.
 
-    .venv/bin/python bench/matrix.py [--rows 151936] [--cols 2048] [--threads 1 2] [--gib 1.2]
+    .venv/bin/python bench/matrix.py [--rows 151936] [--cols 2048] [--threads 1 2] [--gib 1.2] [--quant int4]
 
-Random codes and fp16 scales (a group of 32 inputs), as many distinct matrices as make --gib, so that
+Random codes and scales (int4: fp16, a group of 32 inputs; int8: fp32, a row), as many distinct matrices as make --gib, so that
 each call reads its matrix from memory, not the last-level cache; one token; best of 5 passes. The
 read bandwidth (bench/bandwidth.py's sum) is printed beside it, with the same threads.
 """
@@ -28,10 +28,14 @@ from bandwidth import read_gbs  # noqa: E402
 from moefit import kernels  # noqa: E402
 
 
-def int4_matrix(rows: int, cols: int) -> kernels.BoundMatrix:
+def matrix(rows: int, cols: int, quant: str) -> kernels.BoundMatrix:
+    """Random codes in the layout the loader gives --dense-quant `quant`: int4 in panels (a group of 32,
+    fp16 scales), int8 in rows (an fp32 scale a row)."""
+    if quant == "int8":
+        codes, scale = torch.randint(-127, 128, (rows, cols), dtype=torch.int8), torch.rand(rows) * 0.01
+        return kernels.BoundMatrix({"w": codes, "w.scale": scale}, "w", "int8")
     codes = torch.randint(0, 256, (rows, cols // 2), dtype=torch.uint8)
-    scale = (torch.rand(rows, cols // 32) * 0.01).half()
-    codes, scale = kernels.rows_to_panels(codes, scale)
+    codes, scale = kernels.rows_to_panels(codes, (torch.rand(rows, cols // 32) * 0.01).half())
     return kernels.BoundMatrix({"w": codes, "w.scale": scale}, "w", "int4p")
 
 
@@ -53,11 +57,13 @@ def main() -> None:
     ap.add_argument("--cols", type=int, default=2048)
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--gib", type=float, default=1.2, help="distinct matrices' bytes in all")
+    ap.add_argument("--quant", default="int4", choices=["int4", "int8"])
     args = ap.parse_args()
-    nbytes = args.rows * args.cols // 2 + args.rows * args.cols // 32 * 2
-    mats = [int4_matrix(args.rows, args.cols) for _ in range(max(1, int(args.gib * 2**30 // nbytes)))]
+    r, c = args.rows, args.cols
+    nbytes = r * c + 4 * r if args.quant == "int8" else r * c // 2 + r * c // 32 * 2
+    mats = [matrix(r, c, args.quant) for _ in range(max(1, int(args.gib * 2**30 // nbytes)))]
     x, sink = torch.randn(1, args.cols), torch.ones(2**30 // 4)
-    print(f"isa {kernels.isa()}; int4 {args.rows} x {args.cols}, a group of 32, fp32 activations, 1 token, "
+    print(f"isa {kernels.isa()}; {args.quant} {r} x {c}, fp32 activations, 1 token, "
           f"{len(mats)} distinct matrices ({nbytes * len(mats) / 2**30:.2f} GiB)")
     for threads in args.threads:
         torch.set_num_threads(threads)
