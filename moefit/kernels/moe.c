@@ -74,6 +74,11 @@ static void quantize_row(const float *x, int64_t n, int8_t *q, float *s, int32_t
     }
 }
 
+/* How far ahead of its reads a matrix streamed once (a decode step's) asks for its bytes: the
+ * stored int4 panels' tiles (panels.h) and the rows read one at a time (matrix_rows). The hardware
+ * prefetcher alone had run too close behind them (bench/results/prefetch-panels-round38-avx512.txt). */
+#define STREAM_LEAD 4096
+
 #include "dots.h"
 #include "panels.h"
 #include "ktiles.h"
@@ -237,10 +242,8 @@ static const void *scale_of(int quant, const void *scales, int64_t row, int64_t 
 
 /* Rows [r0, r1) of a matrix against the activation rows of A: int4 in panels where the CPU's body
  * takes them (panels.h), the GGUF blocks in their tiles, the rest a row at a time. Such a row's
- * dots first ask for the bytes ROW_LEAD on, a line each (the matrix streams: the hardware
- * prefetcher alone read an int8 matrix at 69-81 % of the read bandwidth, 4 KiB ahead 79-86 %,
- * Sapphire Rapids, two threads; panels.h's PANEL_LEAD; bench/results/prefetch-panels-round38-avx512.txt). */
-#define ROW_LEAD 4096
+ * dots first ask for the bytes STREAM_LEAD on, a line each (the hardware prefetcher alone read an
+ * int8 matrix at 69-81 % of the read bandwidth, 4 KiB ahead 79-86 %; Sapphire Rapids, two threads). */
 static void matrix_rows(int quant, const void *w, const void *scales, int64_t cols, int64_t group, int64_t r0,
                         int64_t r1, const act_rows *A) {
 #if defined(__x86_64__)
@@ -254,7 +257,7 @@ static void matrix_rows(int quant, const void *w, const void *scales, int64_t co
     const int64_t nb = cols / QK, bytes = row_bytes(quant, cols);
     for (int64_t r = r0; r < r1; r++) {
         const void *wr = (const char *)w + r * bytes, *ws = scale_of(quant, scales, r, cols, group);
-        for (int64_t l = 0; l < bytes; l += 64) __builtin_prefetch((const char *)wr + ROW_LEAD + l, 0, 3);
+        for (int64_t l = 0; l < bytes; l += 64) __builtin_prefetch((const char *)wr + STREAM_LEAD + l, 0, 3);
         for (int64_t i = 0; i < A->n; i++) {
             const int64_t row = A->row ? A->row[i] : i;
             A->y[i * A->y_stride + r] = dot(wr, ws, A->q + row * cols, A->s + row * nb, A->sum + row * nb, cols, group);

@@ -87,18 +87,18 @@ static inline void prefetch_next_panel(const uint8_t *w0, int64_t row_bytes, int
 }
 
 /* Where one tile reads a stored panel (a decode step's few tokens: the matrix streams from memory
- * once), the codes PANEL_LEAD bytes ahead of a block (two lines: in the panels after it) are asked
- * for, and the scales' line an eighth of that ahead (a panel's scales are an eighth of its codes).
+ * once), the codes STREAM_LEAD bytes ahead of a block (two lines: in the panels after it; moe.c's)
+ * are asked for, and the scales' line an eighth of that ahead (a panel's scales are an eighth of
+ * its codes).
  * The hardware prefetcher alone kept one thread's read of a stored matrix at 8 GB/s of 13.6 and
  * two threads' at 15.5 of 24.9 (the lm_head, 151936 x 2048 int4, Sapphire Rapids: 4 KiB ahead
  * 12.6 and 22-24 GB/s; 1 and 2 KiB less, 8 and 16 KiB less again;
  * bench/results/prefetch-panels-round38-avx512.txt). A prompt's tiles read a panel from the cache
  * after the first, and go without. */
-#define PANEL_LEAD 4096
 static inline void prefetch_panel_lead(const uint8_t *block, const uint16_t *scales, int64_t b) {
-    _mm_prefetch((const char *)block + PANEL_LEAD, _MM_HINT_T0);
-    _mm_prefetch((const char *)block + PANEL_LEAD + 64, _MM_HINT_T0);
-    if (!(b & 3)) _mm_prefetch((const char *)scales + PANEL_LEAD / 8, _MM_HINT_T0);
+    _mm_prefetch((const char *)block + STREAM_LEAD, _MM_HINT_T0);
+    _mm_prefetch((const char *)block + STREAM_LEAD + 64, _MM_HINT_T0);
+    if (!(b & 3)) _mm_prefetch((const char *)scales + STREAM_LEAD / 8, _MM_HINT_T0);
 }
 
 /* Eight rows of codes (row_bytes apart) -> [nb][4][8 rows][4 bytes] */
@@ -239,11 +239,11 @@ static uint8_t *panel_buffer(int64_t bytes) { return thread_buffer(0, bytes); }
  * of A, the outputs at column r0, PANEL_TOKENS tokens a tile. */
 static void panel_tokens(const uint8_t *codes, int64_t row_bytes, int stored, const uint16_t *scales,
                          int64_t cols, int64_t group, int64_t r0, const act_rows *A) {
+    const tile_fn *tiles = panel_tiles[row_bytes > 0 ? 1 : A->n <= PANEL_TOKENS && stored ? 2 : 0];
     for (int64_t i = 0; i < A->n; i += PANEL_TOKENS) {
         tile_row a[PANEL_TOKENS];
         const int nt = tile_of(A, i, PANEL_TOKENS, cols, r0, a);
-        panel_tiles[row_bytes > 0 ? 1 : A->n <= PANEL_TOKENS && stored ? 2 : 0][nt](codes, row_bytes, scales,
-                                                                                 cols / QK, group / QK, a);
+        tiles[nt](codes, row_bytes, scales, cols / QK, group / QK, a);
     }
 }
 
