@@ -74,7 +74,10 @@ typedef void (*krow_fn)(const uint8_t *w, int64_t n, const tile_row *a, int64_t 
     }
 
 /* Q6_K: w = d sc (q - 32), a scale per 16 weights; per half super-block (four blocks of 32) a
- * token's sums in lanes [b0 b1 b2 b3 first 16 | b0 b1 b2 b3 second 16], scaled by d sc s */
+ * token's sums in lanes [b0 b1 b2 b3 first 16 | b0 b1 b2 b3 second 16], scaled by d sc s. A decode
+ * step's rows, read one after another from memory, ask for their bytes STREAM_LEAD (moe.c's) on:
+ * the hardware prefetcher alone had left them at 8 GB/s on two threads, half of Q4_K's panels
+ * (one token's layer call, bench/results/kernel-lead-round39-avx512.txt). */
 #define Q6K_TILE(NAME, TARGET, DOT32, NT)                                                         \
     __attribute__((target(TARGET))) static void NAME(const uint8_t *w, int64_t n, const tile_row *a, int64_t r) { \
         const __m256i low = _mm256_set1_epi8(15), top = _mm256_set1_epi8(0x30), mid = _mm256_set1_epi8(32); \
@@ -82,6 +85,7 @@ typedef void (*krow_fn)(const uint8_t *w, int64_t n, const tile_row *a, int64_t 
         ZEROED(acc, NT);                                                                            \
         for (int64_t sb = 0; sb < n / QK_K; sb++) {                                                 \
             const uint8_t *blk = w + sb * 210;                                                      \
+            for (int l = 0; l < 210; l += 64) _mm_prefetch((const char *)blk + STREAM_LEAD + l, _MM_HINT_T0); \
             const __m256 d = _mm256_set1_ps(F16C(blk + 208));                                       \
             for (int hf = 0; hf < 2; hf++) {                                                        \
                 const __m256i l0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * hf));            \
