@@ -304,15 +304,45 @@ static int64_t decoded_rows(int quant, const uint8_t *w, int64_t cols, int64_t r
     return r0;
 }
 
+#define KQ_ROWS 16
+
+/* a tile's token: 32 times the sum of each 16 of its activations, in Q6K_TILE's lane order (lane
+ * m + 4h of half super-block j: the h-th 16 of block 4j + m) at mid + 8j */
+static void q6k_mids(const tile_row *a, int64_t cols, int32_t *mid) {
+    for (int64_t j = 0; j < cols / (QK * 4); j++)
+        for (int lane = 0; lane < 8; lane++) {
+            const int8_t *x = a->q + (4 * j + lane % 4) * QK + 16 * (lane / 4);
+            int32_t s = 0;
+            for (int i = 0; i < 16; i++) s += x[i];
+            mid[8 * j + lane] = 32 * s;
+        }
+}
+
+/* Q6_K's rows [r0, r1) through its tiles, a tile of tokens at a time (a call of one tile, or a
+ * panel's remainder), its tokens' mids first */
+static void q6k_tile_rows(const uint8_t *w, int64_t cols, int64_t r0, int64_t r1, const act_rows *A) {
+    const size_t bytes = block_row_bytes(12, cols);
+    for (int64_t i = 0; r0 < r1 && i < A->n; i += KQ_TOKENS) {
+        tile_row a[KQ_TOKENS];
+        int32_t mid[KQ_TOKENS][cols / 16];
+        const int nt = tile_of(A, i, KQ_TOKENS, cols, 0, a);
+        for (int t = 0; t < nt; t++) q6k_mids(a + t, cols, mid[t]), a[t].mid = mid[t];
+        for (int64_t r = r0; r < r1; r++) ktiles[2][nt](w + r * bytes, cols, a, r);
+    }
+}
+
 /* Rows [r0, r1) of a Q4_K, Q5_K, Q6_K, IQ4_XS or MXFP4 matrix against every activation row of A, KQ_TOKENS
  * tokens a tile; KQ_ROWS rows (a few KiB each) at a time, read again from the cache by each tile.
  * All but Q6_K's rows eight at a time where eight are left in the block (KQ_ROWS and the tasks' rows are
  * multiples of 16, so whether a row is in a panel depends only on the matrix's rows); Q6_K's decoded
- * panels give its tile's bits. */
-#define KQ_ROWS 16
+ * panels give its tile's bits (a call of more than one tile leaves its tiles only a panel's remainder). */
 static void kquant_rows(int quant, const uint8_t *w, int64_t cols, int64_t r0, int64_t r1, const act_rows *A) {
     const size_t bytes = block_row_bytes(quant, cols);
     if (A->n > KQ_TOKENS) r0 = decoded_rows(quant, w, cols, r0, r1, A);
+    if (quant == 12) {
+        q6k_tile_rows(w, cols, r0, r1, A);
+        return;
+    }
     for (int64_t first = r0; first < r1; first += KQ_ROWS) {
         const int64_t last = first + KQ_ROWS < r1 ? first + KQ_ROWS : r1;
         for (int64_t i = 0; i < A->n; i += KQ_TOKENS) {

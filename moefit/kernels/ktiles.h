@@ -12,8 +12,12 @@
  * for every token of every tile: a token's output does not depend on how many tokens share its
  * tile, nor on the instruction set (AVX2's maddubs and VNNI's dpbusd add the same integers).
  *
- * Q6_K's codes (c - 32), IQ4_XS's and MXFP4's table values are signed: their magnitudes meet the
- * activations with the weights' signs (SIGNED_DOT).
+ * IQ4_XS's and MXFP4's table values are signed: their magnitudes meet the activations with the
+ * weights' signs (SIGNED_DOT). Q6_K's codes c (0-63) meet them as they are, and 32 times each 16
+ * activations' sum (tile_row's mid) is taken off each sub-block's sum: the integers of (c - 32) x,
+ * without the sign operations (in the cache, one thread: 77 -> 66 ns a row of 2,048 for one token,
+ * 49 -> 40 a token for four; four tokens' layer call from memory, one thread: 3.2-3.6 -> 2.7-2.9 ms;
+ * bench/results/kernel-lead-round39-avx512.txt).
  */
 #if defined(__x86_64__)
 #define KQ_TOKENS 4              /* tokens a tile */
@@ -74,13 +78,14 @@ typedef void (*krow_fn)(const uint8_t *w, int64_t n, const tile_row *a, int64_t 
     }
 
 /* Q6_K: w = d sc (q - 32), a scale per 16 weights; per half super-block (four blocks of 32) a
- * token's sums in lanes [b0 b1 b2 b3 first 16 | b0 b1 b2 b3 second 16], scaled by d sc s. A decode
+ * token's sums of q x in lanes [b0 b1 b2 b3 first 16 | b0 b1 b2 b3 second 16], less its mids (32
+ * times the same lanes' activation sums), scaled by d sc s. A decode
  * step's rows, read one after another from memory, ask for their bytes STREAM_LEAD (moe.c's) on:
  * the hardware prefetcher alone had left them at 8 GB/s on two threads, half of Q4_K's panels
  * (one token's layer call, bench/results/kernel-lead-round39-avx512.txt). */
 #define Q6K_TILE(NAME, TARGET, DOT32, NT)                                                         \
     __attribute__((target(TARGET))) static void NAME(const uint8_t *w, int64_t n, const tile_row *a, int64_t r) { \
-        const __m256i low = _mm256_set1_epi8(15), top = _mm256_set1_epi8(0x30), mid = _mm256_set1_epi8(32); \
+        const __m256i low = _mm256_set1_epi8(15), top = _mm256_set1_epi8(0x30);                   \
         const __m256i order = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);                           \
         ZEROED(acc, NT);                                                                            \
         for (int64_t sb = 0; sb < n / QK_K; sb++) {                                                 \
@@ -97,16 +102,15 @@ typedef void (*krow_fn)(const uint8_t *w, int64_t n, const tile_row *a, int64_t 
                     _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low), _mm256_and_si256(h, top)), \
                     _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low),                \
                                     _mm256_and_si256(_mm256_srli_epi16(h, 2), top))};               \
-                const __m256i s[4] = {_mm256_sub_epi8(c[0], mid), _mm256_sub_epi8(c[1], mid),            \
-                                      _mm256_sub_epi8(c[2], mid), _mm256_sub_epi8(c[3], mid)};          \
                 const __m256 dsc = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_permutevar8x32_epi32(    \
                     _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 192 + 8 * hf))), order)), d); \
                 for (int t = 0; t < NT; t++) {                                                      \
                     const int8_t *x = a[t].q + (sb * 8 + hf * 4) * QK;                              \
                     __m256i p[4];                                                                   \
-                    for (int k = 0; k < 4; k++)                                                     \
-                        p[k] = SIGNED_DOT(DOT32, s[k], _mm256_loadu_si256((const __m256i *)(x + k * QK))); \
-                    const __m256i sums = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3])); \
+                    for (int k = 0; k < 4; k++) p[k] = DOT32(c[k], _mm256_loadu_si256((const __m256i *)(x + k * QK))); \
+                    const __m256i sums = _mm256_sub_epi32(                                          \
+                        _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3])), \
+                        _mm256_loadu_si256((const __m256i *)(a[t].mid + sb * 16 + hf * 8)));        \
                     const __m256 xs = _mm256_broadcast_ps((const __m128 *)(a[t].s + sb * 8 + hf * 4)); \
                     acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(dsc, xs), acc[t]); \
                 }                                                                                   \

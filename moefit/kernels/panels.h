@@ -53,6 +53,7 @@ typedef struct {
     const float *s;
     const int32_t *sum;
     float *y;
+    const int32_t *mid;           /* Q6_K's tiles: 32 times each 16 activations' sum (kdecoded.h's q6k_mids) */
 } tile_row;
 
 /* Tokens i.. of A (at most `most`) as a tile's rows, their outputs from column r0; how many */
