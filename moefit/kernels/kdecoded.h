@@ -326,8 +326,9 @@ static void q6k_tile_rows(const uint8_t *w, int64_t cols, int64_t r0, int64_t r1
         tile_row a[KQ_TOKENS];
         int32_t mid[KQ_TOKENS][cols / 16];
         const int nt = tile_of(A, i, KQ_TOKENS, cols, 0, a);
+        const krow_fn tile = ktiles[12 - 10][nt];
         for (int t = 0; t < nt; t++) q6k_mids(a + t, cols, mid[t]), a[t].mid = mid[t];
-        for (int64_t r = r0; r < r1; r++) ktiles[2][nt](w + r * bytes, cols, a, r);
+        for (int64_t r = r0; r < r1; r++) tile(w + r * bytes, cols, a, r);
     }
 }
 
