@@ -81,7 +81,7 @@ typedef void (*krow_fn)(const uint8_t *w, int64_t n, const tile_row *a, int64_t 
  * token's sums of q x in lanes [b0 b1 b2 b3 first 16 | b0 b1 b2 b3 second 16], less its mids (32
  * times the same lanes' activation sums), scaled by d sc s. A decode step's rows, read one after
  * another from memory, ask for their bytes STREAM_LEAD (moe.c's) on: the hardware prefetcher alone
- * had left them at 8-12 GB/s on two threads, below Q4_K's panels (one token's layer call,
+ * had left them at 8-13 GB/s on two threads, below Q4_K's panels (one token's layer call,
  * bench/results/kernel-lead-round39-avx512.txt). */
 #define Q6K_TILE(NAME, TARGET, DOT32, NT)                                                         \
     __attribute__((target(TARGET))) static void NAME(const uint8_t *w, int64_t n, const tile_row *a, int64_t r) { \
