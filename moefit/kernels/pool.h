@@ -38,6 +38,23 @@ static void take_posted(void);                 /* posted.h: lead a posted layer 
 static int join_posted(void);                  /* ... and see it done */
 static _Thread_local int leading;              /* this thread runs a posted call's phases */
 
+/* One calling thread at a time in the pool: a phase (parallel), a post or a join runs whole, while
+ * another thread's native call (a look-ahead stager's beside the engine's) waits its turn. Two
+ * callers had overwritten each other's phase, and one's join had seen the other's posted call done
+ * and reset it while the other still waited for it: for ever (tests/test_pool_callers.py). A posted
+ * call stays in flight between its post and its join; another caller's phase first joins it, as the
+ * posting thread's own would. A worker leading a posted call runs its phases under its caller's turn. */
+static pthread_mutex_t callers = PTHREAD_MUTEX_INITIALIZER;
+static _Thread_local int calling;              /* this thread's nested turns */
+
+static void enter_caller(void) {
+    if (!leading && calling++ == 0) pthread_mutex_lock(&callers);
+}
+
+static void leave_caller(void) {
+    if (!leading && --calling == 0) pthread_mutex_unlock(&callers);
+}
+
 static int64_t now_ns(void) {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
@@ -87,8 +104,7 @@ static void publish(uint64_t gen) {
     }
 }
 
-static void parallel(task_fn fn, void *ctx, int64_t tasks) {
-    if (!leading) join_posted();                    /* one call's phases at a time in the pool */
+static void run_phase(task_fn fn, void *ctx, int64_t tasks) {
     if (pool.threads <= 1 || tasks == 1) {
         for (int64_t t = 0; t < tasks; t++) fn(ctx, t);
         return;
@@ -100,6 +116,13 @@ static void parallel(task_fn fn, void *ctx, int64_t tasks) {
     publish(gen);
     run_tasks(gen);
     while (atomic_load(&pool.done) < tasks) RELAX();
+}
+
+static void parallel(task_fn fn, void *ctx, int64_t tasks) {
+    enter_caller();
+    if (!leading) join_posted();                    /* one call's phases at a time in the pool */
+    run_phase(fn, ctx, tasks);
+    leave_caller();
 }
 
 /* Threads used by later calls (the caller counts as one). Grows the pool; never shrinks it

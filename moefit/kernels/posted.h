@@ -60,7 +60,7 @@ static void take_posted(void) {
 static int join_posted(void) {
     if (atomic_load(&posted.state) == IDLE) return posted.rc;
     uint64_t seen = 0;
-    while (atomic_load(&posted.state) != DONE) {
+    while (atomic_load(&posted.state) != DONE) {       /* only a caller's turn joins (pool.h's enter_caller) */
         take_posted();                                  /* nobody has: it runs here */
         const uint64_t gen = atomic_load(&pool.generation);
         if (gen != seen) {
@@ -94,13 +94,16 @@ int64_t moe_layer_post(const float *x, int64_t T, int64_t E, int64_t I, int quan
                        const expert_ptrs *ex, const int64_t *start, const int32_t *rows, const float *weights,
                        float *out, float alpha, float limit, const float *const *gu_bias,
                        const float *const *dn_bias) {
+    enter_caller();
     join_posted();
     choose_isa();                                       /* here, not racing a worker's first call */
     posted.kind = LAYER_CALL;
     posted.x = x, posted.T = T, posted.E = E, posted.I = I, posted.quant = quant, posted.group = group;
     posted.n_exp = n_exp, posted.ex = ex, posted.start = start, posted.rows = rows, posted.weights = weights;
     posted.out = out, posted.act = (act_params){alpha, limit, gu_bias, dn_bias};
-    return post_it();
+    const int64_t ticket = post_it();
+    leave_caller();
+    return ticket;
 }
 
 /* moe_swiglu posted (a decode step's shared expert, started before the routed experts are): its
@@ -108,6 +111,7 @@ int64_t moe_layer_post(const float *x, int64_t T, int64_t E, int64_t I, int quan
 int64_t moe_swiglu_post(const float *x, int64_t T, int64_t E, int64_t I, int gu_quant, int64_t gu_group,
                         const void *gu, const void *gu_scales, int down_quant, int64_t down_group, const void *down,
                         const void *down_scales, float *y) {
+    enter_caller();
     join_posted();
     choose_isa();
     posted.kind = SWIGLU_CALL;
@@ -115,14 +119,18 @@ int64_t moe_swiglu_post(const float *x, int64_t T, int64_t E, int64_t I, int gu_
     posted.sw.gu_quant = gu_quant, posted.sw.gu_group = gu_group, posted.sw.gu = gu, posted.sw.gu_scales = gu_scales;
     posted.sw.down_quant = down_quant, posted.sw.down_group = down_group, posted.sw.down = down;
     posted.sw.down_scales = down_scales;
-    return post_it();
+    const int64_t ticket = post_it();
+    leave_caller();
+    return ticket;
 }
 
 /* The posted call's result (0, or -1 for shapes it does not take), once it is done; -2 for a
  * ticket older than the last one posted. */
 int moe_layer_wait(int64_t ticket) {
-    if (ticket != posted.ticket) return -2;
-    return join_posted();
+    enter_caller();
+    const int rc = ticket != posted.ticket ? -2 : join_posted();
+    leave_caller();
+    return rc;
 }
 
 /* ---- a decode step's call straight from its routing ------------------------------------------
@@ -153,6 +161,7 @@ static struct {
 int64_t moe_step_post(const float *x, int64_t E, int64_t I, int quant, int64_t group, int64_t n, const int64_t *ids,
                       const float *w, const expert_ptrs *table, const step_act *act, float *out) {
     if (n < 1 || n > STEP_MOST) return -1;
+    enter_caller();
     join_posted();                                      /* the call in flight reads `step` until done */
     int order[STEP_MOST];
     for (int i = 0; i < n; i++) {                       /* insertion sort by expert: k is small */
@@ -171,9 +180,11 @@ int64_t moe_step_post(const float *x, int64_t E, int64_t I, int quant, int64_t g
     }
     step.start[n] = n;
     memset(out, 0, sizeof(float) * E);
-    return moe_layer_post(x, 1, E, I, quant, group, n, step.ex, step.start, step.rows, step.w, out,
-                          act ? act->alpha : 0.0f, act ? act->limit : 0.0f, act ? step.gu_bias : NULL,
-                          act ? step.dn_bias : NULL);
+    const int64_t ticket = moe_layer_post(x, 1, E, I, quant, group, n, step.ex, step.start, step.rows, step.w, out,
+                                          act ? act->alpha : 0.0f, act ? act->limit : 0.0f, act ? step.gu_bias : NULL,
+                                          act ? step.dn_bias : NULL);
+    leave_caller();
+    return ticket;
 }
 
 /* ---- a decode step routed and posted in one call -----------------------------------------------
@@ -193,9 +204,8 @@ typedef struct {
     int w_bf16;
 } router_spec;
 
-int64_t moe_route_step_post(const float *x, int64_t E, const router_spec *R, int64_t I, int quant, int64_t group,
-                            const expert_ptrs *table, const step_act *act, int64_t *ids, float *w, float *out) {
-    if (R->k > STEP_MOST) return -1;
+static int64_t route_step_post(const float *x, int64_t E, const router_spec *R, int64_t I, int quant, int64_t group,
+                               const expert_ptrs *table, const step_act *act, int64_t *ids, float *w, float *out) {
     const int rc = R->sigmoid ? moe_sigmoid_topk(x, 1, E, R->w, R->w_bf16, R->bias, R->N, R->k, R->groups,
                                                  R->top_groups, R->renorm, R->scale, ids, w)
                               : moe_softmax_topk(x, 1, E, R->w, R->w_bf16, R->bias, R->N, R->k, R->renorm, ids, w);
@@ -203,4 +213,13 @@ int64_t moe_route_step_post(const float *x, int64_t E, const router_spec *R, int
     for (int64_t j = 0; j < R->k; j++)
         if (!table[ids[j]].gu) return -3;
     return moe_step_post(x, E, I, quant, group, R->k, ids, w, table, act, out);
+}
+
+int64_t moe_route_step_post(const float *x, int64_t E, const router_spec *R, int64_t I, int quant, int64_t group,
+                            const expert_ptrs *table, const step_act *act, int64_t *ids, float *w, float *out) {
+    if (R->k > STEP_MOST) return -1;
+    enter_caller();                                     /* routed and posted in one turn */
+    const int64_t ticket = route_step_post(x, E, R, I, quant, group, table, act, ids, w, out);
+    leave_caller();
+    return ticket;
 }
