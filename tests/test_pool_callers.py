@@ -1,6 +1,6 @@
-"""Two threads calling the native pool at once (the engine's posted layer calls beside another
-thread's native work, as a look-ahead stager's): each gets its own numbers and neither waits for
-ever (kernels/pool.h's callers' turns)."""
+"""Two threads calling the native pool at once (an engine's posted layer calls beside another
+thread's native work: a second engine's in the same process): each gets its own numbers and neither
+waits for ever (kernels/pool.h's callers' turns)."""
 
 from __future__ import annotations
 
