@@ -39,7 +39,7 @@ static int join_posted(void);                  /* ... and see it done */
 static _Thread_local int leading;              /* this thread runs a posted call's phases */
 
 /* One calling thread at a time in the pool: a phase (parallel), a post or a join runs whole, while
- * another thread's native call (a second engine's in the process, beside this one's) waits its turn. Two
+ * another thread's native call (a second engine's in the process, say) waits its turn. Two
  * callers had overwritten each other's phase, and one's join had seen the other's posted call done
  * and reset it while the other still waited for it: for ever (tests/test_pool_callers.py). A posted
  * call stays in flight between its post and its join; another caller's phase first joins it, as the
