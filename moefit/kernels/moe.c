@@ -94,9 +94,7 @@ static const char *isa = "portable";
 
 /* The best the CPU has, or at most MOEFIT_ISA (portable, avx2, avx-vnni): how the tests run
  * every path on one machine. */
-static void choose_isa(void) {
-    static atomic_int chosen;                   /* once: every layer call asks */
-    if (atomic_exchange(&chosen, 1)) return;
+static void pick_isa(void) {
 #if defined(__x86_64__)
     const char *cap = getenv("MOEFIT_ISA");
     if (cap && !strcmp(cap, "portable")) return;
@@ -124,6 +122,13 @@ static void choose_isa(void) {
         SET_KQUANTS(avx2);
     }
 #endif
+}
+
+/* once: every layer call asks, and a second thread's first call waits for the first's choice (it
+ * had gone on with the portable bodies while the first was still choosing) */
+static void choose_isa(void) {
+    static pthread_once_t chosen = PTHREAD_ONCE_INIT;
+    pthread_once(&chosen, pick_isa);
 }
 
 #include "pool.h"
