@@ -90,7 +90,7 @@ typedef void (*krow_fn)(const uint8_t *w, int64_t n, const tile_row *a, int64_t 
         ZEROED(acc, NT);                                                                            \
         for (int64_t sb = 0; sb < n / QK_K; sb++) {                                                 \
             const uint8_t *blk = w + sb * 210;                                                      \
-            for (int l = 0; l < 210; l += 64) _mm_prefetch((const char *)blk + STREAM_LEAD + l, _MM_HINT_T0); \
+            read_ahead(blk, 210);                                                                   \
             const __m256 d = _mm256_set1_ps(F16C(blk + 208));                                       \
             for (int hf = 0; hf < 2; hf++) {                                                        \
                 const __m256i l0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * hf));            \

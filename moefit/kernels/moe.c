@@ -79,6 +79,11 @@ static void quantize_row(const float *x, int64_t n, int8_t *q, float *s, int32_t
  * prefetcher alone had run too close behind them (bench/results/prefetch-panels-round38-avx512.txt). */
 #define STREAM_LEAD 4096
 
+/* the `bytes` at p's STREAM_LEAD on asked for, a line each */
+static inline void read_ahead(const void *p, int64_t bytes) {
+    for (int64_t l = 0; l < bytes; l += 64) __builtin_prefetch((const char *)p + STREAM_LEAD + l, 0, 3);
+}
+
 #include "dots.h"
 #include "panels.h"
 #include "ktiles.h"
@@ -262,7 +267,7 @@ static void matrix_rows(int quant, const void *w, const void *scales, int64_t co
     const int64_t nb = cols / QK, bytes = row_bytes(quant, cols);
     for (int64_t r = r0; r < r1; r++) {
         const void *wr = (const char *)w + r * bytes, *ws = scale_of(quant, scales, r, cols, group);
-        for (int64_t l = 0; l < bytes; l += 64) __builtin_prefetch((const char *)wr + STREAM_LEAD + l, 0, 3);
+        read_ahead(wr, bytes);
         for (int64_t i = 0; i < A->n; i++) {
             const int64_t row = A->row ? A->row[i] : i;
             A->y[i * A->y_stride + r] = dot(wr, ws, A->q + row * cols, A->s + row * nb, A->sum + row * nb, cols, group);
