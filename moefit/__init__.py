@@ -11,3 +11,8 @@ __version__ = "0.1.0"
 # slower), decode unchanged (its torch keeps one thread). Only where the user set no policy, and
 # only before torch is loaded: moefit first (the CLI and the server import it so).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+# A prompt's tensors on pages mapped once, not faulted in and zeroed again each chunk (host_heap.py).
+from moefit.host_heap import keep_freed_memory  # noqa: E402
+
+HEAP_KEPT = keep_freed_memory()

@@ -137,6 +137,7 @@ static void choose_isa(void) {
 }
 
 #include "pool.h"
+#include "scratch.h"
 
 /* quantize_row over T rows of n, the rows split over the pool (a prompt's 128 x 2048 took ~3 % of
  * its time on the calling thread alone) */
@@ -352,12 +353,13 @@ static int run_layer(const float *x, int64_t T, int64_t E, int64_t I, int quant,
     const int64_t pairs = start[n_exp], most_rows = 2 * I > E ? 2 * I : E;
     layer L = {E, I, group, n_exp, q_gu, q_dn, ex, start, rows, weights};
     L.act = act;
-    L.xq = malloc(T * E), L.xs = malloc(sizeof(float) * T * (E / QK)), L.xsum = malloc(4 * T * (E / QK));
-    L.h = malloc(sizeof(float) * pairs * 2 * I), L.hq = malloc(pairs * I);
-    L.hs = malloc(sizeof(float) * pairs * (I / QK)), L.y = malloc(sizeof(float) * pairs * E);
-    L.hsum = malloc(4 * pairs * (I / QK));
     const int64_t max_tasks = n_exp * ((most_rows + ROWS_PER_TASK - 1) / ROWS_PER_TASK);
-    L.task_expert = malloc(sizeof(int64_t) * max_tasks), L.task_row = malloc(sizeof(int64_t) * max_tasks);
+    const size_t sizes[] = {T * E, 4 * T * (E / QK), 4 * T * (E / QK), 4 * pairs * 2 * I, pairs * I,   /* as below */
+                            4 * pairs * (I / QK), 4 * pairs * E, 4 * pairs * (I / QK), 8 * max_tasks, 8 * max_tasks};
+    void *part[10], *block = scratch_parts(sizes, 10, part);
+    if (!block) return -1;
+    L.xq = part[0], L.xs = part[1], L.xsum = part[2], L.h = part[3], L.hq = part[4];
+    L.hs = part[5], L.y = part[6], L.hsum = part[7], L.task_expert = part[8], L.task_row = part[9];
     quantize_rows(x, T, E, (int8_t *)L.xq, (float *)L.xs, (int32_t *)L.xsum, int4_order(q_gu));
     parallel(gate_up_task, &L, plan_tasks(&L, 2 * I));
     parallel(act_task, &L, pairs);
@@ -367,9 +369,7 @@ static int run_layer(const float *x, int64_t T, int64_t E, int64_t I, int quant,
         const float w = weights[p], *y = L.y + p * E;
         for (int64_t c = 0; c < E; c++) o[c] += w * y[c];
     }
-    free((void *)L.xq), free((void *)L.xs), free((void *)L.xsum), free(L.h), free(L.hq), free(L.hs), free(L.hsum);
-    free(L.y);
-    free(L.task_expert), free(L.task_row);
+    scratch_give(block);
     return 0;
 }
 
