@@ -7,7 +7,7 @@ threshold goes back to the kernel: so every chunk faulted in and zeroed much of 
 (62-255 thousand page faults a 512-token prompt on an AMD EPYC VM, 2 threads; one 4 KiB fault costs
 a VM more than a bare machine). `keep_freed_memory` makes every thread allocate from the main heap
 (one arena), blocks of up to 32 MiB (glibc's most) from it too, and keeps up to KEPT_BYTES of its
-free top: the prompt's pages are mapped once and reused, at most KEPT_BYTES more resident than
+free top: the prompt's pages are mapped once and reused (where the main heap can grow in place), at most KEPT_BYTES more resident than
 glibc's defaults leave after a prompt. Blocks of 32 MiB or more are still mapped per allocation; the
 native layer call keeps its own (kernels/scratch.h). Measured: bench/results/host-heap-round40-*.txt.
 
