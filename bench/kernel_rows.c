@@ -8,7 +8,8 @@
  * It also times int4 through matrix_rows, as the kernel calls it (in panels of eight rows where the
  * ISA has them, panels.h, rearranged per call), a row at a time (the row body), and stored as
  * panels (HostPanels, "int4p"), for 1, 4, 16 and 64 tokens; and the GGUF block types through
- * matrix_rows too (the row figures above are their portable rows), for 1 and 4 tokens.
+ * matrix_rows too (the row figures above are their portable rows), for the same token counts
+ * (more than 4: a prompt chunk's decoded panels, kdecoded.h).
  */
 #ifndef MOE_C
 #define MOE_C "moe.c"
@@ -124,13 +125,13 @@ int main(int argc, char **argv) {
                (long long)tokens, ns[0], ns[1], ns[1] / ns[0], ns[2], ns[2] > 0 ? ns[1] / ns[2] : 0.0);
     }
     printf("GGUF blocks through matrix_rows (as the kernel calls them: panels of 8 rows or tiles), ns a row and a token,\n"
-           "GB/s of weights read:\n");
+           "GB/s of weights read, multiply-adds a second:\n");
     for (size_t k = 3; k < sizeof kinds / sizeof kinds[0]; k++)
-        for (int64_t tokens = 1; tokens <= 4; tokens *= 4) {
+        for (int64_t tokens = 1; tokens <= 64; tokens *= 4) {
             double ns[3];
             time_matrix(kinds[k].code, rows, 2048, tokens, repeats, ns);
-            printf("  %-7s %2lld tokens: %6.1f (%5.1f GB/s)\n", kinds[k].name, (long long)tokens, ns[0],
-                   row_bytes(kinds[k].code, 2048) / (ns[0] * tokens));
+            printf("  %-7s %2lld tokens: %6.1f (%5.1f GB/s, %5.1f GMAC/s)\n", kinds[k].name, (long long)tokens, ns[0],
+                   row_bytes(kinds[k].code, 2048) / (ns[0] * tokens), 2048 / ns[0]);
         }
     return 0;
 }

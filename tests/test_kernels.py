@@ -238,6 +238,33 @@ def check_kquant_tiles() -> str:
     return kernels.isa()
 
 
+def check_k_quant_extremes() -> str:
+    """Q4_K and Q5_K experts whose codes are all at their largest (15, 31) against activations at
+    +-127 in every block: each sub-block's 32 products are the most its integer sums ever hold (a
+    Q4_K sub-block in one int16 chain on AVX2, 16 x 15 x 127 = 30480; Q5_K's halves apart, kpanels.h).
+    A wrapped sum is off by 65536 x a scale; here 1, 4 and 9 tokens (a tile, a panel, decoded
+    panels) meet the reference."""
+    for seed, quant in enumerate(("q4_k", "q5_k"), start=31):
+        x, experts, _, _ = make(quant, 512, 256, 2, 9, seed=seed)
+        codes = slice(16, 144) if quant == "q4_k" else slice(16, 176)     # Q5_K: its fifth bits, then the nibbles
+        for p in experts:
+            p["gate_up"][:, codes] = 0xFF                                   # one super-block a row of 256
+        sign = torch.where(torch.arange(9)[:, None] % 2 == 0, 1.0, -1.0)
+        x = sign * torch.full((9, 512), 3.0)                                 # every block's q8 codes +-127
+        for tokens in (1, 4, 9):
+            rows = [torch.arange(tokens)] * 2
+            weights = [torch.full((tokens,), 0.5)] * 2
+            got = kernels.moe_layer(x[:tokens], quant, experts, rows, weights)
+            want = reference(x[:tokens], quant, experts, rows, weights)
+            assert (got - want).norm() / want.norm() < 1e-3, (quant, tokens)
+    return kernels.isa()
+
+
+@pytest.mark.parametrize("isa", [None, "avx2", "avx-vnni"])
+def test_k_quant_sums_hold_their_largest_values(isa):
+    check_k_quant_extremes() if isa is None else check_under(isa, "test_kernels", "check_k_quant_extremes")
+
+
 @pytest.mark.parametrize("isa", [None, "avx2", "avx-vnni"])
 def test_k_quant_rows_give_each_token_what_it_gets_alone(isa):
     """This CPU's own tiles in-process (None), the narrower ones in a subprocess."""

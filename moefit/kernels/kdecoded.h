@@ -103,28 +103,28 @@
     }
 
 /* sub-blocks j, j + 1 of super-block sb, decoded at v (per half h: four lo, four hi), against NT tokens */
-#define Q45K_DECODED_QUADS(ADD, NT, s, v, sb, j)                                                    \
+#define Q45K_DECODED_QUADS(ADD, NT, HALVES, s, v, sb, j)                                            \
     do {                                                                                            \
-        for (int h = 0; h < 2; h++)                                                                 \
-            for (int k = 0; k < 4; k++) {                                                           \
+        _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++)                                         \
+            _Pragma("GCC unroll 4") for (int k = 0; k < 4; k++) {                                   \
                 const __m256i lo = _mm256_load_si256((v) + h * 8 + k), hi = _mm256_load_si256((v) + h * 8 + 4 + k); \
-                Q45K_QUAD(ADD, NT, s, lo, hi, sb, j, h, k)                                          \
+                Q45K_QUAD(ADD, NT, HALVES, s, lo, hi, sb, j, h, k)                                  \
             }                                                                                       \
     } while (0)
 
 /* a decoded Q4_K / Q5_K panel against NT tokens: Q45K_PANEL's sums and scaling on Q45K_DECODE's vectors */
-#define Q45K_DECODED_PANEL(NAME, TARGET, ADD, FINISH, NT)                                           \
+#define Q45K_DECODED_PANEL(NAME, TARGET, ADD, FINISH, HALVES, NT)                                   \
     __attribute__((target(TARGET))) static void NAME(const __m256i *vals, const __m256 *scales, int64_t n, \
                                                      const tile_row *a, int64_t r) {                \
         ZEROED(acc, NT);                                                                            \
         for (int64_t sb = 0; sb < n / QK_K; sb++) {                                                 \
             const __m256 *dsc = scales + sb * 16, *dmn = dsc + 8;                                   \
             for (int j = 0; j < 8; j += 2) {                                                        \
-                __m256i s[NT][4];                                  /* sub-block j, j + 1; half 0, 1 */ \
+                __m256i s[NT][4];                                  /* Q45K_QUAD's chains */         \
                 for (int t = 0; t < NT; t++)                                                        \
                     for (int i = 0; i < 4; i++) s[t][i] = _mm256_setzero_si256();                   \
-                Q45K_DECODED_QUADS(ADD, NT, s, vals + sb * 64 + j * 8, sb, j);                      \
-                Q45K_PAIR_SCALE(FINISH, NT, acc, s, dsc, dmn, sb, j)                                \
+                Q45K_DECODED_QUADS(ADD, NT, HALVES, s, vals + sb * 64 + j * 8, sb, j);              \
+                Q45K_PAIR_SCALE(FINISH, NT, HALVES, acc, s, dsc, dmn, sb, j)                        \
             }                                                                                       \
         }                                                                                           \
         for (int t = 0; t < NT; t++) _mm256_storeu_ps(a[t].y + r, acc[t]);                          \
@@ -229,7 +229,7 @@ typedef struct {
 } kdecoded_set;
 #define KD_SET(DECODE, TILE) {DECODE, {NULL, TILE##1, TILE##2, TILE##3, TILE##4}}
 /* per instruction set: [0] Q4_K's decoded panels, [1] Q5_K's, [2] Q6_K's, [3] IQ4_XS's, [4] MXFP4's */
-#define KD_TILES(ISA, TARGET, ADD, FINISH, IQ4_ADD, OFFSET, MX_ADD, MX_OFFSET)                     \
+#define KD_TILES(ISA, TARGET, ADD, FINISH, HALVES, IQ4_ADD, OFFSET, MX_ADD, MX_OFFSET)             \
     Q45K_DECODE(q4k_decode_##ISA, TARGET, 0) Q45K_DECODE(q5k_decode_##ISA, TARGET, 1)               \
     Q6K_DECODE(q6k_decode_##ISA, TARGET, ADD, FINISH)                                               \
     Q6K_DECODED_PANEL(q6k_decoded_##ISA##1, TARGET, ADD, FINISH, 1)                                 \
@@ -237,10 +237,14 @@ typedef struct {
     Q6K_DECODED_PANEL(q6k_decoded_##ISA##3, TARGET, ADD, FINISH, 3)                                 \
     Q6K_DECODED_PANEL(q6k_decoded_##ISA##4, TARGET, ADD, FINISH, 4)                                 \
     IQ4_DECODE(iq4_decode_##ISA, TARGET, OFFSET)                                                    \
-    Q45K_DECODED_PANEL(q45k_decoded_##ISA##1, TARGET, ADD, FINISH, 1)                               \
-    Q45K_DECODED_PANEL(q45k_decoded_##ISA##2, TARGET, ADD, FINISH, 2)                               \
-    Q45K_DECODED_PANEL(q45k_decoded_##ISA##3, TARGET, ADD, FINISH, 3)                               \
-    Q45K_DECODED_PANEL(q45k_decoded_##ISA##4, TARGET, ADD, FINISH, 4)                               \
+    Q45K_DECODED_PANEL(q4k_decoded_##ISA##1, TARGET, ADD, FINISH, HALVES(0), 1)                     \
+    Q45K_DECODED_PANEL(q4k_decoded_##ISA##2, TARGET, ADD, FINISH, HALVES(0), 2)                     \
+    Q45K_DECODED_PANEL(q4k_decoded_##ISA##3, TARGET, ADD, FINISH, HALVES(0), 3)                     \
+    Q45K_DECODED_PANEL(q4k_decoded_##ISA##4, TARGET, ADD, FINISH, HALVES(0), 4)                     \
+    Q45K_DECODED_PANEL(q5k_decoded_##ISA##1, TARGET, ADD, FINISH, HALVES(1), 1)                     \
+    Q45K_DECODED_PANEL(q5k_decoded_##ISA##2, TARGET, ADD, FINISH, HALVES(1), 2)                     \
+    Q45K_DECODED_PANEL(q5k_decoded_##ISA##3, TARGET, ADD, FINISH, HALVES(1), 3)                     \
+    Q45K_DECODED_PANEL(q5k_decoded_##ISA##4, TARGET, ADD, FINISH, HALVES(1), 4)                     \
     MX_DECODE(mx_decode_##ISA, TARGET, MX_OFFSET)                                                   \
     TABLE_DECODED_PANEL(iq4_decoded_##ISA##1, TARGET, IQ4_ADD, OFFSET, IQ4_SCALE, 1)                \
     TABLE_DECODED_PANEL(iq4_decoded_##ISA##2, TARGET, IQ4_ADD, OFFSET, IQ4_SCALE, 2)                \
@@ -250,16 +254,16 @@ typedef struct {
     TABLE_DECODED_PANEL(mx_decoded_##ISA##2, TARGET, MX_ADD, MX_OFFSET, MX_SCALE, 2)                \
     TABLE_DECODED_PANEL(mx_decoded_##ISA##3, TARGET, MX_ADD, MX_OFFSET, MX_SCALE, 3)                \
     TABLE_DECODED_PANEL(mx_decoded_##ISA##4, TARGET, MX_ADD, MX_OFFSET, MX_SCALE, 4)                \
-    static const kdecoded_set kdecoded_##ISA[5] = {KD_SET(q4k_decode_##ISA, q45k_decoded_##ISA),   \
-                                                   KD_SET(q5k_decode_##ISA, q45k_decoded_##ISA),   \
+    static const kdecoded_set kdecoded_##ISA[5] = {KD_SET(q4k_decode_##ISA, q4k_decoded_##ISA),   \
+                                                   KD_SET(q5k_decode_##ISA, q5k_decoded_##ISA),   \
                                                    KD_SET(q6k_decode_##ISA, q6k_decoded_##ISA),    \
                                                    KD_SET(iq4_decode_##ISA, iq4_decoded_##ISA),    \
                                                    KD_SET(mx_decode_##ISA, mx_decoded_##ISA)};
-KD_TILES(avx2, "avx2,fma,f16c", KP_ADD_AVX2, KP_FINISH_AVX2, IQ4_ADD_AVX2, 0, MX_ADD_AVX2, MX_OFFSET_AVX2)
-KD_TILES(vnni256, AVX512, KP_ADD_VNNI256, KP_FINISH_VNNI, IQ4_ADD_VNNI256, 128, IQ4_ADD_VNNI256, 128)
+KD_TILES(avx2, "avx2,fma,f16c", KP_ADD_AVX2, KP_FINISH_AVX2, Q45K_HALVES_AVX2, IQ4_ADD_AVX2, 0, MX_ADD_AVX2, MX_OFFSET_AVX2)
+KD_TILES(vnni256, AVX512, KP_ADD_VNNI256, KP_FINISH_VNNI, Q45K_HALVES_VNNI, IQ4_ADD_VNNI256, 128, IQ4_ADD_VNNI256, 128)
 #ifdef HAVE_AVXVNNI
-KD_TILES(avxvnni, "avx2,fma,f16c,avxvnni", KP_ADD_AVXVNNI, KP_FINISH_VNNI, IQ4_ADD_AVXVNNI, 128, IQ4_ADD_AVXVNNI,
-         128)
+KD_TILES(avxvnni, "avx2,fma,f16c,avxvnni", KP_ADD_AVXVNNI, KP_FINISH_VNNI, Q45K_HALVES_VNNI, IQ4_ADD_AVXVNNI, 128,
+         IQ4_ADD_AVXVNNI, 128)
 #endif
 static const kdecoded_set *kdecoded;                 /* choose_isa's, with ktiles */
 

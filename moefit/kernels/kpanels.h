@@ -55,10 +55,9 @@ static inline void panel_prefetch(const uint8_t *w, int64_t row_bytes, int64_t s
 #define KP_ADD_AVXVNNI(s, v, x) (s = _mm256_dpbusd_avx_epi32(s, v, x))
 #define KP_FINISH_VNNI(s) (s)
 
-/* a token's sub-block j of a panel: its sums (two halves of 16 bytes, two chains) scaled, its mins taken off */
-#define KP_SCALE(acc, FINISH, s0, s1, dsc, dmn, t, b)                                                 \
-    (acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(FINISH(s0), FINISH(s1))),               \
-                           _mm256_mul_ps(dsc, _mm256_set1_ps(a[t].s[b])), acc),                        \
+/* a token's sub-block j of a panel: its int32 sums (a __m256i expression) scaled, its mins taken off */
+#define KP_SCALE(acc, sums, dsc, dmn, t, b)                                                           \
+    (acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(dsc, _mm256_set1_ps(a[t].s[b])), acc), \
      acc = _mm256_fnmadd_ps(dmn, _mm256_set1_ps(a[t].s[b] * (float)a[t].sum[b]), acc))
 
 /* a quad vector of codes v -> the low nibbles (sub-block j) and the high ones (j + 1), Q5_K's fifth
@@ -73,27 +72,45 @@ static inline void panel_prefetch(const uint8_t *w, int64_t row_bytes, int64_t s
         }                                                                                           \
     } while (0)
 
-/* quad k of half h of sub-blocks j (lo) and j + 1 (hi) against NT tokens' activations, into s[t][h]
- * and s[t][2 + h] */
-#define Q45K_QUAD(ADD, NT, s, lo, hi, sb, j, h, k)                                                  \
+/* A token's sums of sub-blocks j and j + 1 in chains s[t][0..4): HALVES 2, a chain a half (lo: half
+ * h into s[t][h], hi into s[t][2 + h]); HALVES 1, both halves of a sub-block in one (s[t][0], s[t][2]).
+ * The sums are the same integers either way; one chain a sub-block keeps four tokens' sums in
+ * registers (with a chain a half the tiles held them on the stack: every quad loaded and stored
+ * its tokens' sums). A chain a half is for AVX2's int16 lanes where a sub-block's 16 products a
+ * lane could pass 32767: Q5_K's 31 x 127 x 16; Q4_K's 15 x 127 x 16 = 30480 fits
+ * (tests/test_kernels.py's extremes). In the cache, one thread, an AVX512 EPYC (Zen 4), Q4_K at
+ * 4 / 16 / 64 tokens: 28.0 / 24.4 / 23.1 -> 21.7 / 18.9 / 17.4 ns a row of 2,048 and a token,
+ * Q5_K 31.4 / 25.5 / 23.3 -> 26.3 / 19.9 / 17.6; the AVX2 bodies 1.07-1.16x (bench/kernel_rows.c,
+ * best of four alternations; bench/results/kernel-rows-round41-zen4.txt). */
+#define Q45K_HALVES_AVX2(FIFTH) ((FIFTH) ? 2 : 1)
+#define Q45K_HALVES_VNNI(FIFTH) 1
+
+/* quad k of half h of sub-blocks j (lo) and j + 1 (hi) against NT tokens' activations, into their chains */
+#define Q45K_QUAD(ADD, NT, HALVES, s, lo, hi, sb, j, h, k)                                          \
     for (int t = 0; t < NT; t++) {                                                                  \
         const int8_t *x = a[t].q + ((sb) * 8 + (j)) * QK + 16 * (h) + 4 * (k);                      \
-        ADD(s[t][h], lo, BROADCAST4(x));                                                            \
-        ADD(s[t][2 + (h)], hi, BROADCAST4(x + QK));                                                 \
+        ADD(s[t][(HALVES) == 2 ? (h) : 0], lo, BROADCAST4(x));                                      \
+        ADD(s[t][(HALVES) == 2 ? 2 + (h) : 2], hi, BROADCAST4(x + QK));                             \
     }
 
 /* sub-blocks j and j + 1's sums scaled into each token's accumulator, their mins taken off */
-#define Q45K_PAIR_SCALE(FINISH, NT, acc, s, dsc, dmn, sb, j)                                        \
+#define Q45K_PAIR_SCALE(FINISH, NT, HALVES, acc, s, dsc, dmn, sb, j)                                \
     for (int t = 0; t < NT; t++) {                                                                  \
         const int64_t b = (sb) * 8 + (j);                                                           \
-        KP_SCALE(acc[t], FINISH, s[t][0], s[t][1], dsc[j], dmn[j], t, b);                           \
-        KP_SCALE(acc[t], FINISH, s[t][2], s[t][3], dsc[(j) + 1], dmn[(j) + 1], t, b + 1);           \
+        if ((HALVES) == 2) {                                                                        \
+            KP_SCALE(acc[t], _mm256_add_epi32(FINISH(s[t][0]), FINISH(s[t][1])), dsc[j], dmn[j], t, b); \
+            KP_SCALE(acc[t], _mm256_add_epi32(FINISH(s[t][2]), FINISH(s[t][3])), dsc[(j) + 1], dmn[(j) + 1], t, \
+                     b + 1);                                                                        \
+        } else {                                                                                    \
+            KP_SCALE(acc[t], FINISH(s[t][0]), dsc[j], dmn[j], t, b);                                \
+            KP_SCALE(acc[t], FINISH(s[t][2]), dsc[(j) + 1], dmn[(j) + 1], t, b + 1);                \
+        }                                                                                           \
     }
 
 /* eight Q4_K rows (FIFTH: Q5_K's; the first at w, row_bytes apart) against NT tokens:
  * a[t].y[r..r+8). Q5_K's fifth bits (bit j of byte i: element i of sub-block j) are transposed
  * as the codes are, the quads of the same bytes. */
-#define Q45K_PANEL(NAME, TARGET, ADD, FINISH, FIFTH, NT)                                            \
+#define Q45K_PANEL(NAME, TARGET, ADD, FINISH, FIFTH, HALVES, NT)                                    \
     __attribute__((target(TARGET))) static void NAME(const uint8_t *w, int64_t row_bytes, int64_t n, \
                                                      const tile_row *a, int64_t r) {                \
         const int bytes = FIFTH ? 176 : 144;                                                        \
@@ -109,16 +126,16 @@ static inline void panel_prefetch(const uint8_t *w, int64_t row_bytes, int64_t s
                 __m256i s[NT][4];                                  /* sub-block j, j + 1; half 0, 1 */ \
                 for (int t = 0; t < NT; t++)                                                        \
                     for (int i = 0; i < 4; i++) s[t][i] = _mm256_setzero_si256();                   \
-                for (int h = 0; h < 2; h++) {                                                       \
+                _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++) {                               \
                     __m256i v[4];                                                                   \
                     block_quads(codes + 16 * j + 16 * h, row_bytes, v);                             \
-                    for (int k = 0; k < 4; k++) {                                                   \
+                    _Pragma("GCC unroll 4") for (int k = 0; k < 4; k++) {                           \
                         __m256i lo, hi;                                                             \
                         Q45K_UNPACK(FIFTH, v[k], qh[h][k], j, lo, hi);                              \
-                        Q45K_QUAD(ADD, NT, s, lo, hi, sb, j, h, k)                                  \
+                        Q45K_QUAD(ADD, NT, HALVES, s, lo, hi, sb, j, h, k)                          \
                     }                                                                               \
                 }                                                                                   \
-                Q45K_PAIR_SCALE(FINISH, NT, acc, s, dsc, dmn, sb, j)                                \
+                Q45K_PAIR_SCALE(FINISH, NT, HALVES, acc, s, dsc, dmn, sb, j)                        \
             }                                                                                       \
         }                                                                                           \
         for (int t = 0; t < NT; t++) _mm256_storeu_ps(a[t].y + r, acc[t]);                          \
@@ -245,11 +262,15 @@ __attribute__((target("avx2,fma"))) static inline __m256 mx_panel_scales(const u
 
 typedef void (*kpanel_fn)(const uint8_t *w, int64_t row_bytes, int64_t n, const tile_row *a, int64_t r);
 /* per instruction set: [0] Q4_K's panels, [1] Q5_K's, [2] IQ4_XS's, [3] MXFP4's, by token count */
-#define KP_TILES(ISA, TARGET, ADD, FINISH, IQ4_ADD, OFFSET, MX_ADD, MX_OFFSET)                     \
-    Q45K_PANEL(q4k_panel1_##ISA, TARGET, ADD, FINISH, 0, 1) Q45K_PANEL(q4k_panel2_##ISA, TARGET, ADD, FINISH, 0, 2) \
-    Q45K_PANEL(q4k_panel3_##ISA, TARGET, ADD, FINISH, 0, 3) Q45K_PANEL(q4k_panel4_##ISA, TARGET, ADD, FINISH, 0, 4) \
-    Q45K_PANEL(q5k_panel1_##ISA, TARGET, ADD, FINISH, 1, 1) Q45K_PANEL(q5k_panel2_##ISA, TARGET, ADD, FINISH, 1, 2) \
-    Q45K_PANEL(q5k_panel3_##ISA, TARGET, ADD, FINISH, 1, 3) Q45K_PANEL(q5k_panel4_##ISA, TARGET, ADD, FINISH, 1, 4) \
+#define KP_TILES(ISA, TARGET, ADD, FINISH, HALVES, IQ4_ADD, OFFSET, MX_ADD, MX_OFFSET)             \
+    Q45K_PANEL(q4k_panel1_##ISA, TARGET, ADD, FINISH, 0, HALVES(0), 1)                              \
+    Q45K_PANEL(q4k_panel2_##ISA, TARGET, ADD, FINISH, 0, HALVES(0), 2)                              \
+    Q45K_PANEL(q4k_panel3_##ISA, TARGET, ADD, FINISH, 0, HALVES(0), 3)                              \
+    Q45K_PANEL(q4k_panel4_##ISA, TARGET, ADD, FINISH, 0, HALVES(0), 4)                              \
+    Q45K_PANEL(q5k_panel1_##ISA, TARGET, ADD, FINISH, 1, HALVES(1), 1)                              \
+    Q45K_PANEL(q5k_panel2_##ISA, TARGET, ADD, FINISH, 1, HALVES(1), 2)                              \
+    Q45K_PANEL(q5k_panel3_##ISA, TARGET, ADD, FINISH, 1, HALVES(1), 3)                              \
+    Q45K_PANEL(q5k_panel4_##ISA, TARGET, ADD, FINISH, 1, HALVES(1), 4)                              \
     IQ4_PANEL(iq4_panel1_##ISA, TARGET, IQ4_ADD, OFFSET, 1) IQ4_PANEL(iq4_panel2_##ISA, TARGET, IQ4_ADD, OFFSET, 2) \
     IQ4_PANEL(iq4_panel3_##ISA, TARGET, IQ4_ADD, OFFSET, 3) IQ4_PANEL(iq4_panel4_##ISA, TARGET, IQ4_ADD, OFFSET, 4) \
     MXFP4_PANEL(mx_panel1_##ISA, TARGET, MX_ADD, MX_OFFSET, 1) MXFP4_PANEL(mx_panel2_##ISA, TARGET, MX_ADD, MX_OFFSET, 2) \
@@ -259,10 +280,11 @@ typedef void (*kpanel_fn)(const uint8_t *w, int64_t row_bytes, int64_t n, const 
         {NULL, q5k_panel1_##ISA, q5k_panel2_##ISA, q5k_panel3_##ISA, q5k_panel4_##ISA},            \
         {NULL, iq4_panel1_##ISA, iq4_panel2_##ISA, iq4_panel3_##ISA, iq4_panel4_##ISA},            \
         {NULL, mx_panel1_##ISA, mx_panel2_##ISA, mx_panel3_##ISA, mx_panel4_##ISA}};
-KP_TILES(avx2, "avx2,fma,f16c", KP_ADD_AVX2, KP_FINISH_AVX2, IQ4_ADD_AVX2, 0, MX_ADD_AVX2, MX_OFFSET_AVX2)
-KP_TILES(vnni256, AVX512, KP_ADD_VNNI256, KP_FINISH_VNNI, IQ4_ADD_VNNI256, 128, IQ4_ADD_VNNI256, 128)
+KP_TILES(avx2, "avx2,fma,f16c", KP_ADD_AVX2, KP_FINISH_AVX2, Q45K_HALVES_AVX2, IQ4_ADD_AVX2, 0, MX_ADD_AVX2, MX_OFFSET_AVX2)
+KP_TILES(vnni256, AVX512, KP_ADD_VNNI256, KP_FINISH_VNNI, Q45K_HALVES_VNNI, IQ4_ADD_VNNI256, 128, IQ4_ADD_VNNI256, 128)
 #ifdef HAVE_AVXVNNI
-KP_TILES(avxvnni, "avx2,fma,f16c,avxvnni", KP_ADD_AVXVNNI, KP_FINISH_VNNI, IQ4_ADD_AVXVNNI, 128, IQ4_ADD_AVXVNNI, 128)
+KP_TILES(avxvnni, "avx2,fma,f16c,avxvnni", KP_ADD_AVXVNNI, KP_FINISH_VNNI, Q45K_HALVES_VNNI, IQ4_ADD_AVXVNNI, 128,
+         IQ4_ADD_AVXVNNI, 128)
 #endif
 static const kpanel_fn (*kpanels)[KQ_TOKENS + 1];   /* choose_isa's, with ktiles */
 
