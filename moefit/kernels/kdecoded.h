@@ -103,14 +103,13 @@
     }
 
 /* sub-blocks j, j + 1 of super-block sb, decoded at v (per half h: four lo, four hi), against NT tokens */
+#define Q45K_DECODED_HALF(ADD, NT, HALVES, s, v, sb, j, h)                                          \
+    for (int k = 0; k < 4; k++) {                                                                   \
+        const __m256i lo = _mm256_load_si256((v) + h * 8 + k), hi = _mm256_load_si256((v) + h * 8 + 4 + k); \
+        Q45K_QUAD(ADD, NT, HALVES, s, lo, hi, sb, j, h, k)                                          \
+    }
 #define Q45K_DECODED_QUADS(ADD, NT, HALVES, s, v, sb, j)                                            \
-    do {                                                                                            \
-        _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++)                                         \
-            _Pragma("GCC unroll 4") for (int k = 0; k < 4; k++) {                                   \
-                const __m256i lo = _mm256_load_si256((v) + h * 8 + k), hi = _mm256_load_si256((v) + h * 8 + 4 + k); \
-                Q45K_QUAD(ADD, NT, HALVES, s, lo, hi, sb, j, h, k)                                  \
-            }                                                                                       \
-    } while (0)
+    Q45K_HALVES_LOOP(HALVES, h, Q45K_DECODED_HALF(ADD, NT, HALVES, s, v, sb, j, h))
 
 /* a decoded Q4_K / Q5_K panel against NT tokens: Q45K_PANEL's sums and scaling on Q45K_DECODE's vectors */
 #define Q45K_DECODED_PANEL(NAME, TARGET, ADD, FINISH, HALVES, NT)                                   \

@@ -80,7 +80,7 @@ static inline void panel_prefetch(const uint8_t *w, int64_t row_bytes, int64_t s
  * lane could pass 32767: Q5_K's 31 x 127 x 16; Q4_K's 15 x 127 x 16 = 30480 fits
  * (tests/test_kernels.py's extremes). In the cache, one thread, an AVX512 EPYC (Zen 4), Q4_K at
  * 4 / 16 / 64 tokens: 28.0 / 24.4 / 23.1 -> 21.7 / 18.9 / 17.4 ns a row of 2,048 and a token,
- * Q5_K 31.4 / 25.5 / 23.3 -> 26.3 / 19.9 / 17.6; the AVX2 bodies 1.07-1.16x (bench/kernel_rows.c,
+ * Q5_K 31.4 / 25.5 / 23.3 -> 26.3 / 19.9 / 17.6; the AVX2 bodies 1.08-1.19x (bench/kernel_rows.c,
  * best of four alternations; bench/results/kernel-rows-round41-zen4.txt). */
 #define Q45K_HALVES_AVX2(FIFTH) ((FIFTH) ? 2 : 1)
 #define Q45K_HALVES_VNNI(FIFTH) 1
@@ -107,6 +107,26 @@ static inline void panel_prefetch(const uint8_t *w, int64_t row_bytes, int64_t s
         }                                                                                           \
     }
 
+/* the two halves (h) of a sub-block pair, BODY each: unrolled where a chain is a half, so that
+ * s[t][h] is a register (kept rolled otherwise: AVX2's Q4_K unrolled computed all of a pair's
+ * products first and put them through the stack, ~5 % slower) */
+#define Q45K_HALVES_LOOP(HALVES, h, BODY)                                                           \
+    if ((HALVES) == 2) {                                                                            \
+        _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++) { BODY }                                \
+    } else {                                                                                        \
+        for (int h = 0; h < 2; h++) { BODY }                                                        \
+    }
+
+/* half h of sub-blocks j and j + 1 of eight rows' codes (Q5_K: their fifth bits qh) against NT tokens */
+#define Q45K_PANEL_HALF(ADD, NT, HALVES, FIFTH, s, codes, qh, row_bytes, sb, j, h)                  \
+    __m256i v[4];                                                                                   \
+    block_quads(codes + 16 * j + 16 * h, row_bytes, v);                                             \
+    for (int k = 0; k < 4; k++) {                                                                   \
+        __m256i lo, hi;                                                                             \
+        Q45K_UNPACK(FIFTH, v[k], qh[h][k], j, lo, hi);                                              \
+        Q45K_QUAD(ADD, NT, HALVES, s, lo, hi, sb, j, h, k)                                          \
+    }
+
 /* eight Q4_K rows (FIFTH: Q5_K's; the first at w, row_bytes apart) against NT tokens:
  * a[t].y[r..r+8). Q5_K's fifth bits (bit j of byte i: element i of sub-block j) are transposed
  * as the codes are, the quads of the same bytes. */
@@ -126,15 +146,7 @@ static inline void panel_prefetch(const uint8_t *w, int64_t row_bytes, int64_t s
                 __m256i s[NT][4];                                  /* sub-block j, j + 1; half 0, 1 */ \
                 for (int t = 0; t < NT; t++)                                                        \
                     for (int i = 0; i < 4; i++) s[t][i] = _mm256_setzero_si256();                   \
-                _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++) {                               \
-                    __m256i v[4];                                                                   \
-                    block_quads(codes + 16 * j + 16 * h, row_bytes, v);                             \
-                    _Pragma("GCC unroll 4") for (int k = 0; k < 4; k++) {                           \
-                        __m256i lo, hi;                                                             \
-                        Q45K_UNPACK(FIFTH, v[k], qh[h][k], j, lo, hi);                              \
-                        Q45K_QUAD(ADD, NT, HALVES, s, lo, hi, sb, j, h, k)                          \
-                    }                                                                               \
-                }                                                                                   \
+                Q45K_HALVES_LOOP(HALVES, h, Q45K_PANEL_HALF(ADD, NT, HALVES, FIFTH, s, codes, qh, row_bytes, sb, j, h)) \
                 Q45K_PAIR_SCALE(FINISH, NT, HALVES, acc, s, dsc, dmn, sb, j)                        \
             }                                                                                       \
         }                                                                                           \
