@@ -143,7 +143,7 @@ static inline void panel_prefetch(const uint8_t *w, int64_t row_bytes, int64_t s
             __m256i qh[2][4];                                   /* Q5_K: the fifth bits' quads */  \
             if (FIFTH) block_quads(blk + 16, row_bytes, qh[0]), block_quads(blk + 32, row_bytes, qh[1]); \
             for (int j = 0; j < 8; j += 2) {                                                        \
-                __m256i s[NT][4];                                  /* sub-block j, j + 1; half 0, 1 */ \
+                __m256i s[NT][4];                                  /* Q45K_QUAD's chains */         \
                 for (int t = 0; t < NT; t++)                                                        \
                     for (int i = 0; i < 4; i++) s[t][i] = _mm256_setzero_si256();                   \
                 Q45K_HALVES_LOOP(HALVES, h, Q45K_PANEL_HALF(ADD, NT, HALVES, FIFTH, s, codes, qh, row_bytes, sb, j, h)) \
