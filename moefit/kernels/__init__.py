@@ -41,8 +41,9 @@ GROUPED = ("int4", "int4p", "q8_0")             # a scale per (row, group of inp
 # panels, kpanels.h; 5: IQ4_XS and MXFP4 in panels; 6: a prompt's Q6_K in decoded panels,
 # kdecoded.h; 7: a decode step's Q6_K rows read ahead and without the sign trick, ktiles.h; 8: a
 # prompt's layer call on kept scratch, scratch.h; 9: Q4_K's and Q5_K's sums of several tokens in
-# registers, kpanels.h): the choices a host measured and kept (ops/measured.py) are then measured again.
-REVISION = 9
+# registers, kpanels.h; 10: IQ4_XS's and MXFP4's sums in two chains on VNNI): the choices a host
+# measured and kept (ops/measured.py) are then measured again.
+REVISION = 10
 ABI = 9                                         # moe.c's moe_abi(): the exported functions' arguments
 c_i64, c_ptr = ctypes.c_int64, ctypes.c_void_p
 

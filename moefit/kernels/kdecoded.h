@@ -65,8 +65,8 @@
                                                      const tile_row *a, int64_t r) {                \
         ZEROED(acc, NT);                                                                            \
         for (int64_t b = 0; b < n / QK; b++) {                                                      \
-            __m256i s[NT];                                                                          \
-            for (int t = 0; t < NT; t++) s[t] = _mm256_setzero_si256();                             \
+            __m256i s[NT][2];                                                                       \
+            for (int t = 0; t < NT; t++) s[t][0] = s[t][1] = _mm256_setzero_si256();                \
             for (int k = 0; k < 4; k++) {                                                           \
                 const __m256i lo = _mm256_load_si256(vals + b * 8 + k), hi = _mm256_load_si256(vals + b * 8 + 4 + k); \
                 TABLE_QUAD(ADD, NT, s, lo, hi, a, b, k)                                             \

@@ -171,21 +171,26 @@ __attribute__((target("avx2,fma,f16c"))) static inline void iq4_panel_scales(con
 }
 
 /* two quads of IQ4_XS values (v, w: a quad's low and high nibbles') against four activations each,
- * broadcast (x, y), into int32 lanes s. VNNI: the values offset by 128 (the table's bytes xor 0x80:
- * unsigned, as dpbusd wants), the offset's 128 sum(x) taken off a sub-block's sums once; AVX2: |v|
- * against x with v's sign (ktiles.h's SIGNED_DOT: maddubs of 128 + v could saturate int16). The
- * same integers either way. */
+ * broadcast (x, y), into the int32 lanes of a token's two chains s[0], s[1] (TABLE_SCALE adds them).
+ * VNNI: the values offset by 128 (the table's bytes xor 0x80: unsigned, as dpbusd wants), the
+ * offset's 128 sum(x) taken off a sub-block's sums once, low and high nibbles in a chain each; AVX2:
+ * |v| against x with v's sign (ktiles.h's SIGNED_DOT: maddubs of 128 + v could saturate int16), one
+ * chain. The same integers either way. VNNI's eight dpbusd of a block in one chain a token waited
+ * on each other: in two, in the cache, one thread (Zen 4), IQ4_XS at 1 / 4 / 16 / 64 tokens 54.4 /
+ * 24.2 / 17.9 / 16.2 -> 50.0 / 23.2 / 16.9 / 15.1 ns a row of 2,048 and a token, MXFP4 54.6 / 23.9 /
+ * 17.8 / 16.1 -> 49.5 / 22.8 / 17.0 / 15.2 (bench/results/kernel-rows-round41-zen4.txt). */
 #define IQ4_ADD_AVX2(s, v, x, w, y) \
-    (s = _mm256_add_epi32(s, _mm256_add_epi32(SIGNED_DOT(DOT_AVX2, v, x), SIGNED_DOT(DOT_AVX2, w, y))))
-#define IQ4_ADD_VNNI256(s, v, x, w, y) (s = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(s, v, x), w, y))
-#define IQ4_ADD_AVXVNNI(s, v, x, w, y) (s = _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(s, v, x), w, y))
+    ((s)[0] = _mm256_add_epi32((s)[0], _mm256_add_epi32(SIGNED_DOT(DOT_AVX2, v, x), SIGNED_DOT(DOT_AVX2, w, y))))
+#define IQ4_ADD_VNNI256(s, v, x, w, y) ((s)[0] = _mm256_dpbusd_epi32((s)[0], v, x), (s)[1] = _mm256_dpbusd_epi32((s)[1], w, y))
+#define IQ4_ADD_AVXVNNI(s, v, x, w, y) \
+    ((s)[0] = _mm256_dpbusd_avx_epi32((s)[0], v, x), (s)[1] = _mm256_dpbusd_avx_epi32((s)[1], w, y))
 /* MXFP4's values (-12..12) offset by 12 are unsigned as maddubs wants them and small (2 * 24 * 127 a
  * pair of products, two quads' pairs added in int16: no saturation): AVX2 takes them as VNNI takes
  * IQ4_XS's offset values, without SIGNED_DOT's sign operations and with one widening for two quads
  * (the offset's 12 sum(x) taken off a block's sums once). One token's MXFP4 panel, in cache
  * (bench/kernel_rows.c, an AVX2 EPYC): 90 -> 76 ns a row of 2,048; four tokens 49-50 -> 39 a token. */
 #define MX_OFFSET_AVX2 12
-#define MX_ADD_AVX2(s, v, x, w, y) (s = _mm256_add_epi32(s, _mm256_madd_epi16(                         \
+#define MX_ADD_AVX2(s, v, x, w, y) ((s)[0] = _mm256_add_epi32((s)[0], _mm256_madd_epi16(               \
     _mm256_add_epi16(_mm256_maddubs_epi16(v, x), _mm256_maddubs_epi16(w, y)), _mm256_set1_epi16(1))))
 
 /* a quad vector of 4-bit indices v -> the table's values of its low nibbles and of its high ones */
@@ -193,17 +198,20 @@ __attribute__((target("avx2,fma,f16c"))) static inline void iq4_panel_scales(con
     (lo = _mm256_shuffle_epi8(table, _mm256_and_si256(v, _mm256_set1_epi8(15))),                    \
      hi = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(15))))
 
-/* quad k of block b's values (lo: elements 4k.., hi: 16 + 4k..) against NT tokens' activations, into s[t] */
+/* quad k of block b's values (lo: elements 4k.., hi: 16 + 4k..) against NT tokens' activations, into
+ * s[t]'s chains */
 #define TABLE_QUAD(ADD, NT, s, lo, hi, a, b, k)                                                     \
     for (int t = 0; t < NT; t++) {                                                                  \
         const int8_t *x = a[t].q + (b) * QK + 4 * (k);                                              \
         ADD(s[t], lo, BROADCAST4(x), hi, BROADCAST4(x + 16));                                       \
     }
 
-/* block b's int32 sums, less OFFSET times the activations' sum, scaled by d and each token's scale */
+/* block b's int32 sums (a token's two chains), less OFFSET times the activations' sum, scaled by d
+ * and each token's scale */
 #define TABLE_SCALE(NT, acc, s, d, a, b, OFFSET)                                                    \
     for (int t = 0; t < NT; t++) {                                                                  \
-        const __m256i sum_ = _mm256_sub_epi32(s[t], _mm256_set1_epi32((OFFSET) * a[t].sum[b]));     \
+        const __m256i sum_ = _mm256_sub_epi32(_mm256_add_epi32(s[t][0], s[t][1]),                  \
+                                              _mm256_set1_epi32((OFFSET) * a[t].sum[b]));           \
         acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum_), _mm256_mul_ps(d, _mm256_set1_ps(a[t].s[b])), acc[t]); \
     }
 
@@ -214,7 +222,7 @@ __attribute__((target("avx2,fma,f16c"))) static inline void iq4_panel_scales(con
     do {                                                                                            \
         __m256i v_[4];                                                                              \
         block_quads((codes), (row_bytes), v_);                                                      \
-        for (int t = 0; t < NT; t++) s[t] = _mm256_setzero_si256();                                 \
+        for (int t = 0; t < NT; t++) s[t][0] = s[t][1] = _mm256_setzero_si256();                   \
         for (int k = 0; k < 4; k++) {                                                               \
             __m256i lo, hi;                                                                         \
             TABLE_LOOKUP(table, v_[k], lo, hi);                                                     \
@@ -236,7 +244,7 @@ __attribute__((target("avx2,fma,f16c"))) static inline void iq4_panel_scales(con
             __m256 dsc[8];                                                                          \
             iq4_panel_scales(blk, row_bytes, dsc);                                                  \
             for (int j = 0; j < 8; j++) {                                                           \
-                __m256i s[NT];                                                                      \
+                __m256i s[NT][2];                                                                   \
                 TABLE_BLOCK_SUMS(ADD, NT, table, blk + 8 + 16 * j, row_bytes, a, sb * 8 + j, s);    \
                 TABLE_SCALE(NT, acc, s, dsc[j], a, sb * 8 + j, OFFSET)                              \
             }                                                                                       \
@@ -265,7 +273,7 @@ __attribute__((target("avx2,fma"))) static inline __m256 mx_panel_scales(const u
             const uint8_t *blk = w + b * 17;                                                        \
             if (b % 8 == 0) panel_prefetch(w, row_bytes, b / 8, 136);                               \
             const __m256 d = mx_panel_scales(blk, row_bytes);                                       \
-            __m256i s[NT];                                                                          \
+            __m256i s[NT][2];                                                                       \
             TABLE_BLOCK_SUMS(ADD, NT, table, blk + 1, row_bytes, a, b, s);                          \
             TABLE_SCALE(NT, acc, s, d, a, b, OFFSET)                                                \
         }                                                                                           \
