@@ -236,14 +236,14 @@ typedef struct {
     Q6K_DECODED_PANEL(q6k_decoded_##ISA##3, TARGET, ADD, FINISH, 3)                                 \
     Q6K_DECODED_PANEL(q6k_decoded_##ISA##4, TARGET, ADD, FINISH, 4)                                 \
     IQ4_DECODE(iq4_decode_##ISA, TARGET, OFFSET)                                                    \
-    Q45K_DECODED_PANEL(q4k_decoded_##ISA##1, TARGET, ADD, FINISH, HALVES(0), 1)                     \
-    Q45K_DECODED_PANEL(q4k_decoded_##ISA##2, TARGET, ADD, FINISH, HALVES(0), 2)                     \
-    Q45K_DECODED_PANEL(q4k_decoded_##ISA##3, TARGET, ADD, FINISH, HALVES(0), 3)                     \
-    Q45K_DECODED_PANEL(q4k_decoded_##ISA##4, TARGET, ADD, FINISH, HALVES(0), 4)                     \
-    Q45K_DECODED_PANEL(q5k_decoded_##ISA##1, TARGET, ADD, FINISH, HALVES(1), 1)                     \
-    Q45K_DECODED_PANEL(q5k_decoded_##ISA##2, TARGET, ADD, FINISH, HALVES(1), 2)                     \
-    Q45K_DECODED_PANEL(q5k_decoded_##ISA##3, TARGET, ADD, FINISH, HALVES(1), 3)                     \
-    Q45K_DECODED_PANEL(q5k_decoded_##ISA##4, TARGET, ADD, FINISH, HALVES(1), 4)                     \
+    Q45K_DECODED_PANEL(q4k_decoded_##ISA##1, TARGET, ADD, FINISH, HALVES(0, 1), 1)                  \
+    Q45K_DECODED_PANEL(q4k_decoded_##ISA##2, TARGET, ADD, FINISH, HALVES(0, 2), 2)                  \
+    Q45K_DECODED_PANEL(q4k_decoded_##ISA##3, TARGET, ADD, FINISH, HALVES(0, 3), 3)                  \
+    Q45K_DECODED_PANEL(q4k_decoded_##ISA##4, TARGET, ADD, FINISH, HALVES(0, 4), 4)                  \
+    Q45K_DECODED_PANEL(q5k_decoded_##ISA##1, TARGET, ADD, FINISH, HALVES(1, 1), 1)                  \
+    Q45K_DECODED_PANEL(q5k_decoded_##ISA##2, TARGET, ADD, FINISH, HALVES(1, 2), 2)                  \
+    Q45K_DECODED_PANEL(q5k_decoded_##ISA##3, TARGET, ADD, FINISH, HALVES(1, 3), 3)                  \
+    Q45K_DECODED_PANEL(q5k_decoded_##ISA##4, TARGET, ADD, FINISH, HALVES(1, 4), 4)                  \
     MX_DECODE(mx_decode_##ISA, TARGET, MX_OFFSET)                                                   \
     TABLE_DECODED_PANEL(iq4_decoded_##ISA##1, TARGET, IQ4_ADD, OFFSET, IQ4_SCALE, 1)                \
     TABLE_DECODED_PANEL(iq4_decoded_##ISA##2, TARGET, IQ4_ADD, OFFSET, IQ4_SCALE, 2)                \

@@ -78,12 +78,13 @@ static inline void panel_prefetch(const uint8_t *w, int64_t row_bytes, int64_t s
  * registers (with a chain a half the tiles held them on the stack: every quad loaded and stored
  * its tokens' sums). A chain a half is for AVX2's int16 lanes where a sub-block's 16 products a
  * lane could pass 32767: Q5_K's 31 x 127 x 16; Q4_K's 15 x 127 x 16 = 30480 fits
- * (tests/test_kernels.py's extremes). In the cache, one thread, an AVX512 EPYC (Zen 4), Q4_K at
+ * (tests/test_kernels.py's extremes); and for one token (a decode step's tile, whose four chains
+ * fit in any register file: it stays as it was, its rows streaming from memory). In the cache, one thread, an AVX512 EPYC (Zen 4), Q4_K at
  * 4 / 16 / 64 tokens: 28.0 / 24.4 / 23.1 -> 21.7 / 18.9 / 17.4 ns a row of 2,048 and a token,
  * Q5_K 31.4 / 25.5 / 23.3 -> 26.3 / 19.9 / 17.6; the AVX2 bodies 1.08-1.19x (bench/kernel_rows.c,
  * best of four alternations; bench/results/kernel-rows-round41-zen4.txt). */
-#define Q45K_HALVES_AVX2(FIFTH) ((FIFTH) ? 2 : 1)
-#define Q45K_HALVES_VNNI(FIFTH) 1
+#define Q45K_HALVES_AVX2(FIFTH, NT) ((FIFTH) || (NT) == 1 ? 2 : 1)
+#define Q45K_HALVES_VNNI(FIFTH, NT) ((NT) == 1 ? 2 : 1)
 
 /* quad k of half h of sub-blocks j (lo) and j + 1 (hi) against NT tokens' activations, into their chains */
 #define Q45K_QUAD(ADD, NT, HALVES, s, lo, hi, sb, j, h, k)                                          \
@@ -283,14 +284,14 @@ __attribute__((target("avx2,fma"))) static inline __m256 mx_panel_scales(const u
 typedef void (*kpanel_fn)(const uint8_t *w, int64_t row_bytes, int64_t n, const tile_row *a, int64_t r);
 /* per instruction set: [0] Q4_K's panels, [1] Q5_K's, [2] IQ4_XS's, [3] MXFP4's, by token count */
 #define KP_TILES(ISA, TARGET, ADD, FINISH, HALVES, IQ4_ADD, OFFSET, MX_ADD, MX_OFFSET)             \
-    Q45K_PANEL(q4k_panel1_##ISA, TARGET, ADD, FINISH, 0, HALVES(0), 1)                              \
-    Q45K_PANEL(q4k_panel2_##ISA, TARGET, ADD, FINISH, 0, HALVES(0), 2)                              \
-    Q45K_PANEL(q4k_panel3_##ISA, TARGET, ADD, FINISH, 0, HALVES(0), 3)                              \
-    Q45K_PANEL(q4k_panel4_##ISA, TARGET, ADD, FINISH, 0, HALVES(0), 4)                              \
-    Q45K_PANEL(q5k_panel1_##ISA, TARGET, ADD, FINISH, 1, HALVES(1), 1)                              \
-    Q45K_PANEL(q5k_panel2_##ISA, TARGET, ADD, FINISH, 1, HALVES(1), 2)                              \
-    Q45K_PANEL(q5k_panel3_##ISA, TARGET, ADD, FINISH, 1, HALVES(1), 3)                              \
-    Q45K_PANEL(q5k_panel4_##ISA, TARGET, ADD, FINISH, 1, HALVES(1), 4)                              \
+    Q45K_PANEL(q4k_panel1_##ISA, TARGET, ADD, FINISH, 0, HALVES(0, 1), 1)                           \
+    Q45K_PANEL(q4k_panel2_##ISA, TARGET, ADD, FINISH, 0, HALVES(0, 2), 2)                           \
+    Q45K_PANEL(q4k_panel3_##ISA, TARGET, ADD, FINISH, 0, HALVES(0, 3), 3)                           \
+    Q45K_PANEL(q4k_panel4_##ISA, TARGET, ADD, FINISH, 0, HALVES(0, 4), 4)                           \
+    Q45K_PANEL(q5k_panel1_##ISA, TARGET, ADD, FINISH, 1, HALVES(1, 1), 1)                           \
+    Q45K_PANEL(q5k_panel2_##ISA, TARGET, ADD, FINISH, 1, HALVES(1, 2), 2)                           \
+    Q45K_PANEL(q5k_panel3_##ISA, TARGET, ADD, FINISH, 1, HALVES(1, 3), 3)                           \
+    Q45K_PANEL(q5k_panel4_##ISA, TARGET, ADD, FINISH, 1, HALVES(1, 4), 4)                           \
     IQ4_PANEL(iq4_panel1_##ISA, TARGET, IQ4_ADD, OFFSET, 1) IQ4_PANEL(iq4_panel2_##ISA, TARGET, IQ4_ADD, OFFSET, 2) \
     IQ4_PANEL(iq4_panel3_##ISA, TARGET, IQ4_ADD, OFFSET, 3) IQ4_PANEL(iq4_panel4_##ISA, TARGET, IQ4_ADD, OFFSET, 4) \
     MXFP4_PANEL(mx_panel1_##ISA, TARGET, MX_ADD, MX_OFFSET, 1) MXFP4_PANEL(mx_panel2_##ISA, TARGET, MX_ADD, MX_OFFSET, 2) \
