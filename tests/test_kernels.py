@@ -246,9 +246,10 @@ def check_k_quant_extremes() -> str:
     panels) meet the reference."""
     for seed, quant in enumerate(("q4_k", "q5_k"), start=31):
         x, experts, _, _ = make(quant, 512, 256, 2, 9, seed=seed)
-        codes = slice(16, 144) if quant == "q4_k" else slice(16, 176)     # Q5_K: its fifth bits, then the nibbles
+        size, codes = (144, slice(16, 144)) if quant == "q4_k" else (176, slice(16, 176))  # Q5_K: fifth bits, nibbles
         for p in experts:
-            p["gate_up"][:, codes] = 0xFF                                   # one super-block a row of 256
+            blocks = p["gate_up"].view(p["gate_up"].shape[0], -1, size)     # [rows, super-blocks, bytes]
+            blocks[:, :, codes] = 0xFF                                      # every super-block of every row
         sign = torch.where(torch.arange(9)[:, None] % 2 == 0, 1.0, -1.0)
         x = sign * torch.full((9, 512), 3.0)                                 # every block's q8 codes +-127
         for tokens in (1, 4, 9):
