@@ -119,9 +119,9 @@
         for (int64_t sb = 0; sb < n / QK_K; sb++) {                                                 \
             const __m256 *dsc = scales + sb * 16, *dmn = dsc + 8;                                   \
             for (int j = 0; j < 8; j += 2) {                                                        \
-                __m256i s[NT][4];                                  /* Q45K_QUAD's chains */         \
+                __m256i s[NT][2 * (HALVES)];                       /* Q45K_QUAD's chains */         \
                 for (int t = 0; t < NT; t++)                                                        \
-                    for (int i = 0; i < 4; i++) s[t][i] = _mm256_setzero_si256();                   \
+                    for (int i = 0; i < 2 * (HALVES); i++) s[t][i] = _mm256_setzero_si256();        \
                 Q45K_DECODED_QUADS(ADD, NT, HALVES, s, vals + sb * 64 + j * 8, sb, j);              \
                 Q45K_PAIR_SCALE(FINISH, NT, HALVES, acc, s, dsc, dmn, sb, j)                        \
             }                                                                                       \

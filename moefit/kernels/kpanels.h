@@ -73,7 +73,7 @@ static inline void panel_prefetch(const uint8_t *w, int64_t row_bytes, int64_t s
     } while (0)
 
 /* A token's sums of sub-blocks j and j + 1 in chains s[t][0..4): HALVES 2, a chain a half (lo: half
- * h into s[t][h], hi into s[t][2 + h]); HALVES 1, both halves of a sub-block in one (s[t][0], s[t][2]).
+ * h into s[t][h], hi into s[t][2 + h]); HALVES 1, both halves of a sub-block in one (s[t][0], s[t][1]).
  * The sums are the same integers either way; one chain a sub-block keeps four tokens' sums in
  * registers (with a chain a half the tiles held them on the stack: every quad loaded and stored
  * its tokens' sums). A chain a half is for AVX2's int16 lanes where a sub-block's 16 products a
@@ -91,7 +91,7 @@ static inline void panel_prefetch(const uint8_t *w, int64_t row_bytes, int64_t s
     for (int t = 0; t < NT; t++) {                                                                  \
         const int8_t *x = a[t].q + ((sb) * 8 + (j)) * QK + 16 * (h) + 4 * (k);                      \
         ADD(s[t][(HALVES) == 2 ? (h) : 0], lo, BROADCAST4(x));                                      \
-        ADD(s[t][(HALVES) == 2 ? 2 + (h) : 2], hi, BROADCAST4(x + QK));                             \
+        ADD(s[t][(HALVES) == 2 ? 2 + (h) : 1], hi, BROADCAST4(x + QK));                             \
     }
 
 /* sub-blocks j and j + 1's sums scaled into each token's accumulator, their mins taken off */
@@ -104,7 +104,7 @@ static inline void panel_prefetch(const uint8_t *w, int64_t row_bytes, int64_t s
                      b + 1);                                                                        \
         } else {                                                                                    \
             KP_SCALE(acc[t], FINISH(s[t][0]), dsc[j], dmn[j], t, b);                                \
-            KP_SCALE(acc[t], FINISH(s[t][2]), dsc[(j) + 1], dmn[(j) + 1], t, b + 1);                \
+            KP_SCALE(acc[t], FINISH(s[t][1]), dsc[(j) + 1], dmn[(j) + 1], t, b + 1);                \
         }                                                                                           \
     }
 
@@ -144,9 +144,9 @@ static inline void panel_prefetch(const uint8_t *w, int64_t row_bytes, int64_t s
             __m256i qh[2][4];                                   /* Q5_K: the fifth bits' quads */  \
             if (FIFTH) block_quads(blk + 16, row_bytes, qh[0]), block_quads(blk + 32, row_bytes, qh[1]); \
             for (int j = 0; j < 8; j += 2) {                                                        \
-                __m256i s[NT][4];                                  /* Q45K_QUAD's chains */         \
+                __m256i s[NT][2 * (HALVES)];                       /* Q45K_QUAD's chains */         \
                 for (int t = 0; t < NT; t++)                                                        \
-                    for (int i = 0; i < 4; i++) s[t][i] = _mm256_setzero_si256();                   \
+                    for (int i = 0; i < 2 * (HALVES); i++) s[t][i] = _mm256_setzero_si256();        \
                 Q45K_HALVES_LOOP(HALVES, h, Q45K_PANEL_HALF(ADD, NT, HALVES, FIFTH, s, codes, qh, row_bytes, sb, j, h)) \
                 Q45K_PAIR_SCALE(FINISH, NT, HALVES, acc, s, dsc, dmn, sb, j)                        \
             }                                                                                       \
