@@ -168,10 +168,67 @@ def test_several_prompts_give_one_choice_each(server):
     assert r.choices[1].text == one.choices[0].text
     tokens = server.openai.completions.create(model="tiny", prompt=[[1, 2], [3]], max_tokens=1)
     assert len(tokens.choices) == 2 and tokens.usage.prompt_tokens == 3
-    with pytest.raises(openai.BadRequestError):
-        server.openai.completions.create(model="tiny", prompt=["a", "b"], max_tokens=2, stream=True)
+    streamed = server.openai.completions.create(model="tiny", prompt=["The lantern", "A river"], max_tokens=3,
+                                                temperature=0, stream=True, extra_body={"ignore_eos": True})
+    texts = {}
+    for chunk in streamed:
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+    assert texts == {0: r.choices[0].text, 1: r.choices[1].text}
     with pytest.raises(openai.BadRequestError):
         server.openai.completions.create(model="tiny", prompt=[], max_tokens=2)
+
+
+HI = [{"role": "user", "content": "Hi"}]
+SAMPLED = {"model": "tiny", "temperature": 2.0, "seed": 11, "max_tokens": 8, "extra_body": {"ignore_eos": True}}
+
+
+def _said(message) -> tuple:
+    return message.content, (message.model_extra or {}).get("reasoning_content")
+
+
+def _prefix_hits(server) -> float:
+    metrics = httpx.get(server.url + "/metrics").text.splitlines()
+    return float(next(line for line in metrics if line.startswith("vllm:prefix_cache_hits_total")).split()[-1])
+
+
+def test_n_choices_draw_seeds_of_their_own_and_the_first_is_n1s(server):
+    one = server.openai.chat.completions.create(messages=HI, **SAMPLED)
+    hits = _prefix_hits(server)
+    r = server.openai.chat.completions.create(messages=HI, n=3, **SAMPLED)
+    said = [_said(c.message) for c in r.choices]
+    assert [c.index for c in r.choices] == [0, 1, 2] and len({c.message.role for c in r.choices}) == 1
+    assert said[0] == _said(one.choices[0].message) and len(set(said)) == 3
+    assert r.usage.prompt_tokens == one.usage.prompt_tokens and r.usage.completion_tokens == 24
+    assert _prefix_hits(server) - hits >= 2 * (one.usage.prompt_tokens - 1)    # choices 1, 2 reuse the prompt
+    again = server.openai.chat.completions.create(messages=HI, n=3, **SAMPLED)
+    assert [_said(c.message) for c in again.choices] == said
+
+
+def test_n_choices_stream_one_after_another_by_index(server):
+    whole = server.openai.chat.completions.create(messages=HI, n=2, **SAMPLED)
+    stream = server.openai.chat.completions.create(messages=HI, n=2, stream=True,
+                                                   stream_options={"include_usage": True}, **SAMPLED)
+    content, reasoning, finish, usage, ids = {0: "", 1: ""}, {0: "", 1: ""}, {}, None, set()
+    for chunk in stream:
+        usage, _ = chunk.usage or usage, ids.add(chunk.id)
+        for c in chunk.choices:
+            content[c.index] += c.delta.content or ""
+            reasoning[c.index] += (c.delta.model_extra or {}).get("reasoning_content") or ""
+            finish[c.index] = c.finish_reason or finish.get(c.index)
+    assert [(content[i] or None, reasoning[i] or None) for i in (0, 1)] == [_said(c.message) for c in whole.choices]
+    assert finish == {0: "length", 1: "length"} and usage.completion_tokens == 16 and len(ids) == 1
+
+
+def test_completions_give_each_prompt_its_n_choices_in_turn(server):
+    r = server.openai.completions.create(prompt=["The lantern", "A river"], n=2, **SAMPLED)
+    river = server.openai.completions.create(prompt="A river", **SAMPLED)
+    lantern = server.openai.completions.create(prompt="The lantern", **SAMPLED)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3] and r.choices[2].text == river.choices[0].text
+    assert r.usage.prompt_tokens == river.usage.prompt_tokens + lantern.usage.prompt_tokens
+    assert r.usage.completion_tokens == 32 and r.choices[0].text == lantern.choices[0].text
+    with pytest.raises(openai.BadRequestError, match="less than or equal to 16"):
+        server.openai.completions.create(prompt="a", n=17, max_tokens=1, model="tiny")
 
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},

@@ -114,7 +114,7 @@ def test_a_tool_result_round_trips_and_the_prefix_is_reused(server):
 @pytest.mark.parametrize("body,status,param", [
     ({"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, 400, "temperature"),
     ({"messages": [{"role": "robot", "content": "x"}]}, 400, "messages.0.role"),
-    ({"messages": [{"role": "user", "content": "x"}], "n": 2}, 400, "n"),
+    ({"messages": [{"role": "user", "content": "x"}], "n": 17}, 400, "n"),
     ({"messages": [{"role": "user", "content": "x"}], "temperature": 5}, 400, "temperature"),
     ({"messages": [{"role": "user", "content": "x"}], "top_p": 0}, 400, "top_p"),
     ({"messages": [{"role": "user", "content": "x " * 600}]}, 400, "messages"),

@@ -115,12 +115,28 @@ class Sampler:
         return logits
 
 
+MASK64 = 0xFFFFFFFFFFFFFFFF
+
+
+def mix64(z: int) -> int:
+    """SplitMix64's output function (Steele et al. 2014): a 64-bit integer -> a well-mixed one."""
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
+    return z ^ (z >> 31)
+
+
 def uniform(seed: int, index: int) -> float:
-    """The index-th number in [0, 1) of seed's stream (SplitMix64, Steele et al. 2014)."""
-    z = (seed + (index + 1) * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
-    return ((z ^ (z >> 31)) >> 11) / float(1 << 53)
+    """The index-th number in [0, 1) of seed's stream (SplitMix64)."""
+    return (mix64((seed + (index + 1) * 0x9E3779B97F4A7C15) & MASK64) >> 11) / float(1 << 53)
+
+
+def choice_seed(seed: int | None, choice: int) -> int | None:
+    """The seed of a request's choice `choice` (its n > 1): choice 0 keeps the request's, so the
+    first of n choices is the text n=1 gives; the others' streams are mixed from it (a stream of
+    seed + k would be the first's, shifted). No seed: each choice draws its own."""
+    if seed is None or choice == 0:
+        return seed
+    return mix64((seed ^ (choice * 0xD1B54A32D192ED03)) & MASK64)
 
 
 NUCLEUS_FLOORS = (1e-2, 1e-4, 1e-6)    # candidate floors for _top_p, as fractions of the largest probability

@@ -19,7 +19,7 @@ from moefit.errors import DeviceUnavailable
 from moefit import __version__
 from moefit.serve import anthropic, responses
 from moefit.serve import protocol as P
-from moefit.serve.completions import ChatRun, CompletionRun
+from moefit.serve.completions import ChatRun, CompletionRun, answer_runs
 from moefit.serve.crosssite import CrossSite
 from moefit.serve.metrics import Metrics
 
@@ -191,26 +191,20 @@ def _routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         req = P.parse(P.ChatRequest, await _body(state, request))
-        return await _serve(state, request, ChatRun(state, req))
+        return await _serve(state, request, answer_runs(state, ChatRun, [req]))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         req = P.parse(P.CompletionRequest, await _body(state, request))
-        prompts = req.prompts()
-        if len(prompts) == 1:
-            return await _serve(state, request, CompletionRun(state, req.one(prompts[0])))
-        if req.stream:
-            raise P.ApiError(400, "prompt: several prompts cannot be streamed; send them one at a time",
-                             param="prompt")
-        return merge_choices([await _serve(state, request, CompletionRun(state, req.one(p))) for p in prompts])
+        return await _serve(state, request, answer_runs(state, CompletionRun, [req.one(p) for p in req.prompts()]))
 
     @app.post("/v1/responses")
     async def respond(request: Request):
-        return await _serve(state, request, responses.ResponsesRun(state, responses.parse(await _body(state, request))))
+        return await _serve(state, request, [responses.ResponsesRun(state, responses.parse(await _body(state, request)))])
 
     @app.post("/v1/messages")
     async def messages(request: Request):
-        return await _serve(state, request, anthropic.MessagesRun(state, anthropic.parse(await _body(state, request))))
+        return await _serve(state, request, [anthropic.MessagesRun(state, anthropic.parse(await _body(state, request)))])
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request):
@@ -241,13 +235,18 @@ async def _body(state: ServerState, request: Request) -> bytes:
     return body
 
 
-def merge_choices(answers: list[dict]) -> dict:
-    """One completions answer from several prompts' answers: choice i is prompt i's."""
+def merge_choices(runs: list, answers: list[dict]) -> dict:
+    """One answer from its choices' answers (each run's response holds its own choice)."""
     out = dict(answers[0])
-    out["choices"] = [{**a["choices"][0], "index": i} for i, a in enumerate(answers)]
-    keys = ("prompt_tokens", "completion_tokens", "total_tokens")
-    out["usage"] = {k: sum(a["usage"][k] for a in answers) for k in keys}
+    out["choices"] = [choice for a in answers for choice in a["choices"]]
+    out["usage"] = runs[0].usage()
     return out
+
+
+def _usage_pair(runs: list, job) -> tuple[int, int]:
+    """(prompt, completion) tokens of an answer for its access-log line."""
+    made = sum(len(r.done.stats.generated) for r in runs if r.done)
+    return (runs[0].usage()["prompt_tokens"] if len(runs) > 1 else len(job.prompt)), made
 
 
 def sample_cache(state: ServerState) -> None:
@@ -275,39 +274,76 @@ def _free_bytes(state: ServerState) -> int | None:
         return None
 
 
-async def _serve(state: ServerState, request: Request, run) -> Response:
+async def _serve(state: ServerState, request: Request, runs: list) -> Response:
+    """An answer's runs (its choices) one after another: every prompt checked first, so a bad one
+    is a 400 before anything runs; a client that goes away stops the rest."""
     _ready(state)
-    run.check_model()
-    job = run.submit(asyncio.get_running_loop())
+    for run in runs:
+        run.check_model()
+        run.prepare()
+    loop = asyncio.get_running_loop()
+    job = runs[0].submit(loop)
     request.state.usage = (len(job.prompt), 0)
-    if run.req.stream:
+    if runs[0].req.stream:
         request.state.streaming = True
-        return StreamingResponse(_sse(state, run, job, request), media_type="text/event-stream",
+        return StreamingResponse(_sse(state, runs, job, request), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    return await run.collect(job, request)
+    answers = [await runs[0].collect(job, request)]
+    for run in runs[1:]:
+        if job.cancelled.is_set():
+            break
+        job = run.submit(loop)
+        answers.append(await run.collect(job, request))
+    if len(runs) == 1:
+        return answers[0]
+    request.state.usage = _usage_pair(runs, job)
+    return merge_choices(runs, answers)
 
 
-async def _sse(state: ServerState, run, job, request: Request):
-    """Server-sent events in the run's protocol; comments keep the connection alive during a
-    long prefill. A client that goes away cancels the job (the engine stops within one step).
-    The access-log line is written when the stream ends, with its token counts."""
+async def _sse(state: ServerState, runs: list, job, request: Request):
+    """Server-sent events in the runs' protocol, choice after choice; comments keep the connection
+    alive during a long prefill. A client that goes away cancels the job (the engine stops within
+    one step). The access-log line is written when the stream ends, with its token counts."""
+    run = runs[0]
     try:
-        while True:
-            try:
-                item = await asyncio.wait_for(job.events.get(), timeout=state.keepalive_s)
-            except asyncio.TimeoutError:
-                yield ": keep-alive\n\n"
-                continue
-            for chunk in run.stream_chunks(item):
-                yield run.sse(chunk)
-            if item is None:
-                yield run.sse_end()
-                return
+        for k, run in enumerate(runs):
+            if k:
+                try:
+                    job = run.submit(asyncio.get_running_loop())
+                except P.ApiError as e:               # the queue filled up between two choices
+                    yield run.sse(e.body())
+                    break
+            async for event in _job_events(state, run, job):
+                yield event
+            if run.done is None:                     # failed: its error event was sent
+                break
+        for chunk in run.stream_chunks(None):
+            yield run.sse(chunk)
+        yield run.sse_end()
     finally:
         job.cancelled.set()
-        made = len(run.done.stats.generated) if run.done else 0
-        request.state.usage = (len(job.prompt), made)
+        request.state.usage = _usage_pair(runs, job)
         _access_log(state, request, 200, time.monotonic() - getattr(request.state, "t0", time.monotonic()))
+
+
+async def _job_events(state: ServerState, run, job):
+    """One job's events as the run's server-sent events, keep-alive comments between, to its end."""
+    while (item := await _next_event(state, job)) is not None:
+        if item is KEEP_ALIVE:
+            yield item
+            continue
+        for chunk in run.stream_chunks(item):
+            yield run.sse(chunk)
+
+
+KEEP_ALIVE = ": keep-alive\n\n"
+
+
+async def _next_event(state: ServerState, job):
+    try:
+        return await asyncio.wait_for(job.events.get(), timeout=state.keepalive_s)
+    except asyncio.TimeoutError:
+        return KEEP_ALIVE
 
 
 def _status(state: ServerState) -> dict:

@@ -42,7 +42,11 @@ class _Run:
         self.done: Done | None = None
         self.sent_role = False
         self.prompt_tokens = 0
+        self.prompt: list[int] | None = None
         self.logprobs: list = []                   # TokenLogprob of each generated token, when asked
+        self.index = 0                             # this run's choice in the answer
+        self.choices: list = [self]                # the answer's runs, one a choice (share_answer)
+        self.counts_prompt = True                  # the first choice of its prompt: usage counts the prompt
 
     def check_model(self) -> None:
         if self.req.model and self.req.model != self.state.model_name:
@@ -56,7 +60,8 @@ class _Run:
         """The grammar the output must follow (constrained decoding), or None."""
         return None
 
-    def submit(self, loop: asyncio.AbstractEventLoop) -> Job:
+    def prepare(self) -> None:
+        """The prompt's tokens, checked against the context: a 400 before anything runs."""
         prompt = self.prompt_ids()
         self.prompt_tokens = len(prompt)
         ctx = self.engine.cfg.ctx
@@ -65,7 +70,13 @@ class _Run:
             raise P.ApiError(400, context_message(ctx, len(prompt), wanted, self.prompt_field),
                              param=self.prompt_field if len(prompt) >= ctx else "max_tokens",
                              code="context_length_exceeded")
-        job = Job(prompt, P.sampling(self.req, wanted or ctx - len(prompt), self.grammar()), loop)
+        self.prompt = prompt
+
+    def submit(self, loop: asyncio.AbstractEventLoop) -> Job:
+        if self.prompt is None:
+            self.prepare()
+        prompt, wanted = self.prompt, self.max_tokens()
+        job = Job(prompt, P.sampling(self.req, wanted or self.engine.cfg.ctx - len(prompt), self.grammar()), loop)
         try:
             self.state.worker.submit(job)
         except P.ApiError as e:
@@ -94,10 +105,12 @@ class _Run:
         return self.response("".join(e.text for e in events), self.done.finish_reason)
 
     def usage(self) -> dict:
-        s = self.done.stats
-        return {"prompt_tokens": s.prompt_tokens, "completion_tokens": len(s.generated),
-                "total_tokens": s.prompt_tokens + len(s.generated),
-                "prompt_tokens_details": {"cached_tokens": s.cached_tokens}}
+        """The answer's usage: every choice's completion, each prompt once (as OpenAI counts n > 1)."""
+        ran = [r.done.stats for r in self.choices if r.done]
+        prompts = [r.done.stats for r in self.choices if r.done and r.counts_prompt]
+        prompt, made = sum(s.prompt_tokens for s in prompts), sum(len(s.generated) for s in ran)
+        return {"prompt_tokens": prompt, "completion_tokens": made, "total_tokens": prompt + made,
+                "prompt_tokens_details": {"cached_tokens": sum(s.cached_tokens for s in prompts)}}
 
     def chunk(self, choices: list[dict], usage: dict | None = None) -> dict:
         out = {"id": self.id, "object": self.chunk_name, "created": self.created, "model": self.state.model_name,
@@ -156,7 +169,7 @@ class ChatRun(_Run):
         if calls:
             message["tool_calls"] = calls
             finish = "tool_calls" if finish == "stop" else finish
-        choice = {"index": 0, "message": message, "finish_reason": finish}
+        choice = {"index": self.index, "message": message, "finish_reason": finish}
         if self.req.logprobs:
             choice["logprobs"] = {"content": [self.chat_logprob(lp) for lp in self.logprobs]}
         return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.state.model_name,
@@ -173,17 +186,17 @@ class ChatRun(_Run):
         chunks = []
         if not self.sent_role:
             self.sent_role = True
-            chunks.append(self.chunk([{"index": 0, "delta": {"role": "assistant", "content": ""},
+            chunks.append(self.chunk([{"index": self.index, "delta": {"role": "assistant", "content": ""},
                                        "finish_reason": None}]))
         for kind, value in items:
-            chunks.append(self.chunk([{"index": 0, "delta": self._delta(kind, value), "finish_reason": None}]))
+            chunks.append(self.chunk([{"index": self.index, "delta": self._delta(kind, value), "finish_reason": None}]))
         if event.logprob is not None:               # on this event's last delta, or an empty delta
             if not items:
-                chunks.append(self.chunk([{"index": 0, "delta": {}, "finish_reason": None}]))
+                chunks.append(self.chunk([{"index": self.index, "delta": {}, "finish_reason": None}]))
             chunks[-1]["choices"][0]["logprobs"] = {"content": [self.chat_logprob(event.logprob)]}
         if event.finish_reason:
             finish = "tool_calls" if self.parser.calls and event.finish_reason == "stop" else event.finish_reason
-            chunks.append(self.chunk([{"index": 0, "delta": {}, "finish_reason": finish}]))
+            chunks.append(self.chunk([{"index": self.index, "delta": {}, "finish_reason": finish}]))
         return chunks
 
 
@@ -214,7 +227,7 @@ class CompletionRun(_Run):
         if self.req.echo and isinstance(self.req.prompt, str):
             text = self.req.prompt + text
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.state.model_name,
-                "choices": [{"index": 0, "text": text, "finish_reason": finish,
+                "choices": [{"index": self.index, "text": text, "finish_reason": finish,
                              "logprobs": self.completion_logprobs(self.logprobs, len(text) - len(self._generated(text)))}],
                 "usage": self.usage()}
 
@@ -235,5 +248,21 @@ class CompletionRun(_Run):
 
     def event_chunks(self, event) -> list[dict]:
         lps = [event.logprob] if event.logprob is not None else []
-        return [self.chunk([{"index": 0, "text": event.text, "finish_reason": event.finish_reason,
+        return [self.chunk([{"index": self.index, "text": event.text, "finish_reason": event.finish_reason,
                              "logprobs": self.completion_logprobs(lps)}])]
+
+
+def answer_runs(state, run_class, requests: list) -> list:
+    """The runs of one answer: each request's (a completions request's prompt's) n choices in
+    turn, as OpenAI orders them, choice i under the first run's id. The engine holds one sequence,
+    so the choices run one after another; the same prompt again reuses its state, so every choice
+    after a prompt's first costs only its decode."""
+    runs = []
+    for req in requests:
+        for i, choice in enumerate(req.choices()):
+            run = run_class(state, choice)
+            run.counts_prompt = i == 0
+            runs.append(run)
+    for i, run in enumerate(runs):
+        run.index, run.id, run.created, run.choices = i, runs[0].id, runs[0].created, runs
+    return runs

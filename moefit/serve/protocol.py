@@ -8,11 +8,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from moefit.runtime.sampler import SamplingParams
+from moefit.runtime.sampler import SamplingParams, choice_seed
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_DEPTH = 64                 # JSON nesting a request may have: OpenAI bodies need about 8
 SEED_RANGE = (-(2**63), 2**64 - 1)   # what a 64-bit generator seed can hold (OpenAI's is int64)
+MAX_CHOICES = 16               # n: the choices run one after another, each a whole generation
 
 
 class ApiError(Exception):
@@ -53,13 +54,17 @@ class _Sampling(BaseModel):
     repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0)
     seed: int | None = Field(default=None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
     stop: str | list[str] | None = None
-    n: int = Field(default=1, ge=1)
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False          # vLLM's extension: keep going past the end-of-text token
 
     def stops(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+    def choices(self) -> list:
+        """This request once for each of its n choices: n=1, and choice i's seed (choice_seed)."""
+        return [self.model_copy(update={"n": 1, "seed": choice_seed(self.seed, i)}) for i in range(self.n)]
 
 
 class ChatRequest(_Sampling):
@@ -144,8 +149,6 @@ def parse(model_type, raw: bytes):
         err = e.errors()[0]
         field = ".".join(str(x) for x in err["loc"])
         raise ApiError(400, f"{field}: {err['msg']}", param=field) from None
-    if getattr(req, "n", 1) != 1:
-        raise ApiError(400, "n: only n=1 is supported (one engine, one sequence)", param="n")
     if isinstance(req, ChatRequest):
         for i, m in enumerate(req.messages):
             _check_parts(i, m)
