@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from moefit.runtime.sampler import Sampler, SamplingParams
+from moefit.runtime.sampler import Sampler, SamplingParams, choice_seed, uniform
 
 LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0])
 
@@ -82,3 +82,14 @@ def test_a_greedy_draw_reads_the_token_probs_found():
     probs = s.probs(torch.tensor([0.1, 3.0, 2.0, -1.0, 3.5, 0.0]))
     assert s.draw(probs) == 4 and torch.equal(probs, torch.nn.functional.one_hot(torch.tensor(4), 6).float())
     assert s.draw(torch.tensor([0.0, 0.0, 1.0, 0.0, 0.0, 0.0])) == 2
+
+
+def test_a_choices_seed_starts_a_stream_of_its_own():
+    """Choice 0 keeps the request's seed; the others' streams share no stretch with it (a seed
+    of seed + k * golden would be the same stream shifted by k)."""
+    assert choice_seed(None, 2) is None and choice_seed(7, 0) == 7 and choice_seed(-3, 0) == -3
+    seeds = [choice_seed(7, i) for i in range(16)] + [choice_seed(-3, 1), choice_seed(2**64 - 1, 1)]
+    assert len(set(seeds)) == len(seeds) and all(0 <= s < 2**64 for s in seeds[1:])
+    first = [uniform(7, i) for i in range(64)]
+    for s in seeds[1:16]:
+        assert not set(first) & {uniform(s, i) for i in range(64)}
