@@ -149,6 +149,22 @@ def test_a_client_that_disconnects_stops_its_generation(server):
     assert any(0 < x["generated"] < 400 for x in recent)
 
 
+def test_a_side_request_is_answered_while_a_long_generation_goes_on(server):
+    """--sessions 2: a title call takes the other session and its steps alternate with the
+    long generation's, which is still running when it is answered, and ends whole."""
+    body = {"model": "tiny", "prompt": "a", "max_tokens": 400, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+        lines = (line for line in r.iter_lines() if line.startswith("data:"))
+        next(lines)
+        side = server.client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "A title?"}],
+                                                     max_tokens=3, extra_body={"ignore_eos": True})
+        status = httpx.get(server.url + "/v1/status").json()
+        rest = list(lines)
+    assert side.usage.completion_tokens == 3 and status["queue"]["running"] == 1
+    assert rest[-1] == "data: [DONE]" and len(rest) == 400 and json.loads(rest[-2][5:])["choices"][0]["finish_reason"] == "length"
+    assert httpx.get(server.url + "/props").json()["total_slots"] == 2
+
+
 def test_a_full_queue_answers_429_with_retry_after(server):
     body = {"model": "tiny", "prompt": "a", "max_tokens": 300, "ignore_eos": True}
     results = []

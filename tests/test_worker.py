@@ -15,18 +15,24 @@ from moefit.serve.worker import Done, Job, Worker
 
 
 class FakeEngine:
-    """Streams `n` tokens per request; `fail` decides, per request, what to raise."""
+    """Streams `n` tokens per request; `fail` decides, per request, what to raise. A prompt's
+    first token picks its session (of `sessions`); each step notes the session it ran on."""
 
-    def __init__(self):
+    def __init__(self, sessions: int = 1):
         self.fail = None
         self.block = threading.Event()
         self.forwards = 0
         self.prefix_forgotten = 0
-        self.last = SimpleNamespace(first_token_s=0.01, decode_tokens_per_s=100.0, prompt_tokens=1, generated=[1, 2],
-                                    cached_tokens=0)
+        last = lambda: SimpleNamespace(first_token_s=0.01, decode_tokens_per_s=100.0, prompt_tokens=1,  # noqa: E731
+                                       generated=[1, 2], cached_tokens=0)
+        self.sessions = [SimpleNamespace(last=last()) for _ in range(sessions)]
+        self.steps = []                          # (session index, token index) of each step, in order
         self.runner = SimpleNamespace(slots={})
 
-    def stream(self, prompt, params, cancelled):
+    def session_for(self, prompt):
+        return self.sessions[prompt[0] % len(self.sessions)]
+
+    def stream(self, prompt, params, cancelled, session=None):
         if self.fail == "block":
             self.block.wait(10)
         elif self.fail is not None:
@@ -34,6 +40,7 @@ class FakeEngine:
         for i in range(params.max_tokens):
             time.sleep(0.005)
             self.forwards += 1
+            self.steps.append((next(k for k, s in enumerate(self.sessions) if s is session), i))
             last = i == params.max_tokens - 1
             yield SimpleNamespace(token=i, text="x", finish_reason="length" if last else None)
             if cancelled() and not last:
@@ -44,11 +51,11 @@ class FakeEngine:
         self.prefix_forgotten += 1
 
 
-def run_jobs(worker, *max_tokens):
+def run_jobs(worker, *max_tokens, prompts=None):
     """Submit jobs and collect every item each one receives, until its closing None."""
     async def go():
         loop = asyncio.get_running_loop()
-        jobs = [Job([1], SamplingParams(max_tokens=n), loop) for n in max_tokens]
+        jobs = [Job(p, SamplingParams(max_tokens=n), loop) for n, p in zip(max_tokens, prompts or [[1]] * len(max_tokens))]
         for job in jobs:
             worker.submit(job)
 
@@ -61,9 +68,9 @@ def run_jobs(worker, *max_tokens):
     return asyncio.run(go())
 
 
-@pytest.fixture
-def made():
-    engine = FakeEngine()
+@pytest.fixture(params=[1])
+def made(request):
+    engine = FakeEngine(request.param)
     died = []
     worker = Worker(engine, SimpleNamespace(before_request=lambda: None), Metrics(), max_queue=4, stall_s=0.6,
                     on_fatal=died.append)
@@ -116,3 +123,33 @@ def test_retry_after_follows_the_measured_request_time(made):
     assert worker.retry_after_s() == 1                         # requests of ~25 ms: a place frees within 1 s
     worker._mean_s = 7.2
     assert worker.retry_after_s() == 8
+
+
+@pytest.mark.parametrize("made", [2], indirect=True)
+def test_requests_on_two_sessions_take_their_steps_in_turn(made):
+    """A short side request on the other session is answered while a long one goes on."""
+    engine, worker, died = made
+    long, short = run_jobs(worker, 60, 5, prompts=[[0], [1]])
+    assert isinstance(long[-1], Done) and isinstance(short[-1], Done) and len(long) == 61
+    ones = [i for i, (s, _) in enumerate(engine.steps) if s == 1]
+    assert ones[0] < 10 and ones == [ones[0] + 2 * j for j in range(5)]   # alternating with the long one
+    assert worker.running == [] and not died
+
+
+@pytest.mark.parametrize("made", [2], indirect=True)
+def test_a_request_waits_for_its_own_session_and_others_pass_it(made):
+    """Two requests for session 0 run one after the other; one for session 1 runs beside them."""
+    engine, worker, died = made
+    first, second, other = run_jobs(worker, 20, 3, 3, prompts=[[0], [2], [1]])
+    assert all(isinstance(items[-1], Done) for items in (first, second, other))
+    on0 = [i for s, i in engine.steps if s == 0]
+    assert on0 == list(range(20)) + list(range(3))                       # the second after the first, whole
+    assert engine.steps.index((1, 2)) < engine.steps.index((0, 19))       # the other did not wait for them
+
+
+@pytest.mark.parametrize("made", [2], indirect=True)
+def test_a_wedged_engine_answers_every_running_request(made):
+    engine, worker, died = made
+    engine.fail = "block"
+    items = run_jobs(worker, 3, 3, prompts=[[0], [1]])
+    assert all(i[-1].status == 503 and i[-1].code == "stalled" for i in items) and died

@@ -245,11 +245,17 @@ class Engine:
             raise UsageError(f"the prompt has {len(prompt)} tokens; the context holds {self.cfg.ctx} "
                              "(one more is needed to generate)")
 
-    def stream(self, prompt: list[int], params: SamplingParams,
-               cancelled: Callable[[], bool] = lambda: False) -> Iterator[Event]:
-        """Generate from prompt token ids; yields text deltas, the last one with its finish reason."""
+    def session_for(self, prompt: list[int]) -> Session:
+        """The session a prompt runs on (runtime/session.py's session_for)."""
+        return session_for(self.sessions, prompt)
+
+    def stream(self, prompt: list[int], params: SamplingParams, cancelled: Callable[[], bool] = lambda: False,
+               session: Session | None = None) -> Iterator[Event]:
+        """Generate from prompt token ids on `session` (by default the one session_for picks); yields
+        text deltas, the last one with its finish reason. Other streams' steps, on other sessions,
+        may run between two of its steps (serve's worker interleaves them)."""
         self.check_request(prompt, params)
-        self.session = session_for(self.sessions, prompt)
+        self.session = session = session or self.session_for(prompt)
         self.requests += 1
         self.session.used = self.requests
         stats = self.last = RequestStats(prompt_tokens=len(prompt))
@@ -258,7 +264,7 @@ class Engine:
         detok, stops = Detokenizer(self.codec), StopMatcher(params.stop)
         budget = min(params.max_tokens, self.cfg.ctx - len(prompt))
         t0 = time.perf_counter()
-        tokens = token_stream(self, prompt, sampler, budget)
+        tokens = _pinned(self, session, token_stream(self, prompt, sampler, budget))
         try:
             for token, logits in tokens:
                 lp = _logprob(token, logits, params.logprobs)
@@ -310,6 +316,20 @@ class Engine:
 
     def save_profile(self) -> None:
         self.runner.profile.save(self.pack.profile_path)
+
+
+def _pinned(engine: Engine, session: Session, steps: Iterator) -> Iterator:
+    """steps' items, each made with `session` as the engine's, whatever ran between two of them."""
+    try:
+        while True:
+            engine.session = session
+            try:
+                item = next(steps)
+            except StopIteration:
+                return
+            yield item
+    finally:
+        steps.close()
 
 
 def _logprob(token: int, logits: torch.Tensor, top: int | None) -> TokenLogprob | None:

@@ -160,7 +160,8 @@ def _routes(app: FastAPI, state: ServerState) -> None:
         """llama.cpp's server properties: agent clients read the context length here."""
         _ready(state)
         return {"n_ctx": state.engine.cfg.ctx, "model_alias": state.model_name, "build_info": f"moefit {__version__}",
-                "default_generation_settings": {"n_ctx": state.engine.cfg.ctx}, "total_slots": 1}
+                "default_generation_settings": {"n_ctx": state.engine.cfg.ctx},
+                "total_slots": len(state.engine.sessions)}
 
     @app.get("/version")
     async def version():
@@ -359,7 +360,7 @@ def _status(state: ServerState) -> dict:
     out["guard"] = {"warnings": state.guard.warnings, "resizes": state.guard.resizes,
                     "floor_bytes": state.guard.floor_bytes,
                     "events": [e.__dict__ for e in state.guard.events[-50:]]}
-    out["queue"] = {"running": int(state.worker.running is not None), "waiting": len(state.worker.waiting),
+    out["queue"] = {"running": len(state.worker.running), "waiting": len(state.worker.waiting),
                     "max": state.worker.max_queue}
     out["recent_requests"] = [r.__dict__ for r in list(state.worker.recent)[-50:]]
     out["kv_cache"] = {"tokens": state.engine.context_tokens(), "ctx": state.engine.cfg.ctx}

@@ -63,7 +63,7 @@ class Metrics:
         book = engine.cache
         gauge = lambda n, v, t="gauge": [f"# TYPE {n} {t}", f"{n} {v}"]  # noqa: E731
         with self._lock:
-            lines = gauge("vllm:num_requests_running", int(worker.running is not None))
+            lines = gauge("vllm:num_requests_running", len(worker.running))
             lines += gauge("vllm:num_requests_waiting", len(worker.waiting))
             lines += gauge("vllm:prompt_tokens_total", self.prompt_tokens, "counter")
             lines += gauge("vllm:generation_tokens_total", self.generation_tokens, "counter")

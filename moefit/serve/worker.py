@@ -1,11 +1,15 @@
 """One engine, one thread, a bounded FIFO queue, supervised.
 
-Requests run one at a time; each job's events are handed to its asyncio queue. A cancelled
-job stops within one decode step. An exception while serving fails that request only
-(OpenAI-shaped 4xx/5xx) and the engine goes on. When the engine cannot go on (its thread
-died, the device reports a sticky error, or a forward made no progress for `stall_s`),
-the worker is *dead*: every waiting request is answered 503, `/health` says 503, and
-`on_fatal` tells the server to exit non-zero so a service manager restarts it.
+Requests run on the engine's sessions (--sessions N): up to N at once, each on its own session,
+their steps taken in turn (a prefill, then one decode step or speculative window each), so a
+short side request is answered while a long generation goes on rather than after it. A request
+waits for the session it would reuse most (runtime/session.py's session_for) to be free, and
+the others may pass it meanwhile. Each job's events are handed to its asyncio queue. A
+cancelled job stops within one decode step. An exception while serving fails that request only
+(OpenAI-shaped 4xx/5xx) and the engine goes on. When the engine cannot go on (its thread died,
+the device reports a sticky error, or a forward made no progress for `stall_s`), the worker is
+*dead*: every waiting and running request is answered 503, `/health` says 503, and `on_fatal`
+tells the server to exit non-zero so a service manager restarts it.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 from moefit.errors import DeviceOutOfMemory, DeviceUnavailable, MoefitError, UsageError
 from moefit.runtime.sampler import SamplingParams
@@ -53,6 +57,16 @@ class Job:
 
 
 @dataclass
+class Running:
+    """A job on its session: the engine's stream of its events, stepped by the engine thread."""
+    job: Job
+    session: object
+    events: Iterator = None
+    started: float = field(default_factory=time.monotonic)
+    stats: object = None
+
+
+@dataclass
 class Recent:
     time: float
     ttft_s: float
@@ -72,7 +86,7 @@ class Worker:
         self.engine, self.guard, self.metrics = engine, guard, metrics
         self.max_queue, self.stall_s, self.on_fatal = max_queue, stall_s, on_fatal
         self.waiting: deque[Job] = deque()
-        self.running: Job | None = None
+        self.running: list[Running] = []          # at most one a session, stepped in turn
         self.recent: deque[Recent] = deque(maxlen=100)
         self.fatal: str | None = None
         self.draining = False
@@ -129,16 +143,6 @@ class Worker:
         return not self.thread.is_alive()
 
     # -- the engine thread ------------------------------------------------------------
-    def _next(self) -> Job | None:
-        with self._cv:
-            while not self.waiting and not self._stop:
-                self._cv.wait()
-            if self._stop:
-                return None
-            self.running = self.waiting.popleft()
-            self._beat = time.monotonic()
-            return self.running
-
     def _supervised(self) -> None:
         try:
             self._loop()
@@ -147,45 +151,78 @@ class Worker:
             self._die(f"the engine thread died ({type(e).__name__}: {e})")
 
     def _loop(self) -> None:
-        while (job := self._next()) is not None:
-            try:
-                if not job.cancelled.is_set():
-                    self._run(job)
-            finally:
-                job.put(None)
-                with self._cv:
-                    self.running = None
-            if self.fatal:
-                return
+        while self._admit() and not self.fatal:
+            for run in list(self.running):
+                self._step(run)
+                if self.fatal:
+                    return
 
-    def _run(self, job: Job) -> None:
-        t0 = time.monotonic()
+    def _admit(self) -> bool:
+        """Waiting jobs onto free sessions (each job waits for its own); blocks while nothing
+        runs or waits. False: stop."""
+        with self._cv:
+            while not self.running and not self.waiting and not self._stop:
+                self._cv.wait()
+            if self._stop and not self.running:
+                return False
+            busy = {id(r.session) for r in self.running}
+            for job in [] if self._stop else list(self.waiting):
+                session = self.engine.session_for(job.prompt)
+                if id(session) not in busy:
+                    self.waiting.remove(job)
+                    busy.add(id(session))
+                    self.running.append(Running(job, session))
+                    self._beat = time.monotonic()
+        return True
+
+    def _step(self, run: Running) -> None:
+        """One item of a running job: its first step starts it (a cancelled job ends unstarted)."""
+        if run.events is None:
+            if run.job.cancelled.is_set():
+                return self._end(run, None)
+            run.events = self._events(run)
         try:
-            stats, status = self._generate(job), 200
+            item = next(run.events)
+        except StopIteration:
+            return self._end(run, 200)
         except ApiError as e:
-            stats, status = None, e.status
-            job.put(e)
-        self._mean_s = (time.monotonic() - t0) if not self._mean_s else 0.8 * self._mean_s + 0.2 * (
-            time.monotonic() - t0)
-        self.metrics.finished(stats, status, time.monotonic() - t0)
-        if stats is not None:
-            self.recent.append(Recent(time.time(), stats.first_token_s, stats.decode_tokens_per_s,
-                                      stats.prompt_tokens, len(stats.generated), status))
+            run.job.put(e)
+            return self._end(run, e.status)
+        if isinstance(item, Done):
+            run.stats = item.stats
+        run.job.put(item)
 
-    def _generate(self, job: Job):
-        """Run one job; every failure becomes the ApiError this request is answered with."""
+    def _end(self, run: Running, status: int | None) -> None:
+        if run.events is not None:
+            run.events.close()
+        run.job.put(None)
+        with self._cv:
+            self.running.remove(run)
+            self._cv.notify()
+        if status is None:
+            return
+        took = time.monotonic() - run.started
+        self._mean_s = took if not self._mean_s else 0.8 * self._mean_s + 0.2 * took
+        self.metrics.finished(run.stats, status, took)
+        if run.stats is not None:
+            s = run.stats
+            self.recent.append(Recent(time.time(), s.first_token_s, s.decode_tokens_per_s, s.prompt_tokens,
+                                      len(s.generated), status))
+
+    def _events(self, run: Running) -> Iterator:
+        """A job's events, then its Done; every failure becomes the ApiError this request is answered with."""
+        job = run.job
         try:
             self.guard.before_request()
             finish = None
             stop = lambda: job.cancelled.is_set() or self.draining  # noqa: E731
-            for event in self.engine.stream(job.prompt, job.params, cancelled=stop):
+            for event in self.engine.stream(job.prompt, job.params, cancelled=stop, session=run.session):
                 self._beat = time.monotonic()
                 if event.finish_reason == "cancelled" and self.draining:
                     event.finish_reason = SHUTDOWN_REASON
-                job.put(event)
                 finish = event.finish_reason or finish
-            job.put(Done(self.engine.last, finish))
-            return self.engine.last
+                yield event
+            yield Done(run.session.last, finish)
         except DeviceOutOfMemory as e:
             self.guard.after_oom(e)
             raise ApiError(503, f"the device ran out of memory during this request ({e}); the expert cache "
@@ -201,7 +238,7 @@ class Worker:
             self.engine.forget_prefix()
             raise ApiError(500, str(e), kind="server_error") from None
         except Exception as e:                      # the supervision boundary: one request fails, not the server
-            return self._failed(e)
+            self._failed(e)                         # raises the ApiError
 
     def _failed(self, e: Exception):
         log.exception("request failed inside the engine")
@@ -214,15 +251,17 @@ class Worker:
                        kind="server_error") from None
 
     # -- death and the watchdog -------------------------------------------------------
-    def _die(self, reason: str) -> None:
+    def _die(self, reason: str, message: str | None = None, code: str = "unavailable") -> None:
+        """Nothing will serve again: every waiting and running request is answered 503."""
         with self._cv:
             if self.fatal:
                 return
             self.fatal = reason
-            waiting, self.waiting = list(self.waiting), deque()
+            jobs = [r.job for r in self.running] + list(self.waiting)
+            self.waiting = deque()
         log.error("moefit cannot go on: %s", reason)
-        for job in waiting:
-            job.put(ApiError(503, f"the server is down ({reason})", kind="server_error", code="unavailable"))
+        for job in jobs:
+            job.put(ApiError(503, message or f"the server is down ({reason})", kind="server_error", code=code))
             job.put(None)
         self.on_fatal(reason)
 
@@ -233,9 +272,6 @@ class Worker:
             time.sleep(min(1.0, self.stall_s / 4))
             if self.engine.forwards != forwards:       # a prefill chunk counts as progress
                 forwards, self._beat = self.engine.forwards, time.monotonic()
-            running = self.running
-            if running is not None and time.monotonic() - self._beat > self.stall_s:
-                self._die(f"a request made no progress for {self.stall_s:.0f} s (the engine is wedged)")
-                running.put(ApiError(503, "the engine stopped making progress; the server is restarting",
-                                     kind="server_error", code="stalled"))
-                running.put(None)
+            if self.running and time.monotonic() - self._beat > self.stall_s:
+                self._die(f"a request made no progress for {self.stall_s:.0f} s (the engine is wedged)",
+                          "the engine stopped making progress; the server is restarting", code="stalled")
