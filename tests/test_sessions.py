@@ -7,7 +7,7 @@ import pytest
 from moefit.config import ServeConfig
 from moefit.errors import UsageError
 from moefit.memory import ledger as L
-from moefit.runtime.engine import Engine
+from moefit.runtime.engine import PAUSE, Engine
 from moefit.runtime.sampler import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -36,29 +36,33 @@ def test_two_conversations_interleaved_each_resume_where_they_were(family, packs
 
 
 def stepped_in_turn(engine, prompts, params) -> list[list[int]]:
-    """Each prompt on a session of its own, their streams' steps taken in turn (serve's worker)."""
-    streams = [engine.stream(p, params, session=engine.sessions[i]) for i, p in enumerate(prompts)]
-    live = list(range(len(streams)))
+    """Each prompt on a session of its own, their streams' steps (prefill chunks, decode steps,
+    windows) taken in turn, as serve's worker takes them."""
+    streams = [engine.stream(p, params, session=engine.sessions[i], pauses=True) for i, p in enumerate(prompts)]
+    live, engine.pauses = list(range(len(streams))), [0] * len(prompts)
     while live:
         for i in list(live):
-            if next(streams[i], None) is None:
+            event = next(streams[i], None)
+            if event is None:
                 live.remove(i)
+            engine.pauses[i] += event is PAUSE
     return [engine.sessions[i].last.generated for i in range(len(prompts))]
 
 
 @pytest.mark.parametrize("family,spec", [("qwen3_moe", "lookup"), ("qwen3_5_moe", "lookup"), ("qwen3_next", "off"),
                                          ("gpt_oss", "lookup"), ("deepseek_v3", "lookup")])
 def test_requests_stepped_in_turn_give_what_each_gives_alone(family, spec, packs):
-    """Two conversations' steps interleaved (a prefill, decode steps, speculative windows with
-    their DeltaNet checkpoints), then their next turns: every token as each alone gives it."""
+    """Two conversations' steps interleaved (a prompt's prefill chunks, decode steps, speculative
+    windows with their DeltaNet checkpoints), then their next turns: every token as each alone
+    gives it."""
     pack = packs(family)
     for params in (GREEDY, SamplingParams(max_tokens=12, temperature=1.0, seed=3, ignore_eos=True)):
-        alone = Engine.open(pack, ServeConfig(ctx=128, spec=spec))
+        alone = Engine.open(pack, ServeConfig(ctx=128, spec=spec, prefill_chunk=16))
         main, side = (alone.generate(p, params)[1].generated for p in (MAIN, SIDE))
         nexts = [MAIN + main + [11, 12], SIDE + side + [13]]
         want = [alone.generate(p, params)[1].generated for p in nexts]
-        engine = Engine.open(pack, ServeConfig(ctx=128, sessions=2, spec=spec))
-        assert stepped_in_turn(engine, [MAIN, SIDE], params) == [main, side]
+        engine = Engine.open(pack, ServeConfig(ctx=128, sessions=2, spec=spec, prefill_chunk=16))
+        assert stepped_in_turn(engine, [MAIN, SIDE], params) == [main, side] and engine.pauses == [2, 0]
         assert stepped_in_turn(engine, nexts, params) == want
         assert [s.last.cached_tokens for s in engine.sessions] == [len(MAIN) + len(main) - 1, len(SIDE) + len(side) - 1]
 

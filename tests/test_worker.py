@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from moefit.runtime.engine import PAUSE
 from moefit.runtime.sampler import SamplingParams
 from moefit.serve.metrics import Metrics
 from moefit.serve.protocol import ApiError
@@ -32,11 +33,13 @@ class FakeEngine:
     def session_for(self, prompt):
         return self.sessions[prompt[0] % len(self.sessions)]
 
-    def stream(self, prompt, params, cancelled, session=None):
+    def stream(self, prompt, params, cancelled, session=None, pauses=False):
         if self.fail == "block":
             self.block.wait(10)
         elif self.fail is not None:
             raise self.fail
+        if pauses:
+            yield PAUSE                          # a prefill chunk: the worker sends nothing for it
         for i in range(params.max_tokens):
             time.sleep(0.005)
             self.forwards += 1

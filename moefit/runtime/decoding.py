@@ -18,11 +18,14 @@ from moefit.runtime.sampler import Sampler
 from moefit.runtime.speculative import NgramIndex
 
 
+CHUNK_DONE = object()      # between two of a prompt's prefill forwards: another session's step may run here
+
+
 def token_stream(engine, prompt: list[int], sampler: Sampler, budget: int) -> Iterator[tuple[int, torch.Tensor]]:
-    """Yield (token, the logits [V] it was drawn from); at most `budget` tokens. The caller
-    stops early by closing it."""
+    """Yield (token, the logits [V] it was drawn from), CHUNK_DONE between a long prompt's prefill
+    chunks; at most `budget` tokens. The caller stops early by closing it."""
     session = engine.session
-    logits, session.last.cached_tokens = engine.prefill(prompt)
+    logits, session.last.cached_tokens = yield from engine.prefill_steps(prompt)
     token = _take(sampler, sampler.probs(logits))
     yield token, logits
     produced, pos = 1, len(prompt)

@@ -29,7 +29,7 @@ from moefit.runtime.loader import Loaded, load
 from moefit.runtime.recurrent_state import StateLost
 from moefit.runtime import decode_graphs
 from moefit.runtime.decode_graphs import DecodeGraphs
-from moefit.runtime.decoding import token_stream
+from moefit.runtime.decoding import CHUNK_DONE, token_stream
 from moefit.runtime.draft_head import load_draft_head
 from moefit.runtime.grammar import Constraint, GrammarTokenizer
 from moefit.runtime.mtp import load_mtp
@@ -52,6 +52,9 @@ class Event:
     text: str
     finish_reason: str | None = None       # stop | length | cancelled
     logprob: TokenLogprob | None = None    # when the request asked for logprobs
+
+
+PAUSE = Event(None, "")      # stream(pauses=True): a prompt's prefill chunk done, nothing to send
 
 
 def _session_field(name: str) -> property:
@@ -192,6 +195,15 @@ class Engine:
     def prefill(self, prompt: list[int]) -> tuple[torch.Tensor, int]:
         """Logits of the last prompt token, reusing the session's sequence state for the longest
         common prefix it can resume at; returns (logits [V], reused tokens)."""
+        steps = self.prefill_steps(prompt)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+
+    def prefill_steps(self, prompt: list[int]) -> Iterator:
+        """prefill, yielding CHUNK_DONE between its chunks (returns what prefill returns)."""
         reuse = common_prefix(self.kv_tokens, prompt)
         if reuse == len(prompt) and (logits := self._prompt_again(prompt)) is not None:
             return logits, reuse
@@ -203,6 +215,8 @@ class Engine:
         chunk = self.cfg.prefill_chunk
         logits = None
         for start in range(reuse, len(prompt), chunk):
+            if start > reuse:
+                yield CHUNK_DONE
             piece = prompt[start:start + chunk]
             with kernels.torch_threads(dense.prompt_sized(len(piece))):   # large torch ops: all the threads
                 logits = self.forward(piece, start, last_only=True)[0]
@@ -250,10 +264,11 @@ class Engine:
         return session_for(self.sessions, prompt)
 
     def stream(self, prompt: list[int], params: SamplingParams, cancelled: Callable[[], bool] = lambda: False,
-               session: Session | None = None) -> Iterator[Event]:
+               session: Session | None = None, pauses: bool = False) -> Iterator[Event]:
         """Generate from prompt token ids on `session` (by default the one session_for picks); yields
-        text deltas, the last one with its finish reason. Other streams' steps, on other sessions,
-        may run between two of its steps (serve's worker interleaves them)."""
+        text deltas, the last one with its finish reason, and with `pauses` PAUSE between a long
+        prompt's prefill chunks. Other streams' steps, on other sessions, may run between two of
+        its steps (serve's worker interleaves them)."""
         self.check_request(prompt, params)
         self.session = session = session or self.session_for(prompt)
         self.requests += 1
@@ -266,7 +281,12 @@ class Engine:
         t0 = time.perf_counter()
         tokens = _pinned(self, session, token_stream(self, prompt, sampler, budget))
         try:
-            for token, logits in tokens:
+            for item in tokens:
+                if item is CHUNK_DONE:
+                    if pauses:
+                        yield PAUSE
+                    continue
+                token, logits = item
                 lp = _logprob(token, logits, params.logprobs)
                 stats.generated.append(token)
                 if len(stats.generated) == 1:

@@ -1,7 +1,7 @@
 """One engine, one thread, a bounded FIFO queue, supervised.
 
 Requests run on the engine's sessions (--sessions N): up to N at once, each on its own session,
-their steps taken in turn (a prefill, then one decode step or speculative window each), so a
+their steps taken in turn (a prefill chunk, a decode step or a speculative window each), so a
 short side request is answered while a long generation goes on rather than after it. A request
 waits for the session it would reuse most (runtime/session.py's session_for) to be free, and
 the others may pass it meanwhile. Each job's events are handed to its asyncio queue. A
@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from moefit.errors import DeviceOutOfMemory, DeviceUnavailable, MoefitError, UsageError
+from moefit.runtime.engine import PAUSE
 from moefit.runtime.sampler import SamplingParams
 from moefit.serve.protocol import ApiError
 
@@ -190,7 +191,8 @@ class Worker:
             return self._end(run, e.status)
         if isinstance(item, Done):
             run.stats = item.stats
-        run.job.put(item)
+        if item is not PAUSE:                      # a prefill chunk done: the other sessions' turn
+            run.job.put(item)
 
     def _end(self, run: Running, status: int | None) -> None:
         if run.events is not None:
@@ -216,7 +218,7 @@ class Worker:
             self.guard.before_request()
             finish = None
             stop = lambda: job.cancelled.is_set() or self.draining  # noqa: E731
-            for event in self.engine.stream(job.prompt, job.params, cancelled=stop, session=run.session):
+            for event in self.engine.stream(job.prompt, job.params, cancelled=stop, session=run.session, pauses=True):
                 self._beat = time.monotonic()
                 if event.finish_reason == "cancelled" and self.draining:
                     event.finish_reason = SHUTDOWN_REASON
