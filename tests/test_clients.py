@@ -271,3 +271,20 @@ def test_a_forced_tool_call_has_arguments_valid_for_its_schema(server):
     with pytest.raises(openai.BadRequestError):
         server.openai.chat.completions.create(model="tiny", messages=hi, tools=tools, max_tokens=5,
                                               tool_choice={"type": "function", "function": {"name": "nope"}})
+
+
+def test_a_logit_bias_forces_a_token_and_a_bad_one_is_a_400(server, qwen3_tokenizer_dir):
+    from transformers import PreTrainedTokenizerFast
+    tok = PreTrainedTokenizerFast.from_pretrained(qwen3_tokenizer_dir)
+    [token] = tok.encode(" lantern")
+    for n in (1, 2):
+        r = server.openai.completions.create(model="tiny", prompt="A river", max_tokens=4, temperature=1.0, n=n,
+                                             logit_bias={str(token): 100}, extra_body={"ignore_eos": True})
+        assert [c.text for c in r.choices] == [" lantern" * 4] * n
+    chat = server.openai.chat.completions.create(model="tiny", messages=HI, max_tokens=3, temperature=0,
+                                                 logit_bias={str(token): 100}, extra_body={"ignore_eos": True})
+    assert chat.choices[0].message.content == " lantern" * 3
+    for bias in ({"lantern": 5}, {"999999999": 5}, {str(token): 101}):
+        with pytest.raises(openai.BadRequestError) as e:
+            server.openai.completions.create(model="tiny", prompt="a", max_tokens=1, logit_bias=bias)
+        assert e.value.body["param"] == "logit_bias"

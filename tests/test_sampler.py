@@ -93,3 +93,16 @@ def test_a_choices_seed_starts_a_stream_of_its_own():
     first = [uniform(7, i) for i in range(64)]
     for s in seeds[1:16]:
         assert not set(first) & {uniform(s, i) for i in range(64)}
+
+
+def test_a_logit_bias_bans_or_forces_a_token_greedy_or_sampled():
+    logits = torch.tensor([0.0, 3.0, 1.0, 2.0])
+    banned = SamplingParams(temperature=0, logit_bias=((1, -100.0),))
+    assert Sampler(banned, [0], 4).next(logits) == 3
+    for seed in range(8):
+        forced = SamplingParams(temperature=1.0, seed=seed, logit_bias=((0, 100.0),))
+        assert Sampler(forced, [0], 4).next(logits) == 0
+    nudged = Sampler(SamplingParams(temperature=1.0, logit_bias=((2, 1.0),)), [0], 4).probs(logits)
+    assert nudged[2] == pytest.approx(nudged[3])                       # 1 + 1 against 2
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias=((1, 101.0),)).check()

@@ -132,6 +132,19 @@ def test_a_seed_gives_the_same_text_with_and_without_speculation(spec, checkpoin
     assert other != want
 
 
+@pytest.mark.parametrize("temperature", [0, 0.7])
+def test_a_logit_bias_is_drawn_with_alike_with_and_without_speculation(temperature, packs):
+    """The bias is the sampler's: a verify window's positions are drawn from biased logits too.
+    Banning the plain output's first tokens changes it; the same bias with windows gives the same."""
+    params = SamplingParams(max_tokens=30, temperature=temperature, seed=5, ignore_eos=True)
+    _, plain = run(packs("qwen3_moe", "int8"), params=params)
+    biased = SamplingParams(**{**params.__dict__, "logit_bias": ((plain[0], -100.0), (plain[1], -100.0), (7, 2.0))})
+    _, want = run(packs("qwen3_moe", "int8"), params=biased)
+    engine, got = run(packs("qwen3_moe", "int8"), params=biased, spec="lookup", spec_window=4)
+    assert want[0] != plain[0] and plain[0] not in want and plain[1] not in want
+    assert engine.spec_stats.windows > 0 and got == want
+
+
 def test_the_window_turns_off_when_nothing_is_accepted_and_probes_later():
     w = Window(k_max=4, cooldown=3)
     assert w.size() == 0                                   # first a plain step, to know what a window costs

@@ -1,4 +1,4 @@
-"""Sampling: penalties, temperature, top-k, top-p, min-p, seeded draws; greedy at T=0.
+"""Sampling: penalties, logit bias, temperature, top-k, top-p, min-p, seeded draws; greedy at T=0.
 
 Penalties follow their usual definitions: repetition (CTRL, over prompt and output),
 presence and frequency (OpenAI, over the output only).
@@ -31,6 +31,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None           # None: none; N: the chosen token's and the top N
     grammar: str | None = None            # an llguidance grammar the output must follow (runtime/grammar.py)
+    logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias added to its logit before the draw)
 
     @property
     def greedy(self) -> bool:
@@ -42,7 +43,8 @@ class SamplingParams:
                  ("top_k", self.top_k >= 0), ("min_p", 0 <= self.min_p <= 1),
                  ("repetition_penalty", 0 < self.repetition_penalty <= 10),
                  ("presence_penalty", -2 <= self.presence_penalty <= 2),
-                 ("frequency_penalty", -2 <= self.frequency_penalty <= 2), ("max_tokens", self.max_tokens >= 1)]
+                 ("frequency_penalty", -2 <= self.frequency_penalty <= 2), ("max_tokens", self.max_tokens >= 1),
+                 ("logit_bias", all(t >= 0 and -100 <= b <= 100 for t, b in self.logit_bias))]
         for name, ok in rules:
             if not ok:
                 raise ValueError(f"{name}={getattr(self, name)} is out of range")
@@ -60,6 +62,9 @@ class Sampler:
         self.seen[torch.tensor(prompt_ids, dtype=torch.long)] = True
         self.counts = torch.zeros(vocab_size, dtype=torch.float32)
         self._top, self._one_hot = -1, None          # greedy: the last probs() made and its token
+        biased = params.logit_bias
+        self.bias_ids = torch.tensor([t for t, _ in biased], dtype=torch.long)
+        self.bias = torch.tensor([b for _, b in biased], dtype=torch.float32)
 
     def accept(self, token: int) -> None:
         if self.constraint is not None:
@@ -77,7 +82,10 @@ class Sampler:
             logits = self.constraint.mask(logits.cpu())
         if self.seen.device != logits.device:
             self.seen, self.counts = self.seen.to(logits.device), self.counts.to(logits.device)
+            self.bias_ids, self.bias = self.bias_ids.to(logits.device), self.bias.to(logits.device)
         logits = self._penalised(logits)
+        if len(self.bias):                               # logit_bias (OpenAI's): after the penalties, before the rest
+            logits = logits.index_add(0, self.bias_ids, self.bias)
         if self.p.greedy:
             self._top = int(logits.argmax())             # draw reads it back (an argmax of 151,936 is ~0.15 ms)
             self._one_hot = torch.zeros(logits.shape[-1], device=logits.device)

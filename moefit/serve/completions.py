@@ -61,7 +61,7 @@ class _Run:
         return None
 
     def prepare(self) -> None:
-        """The prompt's tokens, checked against the context: a 400 before anything runs."""
+        """The prompt's tokens, checked against the context, and the sampling: a 400 before anything runs."""
         prompt = self.prompt_ids()
         self.prompt_tokens = len(prompt)
         ctx = self.engine.cfg.ctx
@@ -71,12 +71,13 @@ class _Run:
                              param=self.prompt_field if len(prompt) >= ctx else "max_tokens",
                              code="context_length_exceeded")
         self.prompt = prompt
+        vocab = self.engine.pack.model.vocab_size
+        self.params = P.sampling(self.req, wanted or ctx - len(prompt), self.grammar(), vocab)
 
     def submit(self, loop: asyncio.AbstractEventLoop) -> Job:
         if self.prompt is None:
             self.prepare()
-        prompt, wanted = self.prompt, self.max_tokens()
-        job = Job(prompt, P.sampling(self.req, wanted or self.engine.cfg.ctx - len(prompt), self.grammar()), loop)
+        job = Job(self.prompt, self.params, loop)
         try:
             self.state.worker.submit(job)
         except P.ApiError as e:

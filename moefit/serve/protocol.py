@@ -58,6 +58,21 @@ class _Sampling(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False          # vLLM's extension: keep going past the end-of-text token
+    logit_bias: dict[str, float] | None = None
+
+    def bias_pairs(self, vocab: int) -> tuple[tuple[int, float], ...]:
+        """logit_bias as (token id, bias) pairs; a key that is no token id of this model, or a bias
+        outside [-100, 100], is a 400 naming it."""
+        pairs = []
+        for key, bias in (self.logit_bias or {}).items():
+            if not (key.strip().isdigit() and int(key) < vocab):
+                raise ApiError(400, f"logit_bias: {key!r} is not a token id of this model (0 to {vocab - 1})",
+                               param="logit_bias")
+            if not -100 <= bias <= 100:
+                raise ApiError(400, f"logit_bias: the bias of token {key} is {bias}, outside [-100, 100]",
+                               param="logit_bias")
+            pairs.append((int(key), float(bias)))
+        return tuple(pairs)
 
     def stops(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -170,12 +185,13 @@ def _check_parts(i: int, m: Message) -> None:
             raise ApiError(400, f"{where}: {what} is not supported: this model reads text only", param=where)
 
 
-def sampling(req: _Sampling, max_tokens: int, grammar: str | None = None) -> SamplingParams:
+def sampling(req: _Sampling, max_tokens: int, grammar: str | None = None, vocab: int = 0) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                           min_p=req.min_p, repetition_penalty=req.repetition_penalty,
                           presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                           seed=req.seed, stop=req.stops(), ignore_eos=req.ignore_eos,
-                          logprobs=req.logprob_count() if hasattr(req, "logprob_count") else None, grammar=grammar)
+                          logprobs=req.logprob_count() if hasattr(req, "logprob_count") else None, grammar=grammar,
+                          logit_bias=req.bias_pairs(vocab) if getattr(req, "logit_bias", None) else ())
 
 
 def message_dicts(messages: list[Message]) -> list[dict[str, Any]]:
