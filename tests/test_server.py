@@ -74,6 +74,27 @@ def test_the_tool_schema_is_rendered_into_the_prompt(server, qwen3_tokenizer_dir
     assert r.usage.prompt_tokens < want
 
 
+def test_the_chat_templates_variables_reach_it(server, qwen3_tokenizer_dir):
+    """vLLM's chat_template_kwargs (Qwen3's enable_thinking), the Responses API's reasoning effort
+    and Anthropic's thinking switch render the prompt as transformers renders it."""
+    from transformers import PreTrainedTokenizerFast
+    tok = PreTrainedTokenizerFast.from_pretrained(qwen3_tokenizer_dir)
+    hi = [{"role": "user", "content": "Hi"}]
+    want = lambda **kw: len(tok.apply_chat_template(  # noqa: E731
+        hi, add_generation_prompt=True, tokenize=True, **kw)["input_ids"])
+    ask = lambda **kw: server.client.chat.completions.create(model="tiny", messages=hi, max_tokens=1, **kw)  # noqa: E731
+    off = ask(extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert off.usage.prompt_tokens == want(enable_thinking=False) > ask().usage.prompt_tokens == want()
+    count = lambda thinking: httpx.post(server.url + "/v1/messages/count_tokens", json={  # noqa: E731
+        "model": "tiny", "messages": hi, **({"thinking": thinking} if thinking else {})}).json()["input_tokens"]
+    assert count({"type": "disabled"}) == want(enable_thinking=False) and count({"type": "enabled"}) == want()
+    r = httpx.post(server.url + "/v1/responses", json={"model": "tiny", "input": "Hi", "max_output_tokens": 1,
+                                                       "reasoning": {"effort": "max"}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning.effort"
+    r = httpx.post(server.url + "/v1/chat/completions", json={"messages": hi, "chat_template_kwargs": {"tools": []}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs"
+
+
 def test_tool_calls_and_reasoning_are_parsed(server):
     r = server.client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, temperature=0, max_tokens=60)
     msg = r.choices[0]
@@ -161,7 +182,8 @@ def test_a_side_request_is_answered_while_a_long_generation_goes_on(server):
         status = httpx.get(server.url + "/v1/status").json()
         rest = list(lines)
     assert side.usage.completion_tokens == 3 and status["queue"]["running"] == 1
-    assert rest[-1] == "data: [DONE]" and len(rest) == 400 and json.loads(rest[-2][5:])["choices"][0]["finish_reason"] == "length"
+    assert rest[-1] == "data: [DONE]" and len(rest) == 400
+    assert json.loads(rest[-2][5:])["choices"][0]["finish_reason"] == "length"
     assert httpx.get(server.url + "/props").json()["total_slots"] == 2
 
 

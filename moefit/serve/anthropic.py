@@ -51,7 +51,15 @@ def parse(raw: bytes, kind=MessagesRequest) -> P.ChatRequest:
                                                "parameters": t.get("input_schema", {})}} for t in req.tools or ()]
     return P.ChatRequest(model=req.model, messages=messages, max_tokens=req.max_tokens, temperature=req.temperature,
                          top_p=req.top_p, top_k=req.top_k, stop=req.stop_sequences, stream=req.stream,
-                         tools=tools or None, tool_choice=_tool_choice(req.tool_choice))
+                         tools=tools or None, tool_choice=_tool_choice(req.tool_choice),
+                         chat_template_kwargs=_thinking(req.thinking))
+
+
+def _thinking(thinking: dict | None) -> dict | None:
+    """Extended thinking asked on or off, as the chat template's enable_thinking (Qwen3's); not
+    asked: the template's default."""
+    kind = (thinking or {}).get("type")
+    return {"enable_thinking": kind == "enabled"} if kind in ("enabled", "disabled") else None
 
 
 def _tool_choice(choice: dict | None):

@@ -157,7 +157,8 @@ class ChatRun(_Run):
     def prompt_ids(self) -> list[int]:
         tools = None if self.req.tool_choice == "none" else self.req.tools
         try:
-            text = self.engine.codec.render_chat(P.message_dicts(self.req.messages), tools=tools)
+            text = self.engine.codec.render_chat(P.message_dicts(self.req.messages), tools=tools,
+                                                 **self.req.template_kwargs())
         except (jinja2.TemplateError, ValueError, TypeError) as e:
             raise P.ApiError(400, f"messages: the chat template rejected them ({e})", param="messages") from None
         return self.engine.codec.encode(text)

@@ -13,6 +13,7 @@ from moefit.runtime.sampler import SamplingParams, choice_seed
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_DEPTH = 64                 # JSON nesting a request may have: OpenAI bodies need about 8
 SEED_RANGE = (-(2**63), 2**64 - 1)   # what a 64-bit generator seed can hold (OpenAI's is int64)
+TEMPLATE_SET = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token")   # render_chat's own
 MAX_CHOICES = 16               # n: the choices run one after another, each a whole generation
 
 
@@ -90,9 +91,19 @@ class ChatRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     response_format: dict | None = None
+    chat_template_kwargs: dict[str, Any] | None = None      # vLLM's: {"enable_thinking": false} for Qwen3
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None   # gpt-oss's template reads it
 
     def logprob_count(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """The chat template's variables beyond the messages and tools (those the server sets are a 400)."""
+        given = self.chat_template_kwargs or {}
+        for key in given:
+            if key in TEMPLATE_SET:
+                raise ApiError(400, f"chat_template_kwargs: {key!r} is set by the server", param="chat_template_kwargs")
+        return {**({"reasoning_effort": self.reasoning_effort} if self.reasoning_effort else {}), **given}
 
 
 class CompletionRequest(_Sampling):

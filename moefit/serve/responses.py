@@ -31,6 +31,7 @@ class ResponsesRequest(BaseModel):
     previous_response_id: str | None = None
     text: dict | None = None
     seed: int | None = Field(default=None, ge=P.SEED_RANGE[0], le=P.SEED_RANGE[1])
+    reasoning: dict | None = None          # {"effort": ...}: the chat template's reasoning_effort
 
 
 def parse(raw: bytes) -> P.ChatRequest:
@@ -46,7 +47,16 @@ def parse(raw: bytes) -> P.ChatRequest:
     return P.ChatRequest(model=req.model, messages=messages, max_tokens=req.max_output_tokens,
                          temperature=req.temperature, top_p=req.top_p, stream=req.stream, seed=req.seed,
                          tools=tools or None, tool_choice=_tool_choice(req.tool_choice),
-                         response_format=_format((req.text or {}).get("format")))
+                         response_format=_format((req.text or {}).get("format")),
+                         reasoning_effort=_effort(req.reasoning))
+
+
+def _effort(reasoning: dict | None) -> str | None:
+    effort = (reasoning or {}).get("effort")
+    if effort not in (None, "minimal", "low", "medium", "high"):
+        raise P.ApiError(400, f"reasoning.effort: {effort!r} is not minimal, low, medium or high",
+                         param="reasoning.effort")
+    return effort
 
 
 def _tool_choice(choice):
