@@ -52,3 +52,19 @@ def test_an_image_part_is_a_400_naming_the_part_not_dropped():
     assert err.param == "messages.0.content.1" and "image_url" in err.message and "text only" in err.message
     text_only = {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]}
     assert P.message_dicts(P.parse(P.ChatRequest, json.dumps(text_only).encode()).messages)[0]["content"] == "ab"
+
+
+@pytest.mark.parametrize("kind,body,field", [
+    (P.ChatRequest, {**OK, "functions": [{"name": "f", "parameters": {}}]}, "functions"),
+    (P.ChatRequest, {**OK, "function_call": {"name": "f"}}, "function_call"),
+    (P.CompletionRequest, {"prompt": "def f(", "suffix": "\n    return x"}, "suffix"),
+    (P.CompletionRequest, {"prompt": "a", "best_of": 3}, "best_of"),
+    (P.CompletionRequest, {"prompt": "a", "n": 2, "best_of": 4}, "best_of"),
+])
+def test_a_field_that_would_change_the_answer_is_a_400_not_ignored(kind, body, field):
+    with pytest.raises(P.ApiError) as e:
+        P.parse(kind, json.dumps(body).encode())
+    assert e.value.status == 400 and e.value.param == field
+    del body[field]
+    P.parse(kind, json.dumps(body).encode())
+    assert P.parse(P.CompletionRequest, json.dumps({"prompt": "a", "n": 2, "best_of": 2}).encode()).n == 2

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -84,6 +84,9 @@ class _Sampling(BaseModel):
 
 
 class ChatRequest(_Sampling):
+    refused: ClassVar[dict[str, str]] = {                   # fields that would change the answer: a 400, not ignored
+        "functions": "the deprecated functions API is not supported; send them as tools",
+        "function_call": "the deprecated functions API is not supported; send tool_choice"}
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     tools: list[dict] | None = None
@@ -107,6 +110,9 @@ class ChatRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
+    refused: ClassVar[dict[str, str]] = {
+        "suffix": "fill-in-the-middle (a suffix after the completion) is not supported",
+        "best_of": "ranking candidates is not supported; n gives that many choices"}
     prompt: str | list[int] | list[str] | list[list[int]]
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=20)
@@ -175,6 +181,9 @@ def parse(model_type, raw: bytes):
         err = e.errors()[0]
         field = ".".join(str(x) for x in err["loc"])
         raise ApiError(400, f"{field}: {err['msg']}", param=field) from None
+    for field, why in getattr(model_type, "refused", {}).items():
+        if data.get(field) not in (None, "", [], {}) and not (field == "best_of" and data[field] in (1, req.n)):
+            raise ApiError(400, f"{field}: {why}", param=field)
     if isinstance(req, ChatRequest):
         for i, m in enumerate(req.messages):
             _check_parts(i, m)
