@@ -293,7 +293,7 @@ async def _serve(state: ServerState, request: Request, runs: list) -> Response:
     for run in runs[1:]:
         if job.cancelled.is_set():
             break
-        job = run.submit(loop)
+        job = run.submit(loop, admitted=True)
         answers.append(await run.collect(job, request))
     if len(runs) == 1:
         return answers[0]
@@ -310,8 +310,8 @@ async def _sse(state: ServerState, runs: list, job, request: Request):
         for k, run in enumerate(runs):
             if k:
                 try:
-                    job = run.submit(asyncio.get_running_loop())
-                except P.ApiError as e:               # the queue filled up between two choices
+                    job = run.submit(asyncio.get_running_loop(), admitted=True)
+                except P.ApiError as e:               # the server began to stop between two choices
                     yield run.sse(e.body())
                     break
             async for event in _job_events(state, run, job):

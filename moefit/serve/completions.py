@@ -74,12 +74,13 @@ class _Run:
         vocab = self.engine.pack.model.vocab_size
         self.params = P.sampling(self.req, wanted or ctx - len(prompt), self.grammar(), vocab)
 
-    def submit(self, loop: asyncio.AbstractEventLoop) -> Job:
+    def submit(self, loop: asyncio.AbstractEventLoop, admitted: bool = False) -> Job:
+        """This run's job, queued (admitted: the request's first choice already was; Worker.submit)."""
         if self.prompt is None:
             self.prepare()
         job = Job(self.prompt, self.params, loop)
         try:
-            self.state.worker.submit(job)
+            self.state.worker.submit(job, admitted)
         except P.ApiError as e:
             self.state.metrics.rejected(e.status)
             raise

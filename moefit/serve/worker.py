@@ -100,13 +100,15 @@ class Worker:
         threading.Thread(target=self._watch, name="moefit-watchdog", daemon=True).start()
 
     # -- the queue ------------------------------------------------------------------
-    def submit(self, job: Job) -> None:
+    def submit(self, job: Job, admitted: bool = False) -> None:
+        """Queue a job; a full queue is a 429, except for the next choice of a request already
+        admitted (admitted=True: its n choices run one after another)."""
         with self._cv:
             if self.fatal or self.draining:
                 raise ApiError(503, f"the server is {'stopping' if self.draining else 'down'} "
                                f"({self.fatal or 'shutdown'}); retry against a restarted server",
                                kind="server_error", code="unavailable", headers={"Retry-After": "5"})
-            if len(self.waiting) >= self.max_queue:
+            if len(self.waiting) >= self.max_queue and not admitted:
                 retry = self.retry_after_s()
                 raise ApiError(429, f"the queue is full ({len(self.waiting)} waiting); retry in {retry} s",
                                kind="rate_limit_exceeded", headers={"Retry-After": str(retry)})
@@ -197,10 +199,10 @@ class Worker:
     def _end(self, run: Running, status: int | None) -> None:
         if run.events is not None:
             run.events.close()
-        run.job.put(None)
         with self._cv:
             self.running.remove(run)
             self._cv.notify()
+        run.job.put(None)
         if status is None:
             return
         took = time.monotonic() - run.started
