@@ -42,10 +42,11 @@ class _Run:
         self.done: Done | None = None
         self.sent_role = False
         self.prompt_tokens = 0
-        self.prompt: list[int] | None = None
+        self.prompt: list[int] | None = None      # prepare()'s: the prompt's tokens and the sampling
+        self.params = None
         self.logprobs: list = []                   # TokenLogprob of each generated token, when asked
         self.index = 0                             # this run's choice in the answer
-        self.choices: list = [self]                # the answer's runs, one a choice (share_answer)
+        self.choices: list = [self]                # the answer's runs, one a choice (answer_runs)
         self.counts_prompt = True                  # the first choice of its prompt: usage counts the prompt
 
     def check_model(self) -> None:
