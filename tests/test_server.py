@@ -187,6 +187,34 @@ def test_a_side_request_is_answered_while_a_long_generation_goes_on(server):
     assert httpx.get(server.url + "/props").json()["total_slots"] == 2
 
 
+def test_concurrent_requests_that_leave_early_leave_the_sessions_free(server):
+    """Streams abandoned mid-way, n choices and plain requests at once on two sessions: each is
+    answered (or refused with 429), and afterwards nothing runs or waits and a request is served."""
+    def abandoned():
+        body = {"model": "tiny", "prompt": "a", "max_tokens": 300, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+            for i, _ in enumerate(r.iter_lines()):
+                if i > 3:
+                    return r.status_code
+            return r.status_code
+    chat = lambda: httpx.post(server.url + "/v1/chat/completions", timeout=60, json={  # noqa: E731
+        "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 20, "n": 2, "ignore_eos": True}).status_code
+    results = []
+    threads = [threading.Thread(target=lambda f=f: results.append(f())) for f in (abandoned, chat, abandoned, chat)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(set(results)) in ([200], [200, 429]) and results.count(200) >= 2
+    for _ in range(100):
+        queue = httpx.get(server.url + "/v1/status").json()["queue"]
+        if queue["running"] == queue["waiting"] == 0:
+            break
+        time.sleep(0.1)
+    assert queue["running"] == queue["waiting"] == 0
+    assert server.client.chat.completions.create(model="tiny", messages=ASK, max_tokens=2).usage.completion_tokens == 2
+
+
 def test_a_full_queue_answers_429_with_retry_after(server):
     body = {"model": "tiny", "prompt": "a", "max_tokens": 300, "ignore_eos": True}
     results = []
