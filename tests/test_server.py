@@ -299,15 +299,19 @@ def test_a_public_address_without_a_key_is_refused(model_pack):
 
 
 def test_keep_alive_comments_flow_while_a_request_waits(server):
+    """Both sessions busy: the third request waits in the queue, its stream kept alive."""
     body = {"model": "tiny", "prompt": "a", "max_tokens": 300, "ignore_eos": True}
-    busy = threading.Thread(target=lambda: httpx.post(server.url + "/v1/completions", json=body, timeout=60))
-    busy.start()
-    time.sleep(0.2)
+    busy = [threading.Thread(target=lambda: httpx.post(server.url + "/v1/completions", json=body, timeout=60))
+            for _ in range(2)]
+    for t in busy:
+        t.start()
+        time.sleep(0.2)
     lines = []
     with httpx.stream("POST", server.url + "/v1/completions", timeout=60,
                       json={"model": "tiny", "prompt": "b", "max_tokens": 2, "stream": True}) as r:
         lines = list(r.iter_lines())
-    busy.join()
+    for t in busy:
+        t.join()
     assert ": keep-alive" in lines and "data: [DONE]" in lines
 
 

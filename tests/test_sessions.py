@@ -11,6 +11,7 @@ from moefit.runtime.engine import PAUSE, Engine
 from moefit.runtime.sampler import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+SEEDED = SamplingParams(max_tokens=12, temperature=1.0, seed=7, ignore_eos=True)
 MAIN = [5, 9, 17, 33, 65, 129, 7, 3, 150, 220, 31, 64] * 4               # a long system prompt and a task
 SIDE = [5, 9, 201, 202, 203, 204, 205, 206]                              # shares two tokens with it
 
@@ -65,6 +66,63 @@ def test_requests_stepped_in_turn_give_what_each_gives_alone(family, spec, packs
         assert stepped_in_turn(engine, [MAIN, SIDE], params) == [main, side] and engine.pauses == [2, 0]
         assert stepped_in_turn(engine, nexts, params) == want
         assert [s.last.cached_tokens for s in engine.sessions] == [len(MAIN) + len(main) - 1, len(SIDE) + len(side) - 1]
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_5_moe", "gpt_oss", "deepseek_v3"])
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_a_prompt_whose_session_is_busy_starts_on_a_copy_of_it(family, params, packs):
+    """A sub-agent's prompt sharing the main conversation's while that one generates: placed on
+    the free session with a copy of the busy one (fork), it reuses the prefix and gives what it
+    gives alone; the main conversation's tokens are unchanged, its steps and the sub-agent's taken
+    in turn."""
+    pack, system = packs(family), MAIN * 2                               # 96 tokens: past FORK_MIN
+    sub = system + [201, 202, 203]
+    alone = Engine.open(pack, ServeConfig(ctx=256, spec="lookup"))
+    first = alone.generate(system, params)[1].generated
+    want = [alone.generate(system + first + [11], params)[1].generated, alone.generate(sub, params)[1].generated]
+    engine = Engine.open(pack, ServeConfig(ctx=256, sessions=2, spec="lookup"))
+    main = engine.generate(system, params)[1].generated
+    own = engine.session
+    other = next(x for x in engine.sessions if x is not own)
+    assert engine.place(sub, busy=set()) == (own, None) and engine.place(sub, {id(own), id(other)}) is None
+    assert engine.place(system[:60] + [99], {id(own)}) == (other, None)  # 60 tokens to save: no copy
+    assert engine.place(sub, busy={id(own)}) == (other, own)
+    assert engine.fork(own, other) == len(system) + len(main) - 1
+    target = other
+    streams = [engine.stream(system + main + [11], params, session=own), engine.stream(sub, params, session=target)]
+    while any([next(s, None) is not None for s in streams]):
+        pass
+    assert [own.last.generated, target.last.generated] == want
+    assert target.last.cached_tokens >= len(system) and own.last.cached_tokens == len(system) + len(main) - 1
+
+
+def test_the_worker_starts_a_side_request_on_a_copy_of_the_conversation(packs):
+    """serve's worker places a request (Engine.place) and makes the copy: a side request sharing
+    a long conversation's system prompt reuses it, and the conversation's session keeps all of it."""
+    import asyncio
+    from types import SimpleNamespace
+    from moefit.serve.metrics import Metrics
+    from moefit.serve.worker import Done, Job, Worker
+    engine = Engine.open(packs("qwen3_moe"), ServeConfig(ctx=256, sessions=2))
+    system = MAIN * 2
+    engine.generate(system, SamplingParams(max_tokens=120, temperature=0, ignore_eos=True))
+    conversation = list(engine.session.tokens)
+    worker = Worker(engine, SimpleNamespace(before_request=lambda: None), Metrics(), max_queue=4)
+
+    async def side():
+        job = Job(system + [201, 202], GREEDY, asyncio.get_running_loop())
+        worker.submit(job)
+        items = []
+        while (item := await asyncio.wait_for(job.events.get(), 60)) is not None:
+            items.append(item)
+        return items
+    try:
+        done = asyncio.run(side())[-1]
+    finally:
+        worker.join(5)
+    assert isinstance(done, Done) and done.stats.cached_tokens == len(system)
+    assert sorted(len(s.tokens) for s in engine.sessions) == [len(system) + 2 + 11, len(conversation)]
+    assert any(s.tokens == conversation for s in engine.sessions)
 
 
 def test_a_prompt_goes_where_it_reuses_more_than_it_overwrites(packs):

@@ -33,6 +33,10 @@ class FakeEngine:
     def session_for(self, prompt):
         return self.sessions[prompt[0] % len(self.sessions)]
 
+    def place(self, prompt, busy):
+        own = self.session_for(prompt)
+        return (own, None) if id(own) not in busy else None
+
     def stream(self, prompt, params, cancelled, session=None, pauses=False):
         if self.fail == "block":
             self.block.wait(10)
@@ -141,8 +145,9 @@ def test_requests_on_two_sessions_take_their_steps_in_turn(made):
 
 
 @pytest.mark.parametrize("made", [2], indirect=True)
-def test_a_request_waits_for_its_own_session_and_others_pass_it(made):
-    """Two requests for session 0 run one after the other; one for session 1 runs beside them."""
+def test_a_request_the_engine_cannot_place_waits_and_others_pass_it(made):
+    """The fake engine places a request on its own session only: two for session 0 run one after
+    the other; one for session 1 runs beside them."""
     engine, worker, died = made
     first, second, other = run_jobs(worker, 20, 3, 3, prompts=[[0], [2], [1]])
     assert all(isinstance(items[-1], Done) for items in (first, second, other))

@@ -34,7 +34,7 @@ from moefit.runtime.draft_head import load_draft_head
 from moefit.runtime.grammar import Constraint, GrammarTokenizer
 from moefit.runtime.mtp import load_mtp
 from moefit.runtime.sampler import Sampler, SamplingParams
-from moefit.runtime.session import RequestStats, Session, SpecStats, common_prefix, session_for
+from moefit.runtime.session import RequestStats, Session, SpecStats, common_prefix, reusable, session_for
 from moefit.runtime.speculative import Window
 from moefit.runtime.text import Detokenizer, StopMatcher, TextCodec
 
@@ -54,6 +54,7 @@ class Event:
     logprob: TokenLogprob | None = None    # when the request asked for logprobs
 
 
+FORK_MIN = 64               # prompt tokens a copy of another session must save to be made (Engine.place)
 PAUSE = Event(None, "")      # stream(pauses=True): a prompt's prefill chunk done, nothing to send
 
 
@@ -262,6 +263,25 @@ class Engine:
     def session_for(self, prompt: list[int]) -> Session:
         """The session a prompt runs on (runtime/session.py's session_for)."""
         return session_for(self.sessions, prompt)
+
+    def place(self, prompt: list[int], busy: set[int]) -> tuple[Session, Session | None] | None:
+        """Where a prompt runs while the sessions whose ids are in `busy` serve others: (the free
+        session that session_for picks among the free ones, a session to copy into it first or
+        None); None: no session is free. The copy (fork) is made where another session, busy or
+        not, holds at least FORK_MIN more of the prompt: a sub-agent or a side request sharing a
+        long system prompt with a conversation reuses it without overwriting that conversation."""
+        free = [s for s in self.sessions if id(s) not in busy]
+        if not free:
+            return None
+        target = session_for(free, prompt)
+        donor = max(self.sessions, key=lambda s: reusable(s, prompt))
+        return target, (donor if reusable(donor, prompt) - reusable(target, prompt) >= FORK_MIN else None)
+
+    def fork(self, source: Session, target: Session) -> int:
+        """target takes a copy of source's tokens and state (runtime/kept.py's fork)."""
+        from moefit.runtime import kept
+        with torch.inference_mode():
+            return kept.fork(self, source, target)
 
     def stream(self, prompt: list[int], params: SamplingParams, cancelled: Callable[[], bool] = lambda: False,
                session: Session | None = None, pauses: bool = False) -> Iterator[Event]:

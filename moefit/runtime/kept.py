@@ -1,4 +1,4 @@
-"""Sessions kept across restarts (serve --keep-sessions).
+"""Sessions kept across restarts (serve --keep-sessions), and a session copied into another (fork).
 
 When the server stops, each held session's tokens and sequence state are written to
 <state-dir>/sessions/<pack id>/session-N.safetensors: every attention layer's KV rows up to its
@@ -139,6 +139,24 @@ def restore(engine, where: Path) -> list[str]:
         if path.exists():
             said.append(f"session {i}: " + _restore_one(engine, session, path))
     return said
+
+
+def fork(engine, source, target) -> int:
+    """target takes a copy of source's tokens and state, so that a request reusing source's prefix
+    while source serves another starts at once (serve's worker); returns the tokens copied (0:
+    source holds none every layer can resume after, target unchanged)."""
+    got = session_tensors(source)
+    if got is None:
+        return 0
+    tensors, meta = got
+    tokens = json.loads(meta["tokens"])
+    views = _views(target, len(tokens), meta)
+    held = {name: t.clone() if extra(name) else t for name, t in tensors.items()}   # marks are written over later
+    marks = _marks(target, held)
+    if views is None or marks is None:
+        return 0
+    _write_back(engine, target, tokens, views, held, meta, marks)
+    return len(tokens)
 
 
 def _restore_one(engine, session, path: Path) -> str:

@@ -104,9 +104,14 @@ def session_for(sessions: list[Session], prompt: list[int]) -> Session:
     tokens with a long conversation (an agent's title call, a sub-agent) takes an empty or a
     short session and leaves that conversation's state for its next turn."""
     def gain(s: Session) -> tuple[int, int]:
-        reuse = s.state.resumable(min(common_prefix(s.tokens, prompt), len(prompt) - 1))
+        reuse = reusable(s, prompt)
         return reuse - (len(s.tokens) - reuse), -s.used
     return max(sessions, key=gain)
+
+
+def reusable(session: Session, prompt: list[int]) -> int:
+    """The prompt tokens whose state the session holds and every layer can resume after."""
+    return session.state.resumable(min(common_prefix(session.tokens, prompt), len(prompt) - 1))
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

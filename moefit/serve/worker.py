@@ -3,8 +3,10 @@
 Requests run on the engine's sessions (--sessions N): up to N at once, each on its own session,
 their steps taken in turn (a prefill chunk, a decode step or a speculative window each), so a
 short side request is answered while a long generation goes on rather than after it. A request
-waits for the session it would reuse most (runtime/session.py's session_for) to be free, and
-the others may pass it meanwhile. Each job's events are handed to its asyncio queue. A
+starts on the free session that session_for picks, given first a copy of another session's state
+where that one holds a long prefix of its prompt (Engine.place: a sub-agent with the main agent's
+system prompt reuses it, and the main conversation keeps its own); it waits only while every
+session serves another. Each job's events are handed to its asyncio queue. A
 cancelled job stops within one decode step. An exception while serving fails that request only
 (OpenAI-shaped 4xx/5xx) and the engine goes on. When the engine cannot go on (its thread died,
 the device reports a sticky error, or a forward made no progress for `stall_s`), the worker is
@@ -62,6 +64,7 @@ class Running:
     """A job on its session: the engine's stream of its events, stepped by the engine thread."""
     job: Job
     session: object
+    source: object = None              # a session whose state this one takes first (Engine.place)
     events: Iterator = None
     started: float = field(default_factory=time.monotonic)
     stats: object = None
@@ -170,11 +173,11 @@ class Worker:
                 return False
             busy = {id(r.session) for r in self.running}
             for job in [] if self._stop else list(self.waiting):
-                session = self.engine.session_for(job.prompt)
-                if id(session) not in busy:
+                placed = self.engine.place(job.prompt, busy)
+                if placed is not None:
                     self.waiting.remove(job)
-                    busy.add(id(session))
-                    self.running.append(Running(job, session))
+                    busy.add(id(placed[0]))
+                    self.running.append(Running(job, *placed))
                     self._beat = time.monotonic()
         return True
 
@@ -217,6 +220,8 @@ class Worker:
         """A job's events, then its Done; every failure becomes the ApiError this request is answered with."""
         job = run.job
         try:
+            if run.source is not None:
+                self.engine.fork(run.source, run.session)
             self.guard.before_request()
             finish = None
             stop = lambda: job.cancelled.is_set() or self.draining  # noqa: E731
