@@ -145,6 +145,8 @@ def fork(engine, source, target) -> int:
     """target takes a copy of source's tokens and state, so that a request reusing source's prefix
     while source serves another starts at once (serve's worker); returns the tokens copied (0:
     source holds none every layer can resume after, target unchanged)."""
+    if engine.loaded.mem.torch_device.type == "cuda":
+        torch.cuda.synchronize()                       # a streaming layer's write-through has landed
     got = session_tensors(source)
     if got is None:
         return 0
