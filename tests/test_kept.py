@@ -1,7 +1,8 @@
 """serve --keep-sessions (runtime/kept.py): a session written at the stop and taken back at the
 next start gives its conversation's next turn the same tokens, with the same prefix reused, as
 a server that never stopped; a file kept under other flags, or damaged, is left and the start
-goes on; the server writes and takes back the files itself."""
+goes on; the server writes and takes back the files itself; a session copied into another (fork)
+continues as the original."""
 
 import httpx
 import pytest
@@ -39,6 +40,22 @@ def test_a_kept_session_resumes_its_conversation_as_if_never_stopped(family, fla
     fresh = next_turn(Engine.open(pack, cfg), reply)               # a server that kept nothing
     assert resumed.cached_tokens == continued.cached_tokens == held and fresh.cached_tokens == 0
     assert resumed.generated == continued.generated == fresh.generated
+
+
+@pytest.mark.parametrize("family,flags", [("qwen3_moe", {}), ("qwen3_5_moe", {"kv_dtype": "int8"}),
+                                          ("gpt_oss", {"prefill_chunk": 16}), ("deepseek_v3", {"kv_dtype": "int8"})])
+def test_a_forked_session_continues_as_the_one_it_copies(family, flags, packs):
+    """kept.fork (serve's copy of a session into another): the copy's next turn reuses as much
+    and gives the same tokens as the original's, and the original is untouched."""
+    engine = Engine.open(packs(family), ServeConfig(ctx=128, sessions=2, **flags))
+    reply = engine.generate(MAIN, GREEDY)[1].generated
+    source, target = engine.session, next(s for s in engine.sessions if s is not engine.session)
+    assert engine.fork(source, target) == len(MAIN) + len(reply) - 1 and target.tokens == source.tokens
+    turn = MAIN + reply + [11, 12]
+    copy = [e.token for e in engine.stream(turn, GREEDY, session=target)]
+    assert target.last.cached_tokens == len(MAIN) + len(reply) - 1
+    original = [e.token for e in engine.stream(turn, GREEDY, session=source)]
+    assert copy == original and source.last.cached_tokens == target.last.cached_tokens
 
 
 def test_a_hybrid_resumes_at_the_last_prompts_end_when_the_reply_was_rewritten(packs, tmp_path):
