@@ -164,8 +164,8 @@ class Worker:
                     return
 
     def _admit(self) -> bool:
-        """Waiting jobs onto free sessions (each job waits for its own); blocks while nothing
-        runs or waits. False: stop."""
+        """Waiting jobs onto free sessions (Engine.place; a job it cannot place waits, the others
+        pass it); blocks while nothing runs or waits. False: stop."""
         with self._cv:
             while not self.running and not self.waiting and not self._stop:
                 self._cv.wait()
@@ -220,6 +220,7 @@ class Worker:
         """A job's events, then its Done; every failure becomes the ApiError this request is answered with."""
         job = run.job
         try:
+            self.engine.session = run.session          # what a failure before its first step forgets
             if run.source is not None:
                 self.engine.fork(run.source, run.session)
             self.guard.before_request()
