@@ -125,6 +125,20 @@ def test_the_worker_starts_a_side_request_on_a_copy_of_the_conversation(packs):
     assert any(s.tokens == conversation for s in engine.sessions)
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_5_moe"])
+def test_a_prefill_stopped_between_chunks_leaves_them_to_reuse(family, packs):
+    """serve's worker ends a request whose client left at a prefill chunk's end: the chunks run
+    stay the session's, and the same prompt again resumes after them and gives what it gives alone."""
+    cfg = ServeConfig(ctx=128, prefill_chunk=16)
+    want = Engine.open(packs(family), cfg).generate(MAIN, GREEDY)[1].generated
+    engine = Engine.open(packs(family), cfg)
+    stream = engine.stream(MAIN, GREEDY, pauses=True)
+    assert next(stream) is PAUSE and next(stream) is PAUSE               # two chunks of 16 run
+    stream.close()
+    again = engine.generate(MAIN, GREEDY)[1]
+    assert again.cached_tokens == 32 and again.generated == want
+
+
 def test_a_prompt_goes_where_it_reuses_more_than_it_overwrites(packs):
     engine = Engine.open(packs("qwen3_moe"), ServeConfig(ctx=128, sessions=3))
     engine.generate(MAIN, GREEDY)

@@ -28,6 +28,7 @@ class FakeEngine:
                                        generated=[1, 2], cached_tokens=0)
         self.sessions = [SimpleNamespace(last=last()) for _ in range(sessions)]
         self.steps = []                          # (session index, token index) of each step, in order
+        self.chunks, self.prefilled = 1, 0       # prefill chunks a prompt takes; chunks run
         self.runner = SimpleNamespace(slots={})
 
     def session_for(self, prompt):
@@ -42,7 +43,9 @@ class FakeEngine:
             self.block.wait(10)
         elif self.fail is not None:
             raise self.fail
-        if pauses:
+        for _ in range(self.chunks if pauses else 0):
+            time.sleep(0.005)
+            self.prefilled += 1
             yield PAUSE                          # a prefill chunk: the worker sends nothing for it
         for i in range(params.max_tokens):
             time.sleep(0.005)
@@ -177,3 +180,24 @@ def test_a_requests_next_choice_is_queued_past_a_full_queue(made):
     worker.submit(Job([1], SamplingParams(max_tokens=1), loop), admitted=True)
     assert len(worker.waiting) == 5
     loop.close()
+
+
+def test_a_client_gone_during_a_long_prefill_stops_it_within_a_chunk(made):
+    engine, worker, died = made
+    engine.chunks = 400
+
+    async def go():
+        job = Job([1], SamplingParams(max_tokens=5), asyncio.get_running_loop())
+        worker.submit(job)
+        await asyncio.sleep(0.1)
+        job.cancelled.set()                      # what the server does when the client hangs up
+        return [item async for item in _until_none(job)]
+    assert asyncio.run(go()) == [] and 0 < engine.prefilled < 100 and worker.running == []
+    engine.chunks = 1
+    [items] = run_jobs(worker, 3)
+    assert isinstance(items[-1], Done)
+
+
+async def _until_none(job):
+    while (item := await asyncio.wait_for(job.events.get(), 10)) is not None:
+        yield item

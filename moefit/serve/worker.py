@@ -196,8 +196,10 @@ class Worker:
             return self._end(run, e.status)
         if isinstance(item, Done):
             run.stats = item.stats
-        if item is not PAUSE:                      # a prefill chunk done: the other sessions' turn
+        if item is not PAUSE:
             run.job.put(item)
+        elif run.job.cancelled.is_set():           # a prefill chunk done, and the client has gone:
+            self._end(run, None)                   # the prompt's later chunks do not run
 
     def _end(self, run: Running, status: int | None) -> None:
         if run.events is not None:
