@@ -133,7 +133,7 @@ def test_a_seed_gives_the_same_text_with_and_without_speculation(spec, checkpoin
 
 
 @pytest.mark.parametrize("temperature", [0, 0.7])
-def test_a_logit_bias_is_drawn_with_alike_with_and_without_speculation(temperature, packs):
+def test_a_logit_bias_is_drawn_alike_with_and_without_speculation(temperature, packs):
     """The bias is the sampler's: a verify window's positions are drawn from biased logits too.
     Banning the plain output's first tokens changes it; the same bias with windows gives the same."""
     params = SamplingParams(max_tokens=30, temperature=temperature, seed=5, ignore_eos=True)

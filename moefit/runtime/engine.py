@@ -274,8 +274,9 @@ class Engine:
         if not free:
             return None
         target = session_for(free, prompt)
-        donor = max(self.sessions, key=lambda s: reusable(s, prompt))
-        return target, (donor if reusable(donor, prompt) - reusable(target, prompt) >= FORK_MIN else None)
+        reuse = {id(s): reusable(s, prompt) for s in self.sessions}      # a prefix walk each, once
+        donor = max(self.sessions, key=lambda s: reuse[id(s)])
+        return target, (donor if reuse[id(donor)] - reuse[id(target)] >= FORK_MIN else None)
 
     def fork(self, source: Session, target: Session) -> int:
         """target takes a copy of source's tokens and state (runtime/kept.py's fork)."""

@@ -78,13 +78,24 @@ class _Sampling(BaseModel):
     def stops(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 
+    refused: ClassVar[dict[str, str]] = {}                  # fields that would change the answer: a 400, not ignored
+
+    def refusal(self, data: dict) -> str | None:
+        """The first refused field the body sets to something this request cannot honour, or None."""
+        return next((f for f in self.refused if data.get(f) not in (None, "", [], {}) and not self.honours(f, data[f])),
+                    None)
+
+    def honours(self, field: str, value) -> bool:
+        """Whether a refused field's value is one this request can serve after all."""
+        return False
+
     def choices(self) -> list:
         """This request once for each of its n choices: n=1, and choice i's seed (choice_seed)."""
         return [self.model_copy(update={"n": 1, "seed": choice_seed(self.seed, i)}) for i in range(self.n)]
 
 
 class ChatRequest(_Sampling):
-    refused: ClassVar[dict[str, str]] = {                   # fields that would change the answer: a 400, not ignored
+    refused: ClassVar[dict[str, str]] = {
         "functions": "the deprecated functions API is not supported; send them as tools",
         "function_call": "the deprecated functions API is not supported; send tool_choice"}
     messages: list[Message] = Field(min_length=1)
@@ -113,6 +124,9 @@ class CompletionRequest(_Sampling):
     refused: ClassVar[dict[str, str]] = {
         "suffix": "fill-in-the-middle (a suffix after the completion) is not supported",
         "best_of": "ranking candidates is not supported; n gives that many choices"}
+
+    def honours(self, field: str, value) -> bool:
+        return field == "best_of" and value in (1, self.n)                 # every candidate returned: n choices
     prompt: str | list[int] | list[str] | list[list[int]]
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=20)
@@ -181,9 +195,8 @@ def parse(model_type, raw: bytes):
         err = e.errors()[0]
         field = ".".join(str(x) for x in err["loc"])
         raise ApiError(400, f"{field}: {err['msg']}", param=field) from None
-    for field, why in getattr(model_type, "refused", {}).items():
-        if data.get(field) not in (None, "", [], {}) and not (field == "best_of" and data[field] in (1, req.n)):
-            raise ApiError(400, f"{field}: {why}", param=field)
+    if isinstance(req, _Sampling) and (field := req.refusal(data)):
+        raise ApiError(400, f"{field}: {req.refused[field]}", param=field)
     if isinstance(req, ChatRequest):
         for i, m in enumerate(req.messages):
             _check_parts(i, m)
